@@ -1,0 +1,263 @@
+"""prefill-diff: thin click commands over the library. Each command parses, calls one function, renders.
+
+Heavy modules (torch, transformers) are imported inside commands, so `--help` and
+`inspect` start fast.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+class BadInput(click.ClickException):
+    exit_code = EXIT_BAD_INPUT
+
+
+class Cli(click.Group):
+    """Turns library errors into one clear line and exit status 2, in one place."""
+
+    def invoke(self, ctx):
+        from ..engine.errors import PrefillDiffError
+        try:
+            return super().invoke(ctx)
+        except PrefillDiffError as e:
+            raise BadInput(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted; partial trace files were removed", err=True)
+            ctx.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as e:  # a bug, not bad input
+            if os.environ.get("PREFILL_DIFF_DEBUG"):
+                raise
+            click.echo(f"internal error: {type(e).__name__}: {e} (set PREFILL_DIFF_DEBUG=1 for the traceback)",
+                       err=True)
+            ctx.exit(EXIT_INTERNAL)
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+    return Console(stderr=stderr, highlight=False)
+
+
+def _shared(model, prompts, tokens):
+    """--model/--prompt/--tokens -> (ModelSpec or None, Inputs or None)."""
+    from ..engine.config import Inputs
+    from ..engine.errors import ConfigError
+    from ..engine.snapshot import ModelSpec
+    spec = ModelSpec(model) if model else None
+    if prompts and tokens:
+        raise ConfigError("give --prompt or --tokens, not both")
+    ids = []
+    for t in tokens:
+        try:
+            ids.append(tuple(int(x) for x in t.replace(" ", "").split(",") if x != ""))
+        except ValueError:
+            raise ConfigError(f"--tokens takes comma-separated integers (got {t!r})") from None
+        if not ids[-1]:
+            raise ConfigError(f"--tokens needs at least one id (got {t!r})")
+    inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else None
+    return spec, inputs
+
+
+def _emit(report, json_path, junit_path, plot_path, quiet, token_text=None):
+    """Write machine reports, print the human one, and exit with the verdict's status."""
+    from ..verify.junit import to_junit
+    if json_path == "-":
+        click.echo(report.to_json())
+    elif json_path:
+        _write(json_path, report.to_json())
+    if junit_path:
+        _write(junit_path, to_junit(report))
+    if plot_path:
+        from ..verify.plot import plot_errors
+        plot_errors(report, plot_path)
+    if json_path != "-":
+        from .render import report_renderable, verdict_text
+        console = _console()
+        console.print(verdict_text(report) if quiet else report_renderable(report, token_text))
+    sys.exit(EXIT_PASS if report else EXIT_FAIL)
+
+
+def _write(path, text):
+    from ..engine.errors import PrefillDiffError
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise PrefillDiffError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _progress(console, total_layers_hint=None):
+    """A transient per-layer progress bar, hidden when stdout is not a terminal."""
+    from rich.progress import BarColumn, Progress, TextColumn
+    if not console.is_terminal:
+        return None, None
+    prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("layer {task.completed}"),
+                    transient=True, console=console)
+    return prog, lambda label: (lambda layer, _t=prog.add_task(label, total=total_layers_hint): prog.update(
+        _t, completed=layer + 1))
+
+
+from .options import LEVEL_CHOICE, model_options, report_options, tolerance_options  # noqa: E402
+
+
+@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="prefill-diff")
+def cli():
+    """Layer-by-layer verification of LLM prefill.
+
+    Runs a reference and a candidate prefill, records every layer's residual stream,
+    KV cache lengths and positions and the first-step logits to HDF5, and names the
+    first layer that breaks tolerance, and how.
+
+    Exit status: 0 within tolerance, 1 tolerance broken, 2 bad usage or bad input.
+    """
+
+
+@cli.command()
+@click.argument("ref")
+@click.argument("cand")
+@model_options
+@tolerance_options
+@report_options
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Keep the two traces in DIR as ref.h5 and cand.h5 (default: a temporary directory).")
+@click.option("--level", type=LEVEL_CHOICE, default="full", show_default=True, help="Trace level for both sides.")
+@click.option("--force", is_flag=True, help="Overwrite traces already in --out.")
+def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, json_path, junit_path, plot_path,
+        quiet, out_dir, level, force):
+    """Prefill REF and CAND, record both traces, compare them, report.
+
+    REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
+    and prompts are shared by both sides unless a config file sets its own.
+
+    \b
+    Example:
+        prefill-diff run reference batched-left
+        prefill-diff run reference fault:unmasked-padding --json report.json
+    """
+    from ..verify.pipeline import run_pair
+    spec, inputs = _shared(model, prompts, tokens)
+    pol = (policy, atol, rtol, tolerance_file)
+    console = _console()
+    prog, progress = _progress(console)
+    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=pol)
+    if prog is not None:
+        with prog:
+            outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)
+    else:
+        outcome = run_pair(ref, cand, spec, inputs, **kw)
+    if outcome.ref_path and not quiet and json_path != "-":
+        console.print(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim")
+    _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
+
+
+@cli.command()
+@click.argument("config")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
+@click.option("--level", type=LEVEL_CHOICE, default="full", show_default=True,
+              help="full: every tensor; sampled: a declared subset plus statistics; stats: statistics only.")
+@click.option("--compression", type=click.Choice(["none", "gzip"]), default="none", show_default=True,
+              help="gzip (with shuffle) makes smaller files that every HDF5 tool reads.")
+@click.option("--force", is_flag=True, help="Overwrite an existing trace.")
+@model_options
+def record(config, output, level, compression, force, model, prompts, tokens):
+    """Prefill CONFIG (a preset or TOML file) and write its trace to OUTPUT.
+
+    The file appears only when complete: it is written under a temporary name and
+    renamed at the end, so an interrupted run leaves nothing a reader would accept.
+
+    \b
+    Example:
+        prefill-diff record reference -o ref.h5
+        prefill-diff record batched-left -o cand.h5 --level stats --compression gzip
+    """
+    from ..verify.pipeline import prepare_side, record_side
+    spec, inputs = _shared(model, prompts, tokens)
+    prep = prepare_side(config, spec, inputs)
+    console = _console()
+    prog, progress = _progress(console, prep.snapshot.args.n_layers)
+    if prog is not None:
+        with prog:
+            record_side(prep, output, level, force, compression, progress=progress("recording"))
+    else:
+        record_side(prep, output, level, force, compression)
+    console.print(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} samples)")
+
+
+@cli.command()
+@click.argument("baseline", type=click.Path(dir_okay=False))
+@click.argument("candidate")
+@tolerance_options
+@report_options
+@model_options
+@click.option("--fail-fast", is_flag=True, help="Stop at the first layer that breaks.")
+def compare(baseline, candidate, policy, atol, rtol, tolerance_file, json_path, junit_path, plot_path, quiet,
+            model, prompts, tokens, fail_fast):
+    """Compare BASELINE.h5 with CANDIDATE (a trace, or a preset/config that is recorded first).
+
+    \b
+    Example:
+        prefill-diff compare ref.h5 cand.h5 --json report.json --junit report.xml
+        prefill-diff compare baseline.h5 batched-left
+    """
+    from ..verify.pipeline import compare_with
+    spec, inputs = _shared(model, prompts, tokens)
+    outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast,
+                           policy_args=(policy, atol, rtol, tolerance_file))
+    _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
+
+
+@cli.command()
+@click.argument("config", required=False)
+@model_options
+def ledger(config, model, prompts, tokens):
+    """Print the shape ledger of seed §2.8 for CONFIG's model and inputs.
+
+    With no CONFIG it shows the seed's table: model seed-2.8, one 12-token prompt
+    (cache total 192 scalars). Shapes are measured from a real prefill.
+
+    \b
+    Example:
+        prefill-diff ledger
+        prefill-diff ledger batched-left --model synthetic
+    """
+    from ..engine.config import Inputs, load_side
+    from ..engine.ledger import ledger as build
+    from ..engine.runner import default_token_ids, prepare
+    from ..engine.snapshot import ModelSpec
+    from .render import ledger_renderable
+    spec, inputs = _shared(model, prompts, tokens)
+    if config is None:
+        spec = spec or ModelSpec("seed-2.8")
+        if inputs is None and spec.source == "seed-2.8":
+            inputs = Inputs(token_ids=default_token_ids(20, (12,)))
+    side = load_side(config or "reference", spec, inputs)
+    prep = prepare(side)
+    _console().print(ledger_renderable(build(prep), prep.snapshot.source))
+
+
+@cli.command()
+def presets():
+    """List the built-in presets (execution paths), one line each.
+
+    \b
+    Example:
+        prefill-diff presets
+    """
+    from ..engine.config import PRESETS
+    from .render import presets_table
+    _console().print(presets_table(PRESETS))
+
+
+def main():
+    cli(prog_name="prefill-diff")
+
+
+if __name__ == "__main__":
+    main()

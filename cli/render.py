@@ -1,0 +1,149 @@
+"""Rich renderables for people. Functions return renderables; only commands print."""
+from __future__ import annotations
+
+import math
+
+from rich import box
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+COLUMNS = (("layer_input", "R_in"), ("cache_keys", "K"), ("cache_values", "V"), ("attn_update", "attn"),
+           ("mid", "U"), ("mlp_update", "mlp"), ("layer_output", "R_out"))
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return str(x)
+    return f"{x:.1e}" if x else "0"
+
+
+def sparkline(values) -> str:
+    """Max abs error per layer on a log scale; · for exact agreement."""
+    logs = [math.log10(v) for v in values if v and v > 0 and math.isfinite(v)]
+    if not logs:
+        return "·" * len(values)
+    lo, hi = min(logs), max(logs)
+    out = []
+    for v in values:
+        if v is None or not math.isfinite(v):
+            out.append("!")
+        elif v <= 0:
+            out.append("·")
+        else:
+            i = 0 if hi == lo else round((math.log10(v) - lo) / (hi - lo) * (len(SPARK) - 1))
+            out.append(SPARK[i])
+    return "".join(out)
+
+
+def layer_max(lr) -> float | None:
+    vals = [t.max_abs for t in lr.tensors if t.level != "none"]
+    if any(not t.finite_ok for t in lr.tensors):
+        return float("nan")
+    return max(vals) if vals else None
+
+
+def verdict_text(report) -> Text:
+    style = "bold green" if report else "bold red"
+    return Text(report.verdict_line(), style=style)
+
+
+def report_renderable(report, token_text: dict | None = None):
+    parts = []
+    parts.append(Text(f"reference: {report.ref.get('origin')} ({report.ref.get('file')}, {report.ref.get('level')})  "
+                      f"candidate: {report.cand.get('origin')} ({report.cand.get('file')}, "
+                      f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
+    if report.layers:
+        parts.append(layer_table(report))
+        spark = sparkline([layer_max(lr) for lr in report.layers])
+        parts.append(Text(f"error growth (max abs per layer, log scale): {spark}"))
+    if report.final is not None:
+        parts.append(final_table(report, token_text))
+    if report.first_break is not None:
+        fb = report.first_break
+        body = [Text(report.verdict_line(), style="bold red"), Text(fb.message)]
+        if fb.sublayer:
+            body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
+                             + (f", query heads {list(fb.heads)}" if fb.heads else "")))
+        if report.diagnosis:
+            body.append(Text("hint: " + report.diagnosis, style="yellow"))
+        parts.append(Panel(Group(*body), title="first break", border_style="red"))
+    for n in report.inconclusive:
+        parts.append(Text("INCONCLUSIVE: " + n, style="bold yellow"))
+    for n in report.notes:
+        parts.append(Text("note: " + n, style="yellow"))
+    for n in report.skipped:
+        parts.append(Text("not checked: " + n, style="dim"))
+    parts.append(verdict_text(report))
+    return Group(*parts)
+
+
+def layer_table(report) -> Table:
+    t = Table(title="per-layer max abs error (red: out of tolerance)", title_justify="left", box=box.SIMPLE_HEAD,
+              padding=(0, 1), pad_edge=False)
+    t.add_column("layer", justify="right", no_wrap=True)
+    for _, label in COLUMNS:
+        t.add_column(label, justify="right", no_wrap=True, min_width=7)
+    t.add_column("break")
+    for lr in report.layers:
+        row = [f"[green]{lr.layer}[/]" if lr else f"[bold red]{lr.layer}[/]"]
+        for name, _ in COLUMNS:
+            tr = lr.tensor(name)
+            if tr is None:
+                row.append("-")
+                continue
+            cell = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
+            row.append(f"[red]{cell}[/]" if not tr else cell)
+        fb = lr.first_break
+        row.append("" if fb is None else f"{fb.kind} {fb.tensor or ''}".strip())
+        t.add_row(*row)
+    return t
+
+
+def final_table(report, token_text: dict | None = None) -> Table:
+    t = Table(title="final logits and top ids", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("sample", "logits max abs", "reference top", "candidate top"):
+        t.add_column(c)
+    logits = report.final.tensor("logits")
+    bad = set(logits.bad_samples) if logits is not None else set()
+
+    def show(ids):
+        ids = ids[:5]
+        if token_text:
+            return " ".join(f"{i}:{token_text.get(str(i), '?')!r}" for i in ids)
+        return " ".join(map(str, ids))
+
+    errs = dict(report.final.sample_max_abs)
+    for s, r, c in report.final.top:
+        err = _fmt(errs.get(s))
+        t.add_row(str(s), f"[red]{err}[/]" if s in bad else err, show(r), show(c))
+    return t
+
+
+def presets_table(presets: dict) -> Table:
+    t = Table(title="presets (REF/CAND of `prefill-diff run`)", title_justify="left")
+    t.add_column("name", style="bold")
+    t.add_column("what it does")
+    for name, (desc, _) in presets.items():
+        t.add_row(name, desc)
+    return t
+
+
+def ledger_renderable(ledgers, model_name: str):
+    parts = []
+    for i, lg in enumerate(ledgers):
+        t = Table(title=f"shape ledger (seed §2.8) — model {model_name}, prefill call {i + 1} of {len(ledgers)}, "
+                        f"input rectangle {list(lg.rect)}", title_justify="left")
+        t.add_column("object")
+        t.add_column("shape")
+        for name, shape in lg.rows:
+            t.add_row(name, str(list(shape)) if isinstance(shape, tuple) else shape)
+        t.add_row("KV cache, all layers (scalars)", f"{lg.cache_scalars}  ({lg.formula})")
+        for seq, tok, hs, zs in lg.finals:
+            t.add_row(f"final h_b, sequence {seq} (token {tok})", f"{list(hs)} -> logits {list(zs)}")
+        parts.append(t)
+    return Group(*parts)

@@ -1,0 +1,261 @@
+"""Reading traces: format and version first, then structure, then a lazy logical view.
+
+Nothing is read in bulk on open: tensors stay h5py datasets until a caller slices
+one sample row at a time, so memory stays bounded whatever the trace size.
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import cached_property
+
+import h5py
+import numpy as np
+
+from ..engine.errors import PrefillDiffError
+from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
+                     STAT_COLUMNS, STATES, layer_group)
+
+
+class TraceError(PrefillDiffError):
+    """A file is not a readable trace: missing, not HDF5, foreign, unknown version, incomplete or corrupt."""
+
+
+def _json_attr(f, key: str, where: str):
+    raw = f.attrs.get(key)
+    if raw is None:
+        return None
+    if isinstance(raw, bytes):
+        raw = raw.decode("utf-8", "replace")
+    if not isinstance(raw, str):
+        raise TraceError(f"{where}: attribute {key!r} must be JSON text (got {type(raw).__name__})")
+    if len(raw) > META_LIMIT:
+        raise TraceError(f"{where}: attribute {key!r} is {len(raw)} bytes of JSON, over the {META_LIMIT} limit")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise TraceError(f"{where}: attribute {key!r} is not valid JSON ({e})") from None
+
+
+class LayerView:
+    """One layer of a trace: states, statistics, samples and cache, all lazy."""
+
+    def __init__(self, trace: "Trace", layer: int):
+        self.trace, self.layer = trace, layer
+        self.g = trace.f[layer_group(layer)]
+
+    def state(self, name: str):
+        return self.g.get(name) if isinstance(self.g.get(name), h5py.Dataset) else None
+
+    def sampled(self, name: str):
+        return self.g.get(f"sampled/{name}")
+
+    def stats(self, name: str):
+        ds = self.g.get(f"stats/{name}")
+        return None if ds is None else self.trace.read(ds)
+
+    def checksum(self, name: str):
+        ds = self.g.get(f"checksums/{name}")
+        return None if ds is None else self.trace.read(ds)
+
+    def cache(self, name: str):
+        return self.g.get(f"cache/{name}")
+
+    @cached_property
+    def cache_lengths(self) -> np.ndarray:
+        return self.trace.read(self.g["cache/lengths"])
+
+    @cached_property
+    def cache_positions(self) -> np.ndarray:
+        return self.trace.read(self.g["cache/positions"])
+
+    def names(self) -> list[str]:
+        have = set(self.g.keys()) | {k for k in self.g.get("stats", {}).keys()}
+        return [s for s in STATES if s in have]
+
+
+class Trace:
+    """A trace file opened for reading. Raises TraceError with the file name on any problem."""
+
+    def __init__(self, source, name: str | None = None):
+        if isinstance(source, h5py.File):
+            self.f, self.name = source, name or "<in-memory trace>"
+        else:
+            self.name = str(source)
+            if not os.path.exists(self.name):
+                raise TraceError(f"{self.name}: no such file")
+            if os.path.isdir(self.name):
+                raise TraceError(f"{self.name}: is a directory, not a trace")
+            try:
+                self.f = h5py.File(self.name, "r")
+            except OSError as e:
+                raise TraceError(f"{self.name}: not a readable HDF5 file (truncated, corrupt or another format: "
+                                 f"{str(e).splitlines()[0][:120]})") from None
+        try:
+            self._check()
+        except TraceError:
+            self.close()
+            raise
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+            self.close()
+            raise TraceError(f"{self.name}: damaged trace ({type(e).__name__}: {str(e)[:160]})") from None
+
+    def close(self):
+        try:
+            self.f.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def read(self, ds, sel=()):
+        """ds[sel], turning HDF5 read failures into TraceError."""
+        try:
+            return ds[sel]
+        except (OSError, ValueError, RuntimeError) as e:
+            raise TraceError(f"{self.name}: cannot read {ds.name} (corrupt data: {str(e).splitlines()[0][:120]})") \
+                from None
+
+    def _check(self):
+        f, where = self.f, self.name
+        fmt = f.attrs.get("format")
+        if isinstance(fmt, bytes):
+            fmt = fmt.decode("utf-8", "replace")
+        if fmt != FORMAT_NAME:
+            raise TraceError(f"{where}: not a prefill-diff trace (root attribute format={fmt!r}, "
+                             f"expected {FORMAT_NAME!r})")
+        version = f.attrs.get("format_version")
+        if isinstance(version, bytes):
+            version = version.decode("utf-8", "replace")
+        try:
+            major = int(str(version).split(".")[0])
+        except ValueError:
+            major = None
+        if major not in READABLE_MAJOR:
+            raise TraceError(f"{where}: trace format version {version!r} is not supported "
+                             f"(this reader reads versions {', '.join(f'{m}.x' for m in READABLE_MAJOR)})")
+        self.version = str(version)
+        if int(f.attrs.get("complete", 0)) != 1:
+            raise TraceError(f"{where}: incomplete trace (the recording did not finish)")
+        self.level = f.attrs.get("level")
+        if isinstance(self.level, bytes):
+            self.level = self.level.decode()
+        if self.level not in ("full", "sampled", "stats"):
+            raise TraceError(f"{where}: unknown trace level {self.level!r}")
+        self.meta = _json_attr(f, "meta", where) or {}
+        if not isinstance(self.meta, dict):
+            raise TraceError(f"{where}: attribute 'meta' must be a JSON object")
+        for path in ("samples/token_ids", "samples/lengths", "inputs/input_ids", "inputs/valid_mask",
+                     "inputs/computed", "inputs/positions", "inputs/token_index", "final/logits",
+                     "final/norm_last", "final/topk_ids", "final/gather_col", "final/gather_token"):
+            if not isinstance(f.get(path), h5py.Dataset):
+                raise TraceError(f"{where}: missing required dataset /{path}")
+        S, C = f["inputs/valid_mask"].shape if f["inputs/valid_mask"].ndim == 2 else (None, None)
+        if S is None:
+            raise TraceError(f"{where}: /inputs/valid_mask must be 2-D [samples, columns]")
+        self.n_samples, self.n_cols = S, C
+        for path in ("inputs/input_ids", "inputs/computed", "inputs/positions", "inputs/token_index"):
+            if f[path].shape != (S, C):
+                raise TraceError(f"{where}: /{path} has shape {f[path].shape}, expected {(S, C)}")
+        if f["samples/lengths"].shape != (S,) or f["samples/token_ids"].ndim != 2 or f["samples/token_ids"].shape[0] != S:
+            raise TraceError(f"{where}: /samples datasets do not match {S} samples")
+        self.lengths = self.read(f["samples/lengths"]).astype(np.int64)
+        if (self.lengths < 1).any() or (self.lengths > f["samples/token_ids"].shape[1]).any():
+            raise TraceError(f"{where}: /samples/lengths out of range")
+        if f["final/logits"].ndim != 2 or f["final/logits"].shape[0] != S:
+            raise TraceError(f"{where}: /final/logits must be [{S}, vocab] (got {f['final/logits'].shape})")
+        layers = f.get("layers")
+        names = sorted(layers.keys()) if isinstance(layers, h5py.Group) else []
+        self.n_layers = len(names)
+        declared = self.meta.get("model", {}).get("args", {}).get("n_layers")
+        expected = [f"{i:03d}" for i in range(max(self.n_layers, declared or 0))]
+        if names != expected:
+            missing = sorted(set(expected) - set(names))
+            raise TraceError(f"{where}: layer groups are incomplete (missing {', '.join(missing) or 'none'}; "
+                             f"found {len(names)}, model has {declared})")
+        for i in range(self.n_layers):
+            self._check_layer(i)
+
+    def _check_layer(self, i: int):
+        g, where = self.f[layer_group(i)], self.name
+        S, C = self.n_samples, self.n_cols
+        for name in REQUIRED_STATES:
+            ds = g.get(name)
+            if self.level == "full":
+                if not isinstance(ds, h5py.Dataset):
+                    raise TraceError(f"{where}: layer {i} is missing dataset {name}")
+                if ds.ndim != 3 or ds.shape[:2] != (S, C):
+                    raise TraceError(f"{where}: layer {i} {name} has shape {ds.shape}, expected ({S}, {C}, width)")
+            st = g.get(f"stats/{name}")
+            if not isinstance(st, h5py.Dataset) or st.shape != (S, len(STAT_COLUMNS)):
+                raise TraceError(f"{where}: layer {i} is missing statistics for {name}")
+        for name in ("positions", "lengths"):
+            if not isinstance(g.get(f"cache/{name}"), h5py.Dataset):
+                raise TraceError(f"{where}: layer {i} is missing cache {name}")
+        pos, lens = g["cache/positions"], g["cache/lengths"]
+        if pos.ndim != 2 or pos.shape[0] != S or lens.shape != (S,):
+            raise TraceError(f"{where}: layer {i} cache positions/lengths do not match {S} samples")
+        if self.level == "full":
+            for name in CACHE_TENSORS:
+                ds = g.get(f"cache/{name}")
+                if not isinstance(ds, h5py.Dataset) or ds.ndim != 4 or ds.shape[0] != S or ds.shape[2] != pos.shape[1]:
+                    raise TraceError(f"{where}: layer {i} cache {name} is missing or misshapen")
+
+    # -- logical view ---------------------------------------------------------------------------
+    @cached_property
+    def inputs(self) -> dict:
+        return {k: self.read(self.f[f"inputs/{k}"]) for k in
+                ("input_ids", "valid_mask", "computed", "positions", "token_index")}
+
+    @cached_property
+    def samples(self) -> list[tuple]:
+        ids = self.read(self.f["samples/token_ids"])
+        return [tuple(int(t) for t in ids[s, :self.lengths[s]]) for s in range(self.n_samples)]
+
+    def cells(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
+        """Columns holding the sample's valid, computed tokens, and their token indices, in token order."""
+        inp = self.inputs
+        ok = (inp["valid_mask"][sample] == 1) & (inp["computed"][sample] == 1) & (inp["token_index"][sample] >= 0)
+        cols = np.flatnonzero(ok)
+        toks = inp["token_index"][sample, cols]
+        order = np.argsort(toks, kind="stable")
+        return cols[order], toks[order]
+
+    def pad_cols(self, sample: int) -> np.ndarray:
+        inp = self.inputs
+        return np.flatnonzero((inp["computed"][sample] == 1) & (inp["valid_mask"][sample] == 0))
+
+    def layer(self, i: int) -> LayerView:
+        return LayerView(self, i)
+
+    def layers(self):
+        for i in range(self.n_layers):
+            yield LayerView(self, i)
+
+    @cached_property
+    def final(self) -> dict:
+        out = {k: self.read(v) for k, v in self.f["final"].items() if isinstance(v, h5py.Dataset)}
+        return out
+
+    @property
+    def model(self) -> dict:
+        return self.meta.get("model", {})
+
+    @property
+    def args(self) -> dict:
+        return self.model.get("args", {})
+
+    def source_dtype(self, ds) -> str:
+        v = ds.attrs.get("source_dtype", ds.dtype.name)
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def open_trace(path) -> Trace:
+    return Trace(path)
+
+
+__all__ = ["Trace", "TraceError", "LayerView", "open_trace", "FORMAT_VERSION"]

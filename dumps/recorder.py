@@ -1,0 +1,437 @@
+"""Recorder: the public API through which any engine writes a conforming trace.
+
+Example (any engine; tensors may be torch tensors or numpy arrays)::
+
+    from prefill_diff.dumps import Recorder
+
+    with Recorder("trace.h5", level="full") as rec:
+        rec.begin(samples=[[5, 6, 7], [8, 9]], n_cols=3, meta={"model": {...}, "run": {...}})
+        for s in range(2):                       # one trace row per sample, columns as laid out
+            rec.inputs(s, 0, ids[s], valid[s], positions[s], token_index[s])
+        for layer in range(n_layers):
+            for name in ("layer_input", "attn_update", "mid", "mlp_update", "layer_output"):
+                for s in range(2):
+                    rec.state(layer, name, s, 0, x[name][s])          # (columns, width)
+            for s in range(2):
+                rec.cache(layer, s, keys[s], values[s], cache_positions[s])  # (H_kv, T, d_h), (T,)
+            rec.layer_done(layer)
+        for s in range(2):
+            rec.final(s, norm_last[s], logits[s], column=last_col[s], token_index=last_tok[s])
+    # leaving the block closes the file and renames it into place; an exception removes it
+
+The file is written under a temporary name beside the target and renamed only when
+complete and closed, so an interrupted run never leaves a file a reader accepts.
+This module does not import torch: tensors are used through their own methods.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..engine.errors import PrefillDiffError
+from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, STAT_COLUMNS, layer_group
+
+_INT_VIEW = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.int8}
+_MASK64 = (1 << 64) - 1
+
+
+class TraceExistsError(PrefillDiffError):
+    """The target trace exists and --force was not given."""
+
+
+class RecorderError(PrefillDiffError):
+    """The recorder was called out of order or with inconsistent data."""
+
+
+def _is_torch(x) -> bool:
+    return hasattr(x, "detach") and hasattr(x, "dtype") and str(x.dtype).startswith("torch.")
+
+
+def source_dtype(x) -> str:
+    return str(x.dtype).replace("torch.", "") if _is_torch(x) else np.dtype(x.dtype).name
+
+
+def to_numpy(x) -> np.ndarray:
+    """Host copy of a tensor; bfloat16 becomes float32 (exact), other float dtypes are kept."""
+    if _is_torch(x):
+        x = x.detach()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.cpu().numpy()
+    return np.asarray(x)
+
+
+def _signed64(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
+
+
+def slab_stats(x) -> tuple:
+    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab, on the tensor's own device.
+
+    The checksum is the wrapped int64 sum of the values' bit patterns: equal slabs give
+    equal checksums; a differing checksum alone is not a failure.
+    """
+    n = int(np.prod(x.shape))
+    if n == 0:
+        return 0, 0, np.inf, -np.inf, 0.0, 0.0, 0
+    if _is_torch(x):
+        xf = x if str(x.dtype) in ("torch.float32", "torch.float64") else x.float()
+        mn, mx = xf.aminmax()
+        s, ss = xf.sum(), (xf * xf).sum()
+        v = [float(t) for t in (mn, mx, s, ss)]
+        finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(xf.isfinite().sum())
+        bits = x.contiguous().view(_torch_int_dtype(x))
+        check = int(bits.sum(dtype=_torch_int64(x)))
+        return n, finite, v[0], v[1], v[2], v[3], check
+    a = np.asarray(x)
+    af = a.astype(np.float64) if a.dtype.itemsize < 4 else a
+    s, ss = float(af.sum(dtype=np.float64)), float(np.dot(af.ravel(), af.ravel()))
+    finite = n if np.isfinite(s) and np.isfinite(ss) else int(np.isfinite(af).sum())
+    check = int(np.ascontiguousarray(a).view(_INT_VIEW[a.dtype.itemsize]).sum(dtype=np.int64))
+    return n, finite, float(af.min()), float(af.max()), s, ss, check
+
+
+def _torch_int_dtype(x):
+    import sys
+    torch = sys.modules["torch"]  # x is a torch tensor, so torch is already imported
+    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[x.element_size()]
+
+
+def _torch_int64(x):
+    import sys
+    return sys.modules["torch"].int64
+
+
+class _Stats:
+    """Running per-sample statistics of one tensor: valid cells and computed padding cells."""
+
+    def __init__(self, n_samples: int):
+        self.valid = np.zeros((n_samples, 6))  # count, finite, min, max, sum, sumsq
+        self.valid[:, 2], self.valid[:, 3] = np.inf, -np.inf
+        self.pad = np.zeros((n_samples, 2))  # count, finite
+        self.checksum = [0] * n_samples
+
+    def add(self, s: int, st: tuple, padding: bool = False) -> None:
+        if padding:
+            self.pad[s] += st[:2]
+            return
+        row = self.valid[s]
+        row[0] += st[0]
+        row[1] += st[1]
+        row[2] = min(row[2], st[2]) if not np.isnan(st[2]) else np.nan
+        row[3] = max(row[3], st[3]) if not np.isnan(st[3]) else np.nan
+        row[4] += st[4]
+        row[5] += st[5]
+        self.checksum[s] = _signed64(self.checksum[s] + st[6])
+
+    def table(self) -> np.ndarray:
+        """Rows of STAT_COLUMNS."""
+        v = self.valid
+        count = np.maximum(v[:, 0], 1)
+        with np.errstate(invalid="ignore"):
+            out = np.stack([v[:, 0], v[:, 1], v[:, 2], v[:, 3], v[:, 4] / count, np.sqrt(v[:, 5]),
+                            self.pad[:, 0], self.pad[:, 1]], axis=1)
+        empty = v[:, 0] == 0
+        out[empty, 2:6] = np.nan
+        return out
+
+
+def select_tokens(length: int, k: int) -> list[int]:
+    """The sampled level's token indices: k evenly spaced over the prompt, first and last included."""
+    if length <= k:
+        return list(range(length))
+    return sorted({round(i * (length - 1) / (k - 1)) for i in range(k)})
+
+
+def select_channels(width: int, k: int, seed: int) -> np.ndarray:
+    if width <= k:
+        return np.arange(width)
+    return np.sort(np.random.default_rng(seed).choice(width, k, replace=False))
+
+
+class Recorder:
+    """Writes one trace. ``begin``, then ``inputs``/``state``/``cache``/``layer_done``, ``final``, ``close``."""
+
+    def __init__(self, path, level: str = "full", *, force: bool = False, compression: str | None = None,
+                 topk: int = 10, sample_tokens: int = 8, sample_channels: int = 32, sample_seed: int = 0,
+                 in_memory: bool = False):
+        if level not in LEVELS:
+            raise RecorderError(f"level must be one of {', '.join(LEVELS)} (got {level!r})")
+        if compression not in (None, "none", "gzip"):
+            raise RecorderError(f"compression must be 'none' or 'gzip' (got {compression!r}; lzf is not "
+                                "readable by h5dump)")
+        self.level, self.topk = level, topk
+        self.compression = None if compression in (None, "none") else compression
+        self.sample_tokens, self.sample_channels, self.sample_seed = sample_tokens, sample_channels, sample_seed
+        self.path = Path(path)
+        self.in_memory = in_memory
+        if in_memory:
+            self.tmp = None
+            self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False)
+        else:
+            if self.path.exists() and not force:
+                raise TraceExistsError(f"{self.path} exists; pass --force to overwrite it")
+            if self.path.is_dir():
+                raise RecorderError(f"{self.path} is a directory")
+            self.tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                self.f = h5py.File(self.tmp, "w")
+            except OSError as e:
+                raise RecorderError(f"cannot write {self.path}: {e}") from None
+        self.f.attrs["format"] = FORMAT_NAME
+        self.f.attrs["format_version"] = FORMAT_VERSION
+        self.f.attrs["level"] = level
+        self.f.attrs["complete"] = 0
+        self._stats: dict[tuple[int, str], _Stats] = {}
+        self._closed = False
+        self.n_samples = None
+
+    # -- context manager: close on success, remove on error ---------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+    def _kw(self, chunks):
+        kw = {"chunks": chunks}
+        if self.compression:
+            kw.update(compression="gzip", compression_opts=1, shuffle=True)
+        return kw
+
+    def begin(self, samples, n_cols: int, meta: dict) -> None:
+        """Declare the samples (full logical token ids) and the width of the stored rectangle."""
+        S = len(samples)
+        if S == 0 or n_cols < 1:
+            raise RecorderError(f"a trace needs at least one sample and one column (got {S}, {n_cols})")
+        self.n_samples, self.n_cols = S, n_cols
+        self.lengths = np.array([len(s) for s in samples], dtype=np.int64)
+        nmax = int(self.lengths.max())
+        ids = np.full((S, nmax), -1, dtype=np.int64)
+        for i, s in enumerate(samples):
+            ids[i, :len(s)] = s
+        self.f.create_dataset("samples/token_ids", data=ids)
+        self.f.create_dataset("samples/lengths", data=self.lengths)
+        for name, dtype, fill in (("input_ids", np.int64, 0), ("valid_mask", np.uint8, 0),
+                                  ("computed", np.uint8, 0), ("positions", np.int64, 0),
+                                  ("token_index", np.int64, -1)):
+            self.f.create_dataset(f"inputs/{name}", shape=(S, n_cols), dtype=dtype, fillvalue=fill)
+        self.valid = np.zeros((S, n_cols), dtype=bool)
+        self.tok = np.full((S, n_cols), -1, dtype=np.int64)
+        self.meta = dict(meta)
+        self._write_meta()
+        self._sampled_toks = [select_tokens(int(n), self.sample_tokens) for n in self.lengths]
+        if self.level == "sampled":
+            P = max(len(t) for t in self._sampled_toks)
+            st = np.full((S, P), -1, dtype=np.int64)
+            for i, t in enumerate(self._sampled_toks):
+                st[i, :len(t)] = t
+            self.f.create_dataset("sampled/token_index", data=st)
+            self.f["sampled"].attrs["seed"] = self.sample_seed
+
+    def _write_meta(self):
+        self.f.attrs["meta"] = json.dumps(self.meta, sort_keys=True, default=str)
+
+    def _need_begin(self):
+        if self.n_samples is None:
+            raise RecorderError("begin() must be called before writing tensors")
+
+    def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None:
+        """The physical cells one prefill call laid out for a sample, from column ``col``."""
+        self._need_begin()
+        v = to_numpy(valid).astype(bool)
+        T = v.shape[0]
+        sl = np.s_[sample, col:col + T]
+        self.f["inputs/input_ids"][sl] = to_numpy(ids)
+        self.f["inputs/valid_mask"][sl] = v.astype(np.uint8)
+        self.f["inputs/computed"][sl] = np.ones(T, dtype=np.uint8)
+        self.f["inputs/positions"][sl] = to_numpy(positions)
+        self.f["inputs/token_index"][sl] = to_numpy(token_index)
+        self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
+
+    def _stat(self, layer: int, name: str) -> _Stats:
+        key = (layer, name)
+        if key not in self._stats:
+            self._stats[key] = _Stats(self.n_samples)
+        return self._stats[key]
+
+    def state(self, layer: int, name: str, sample: int, col: int, x) -> None:
+        """One sample's cells [col, col + T) of a residual-stream state, (T, width)."""
+        self._need_begin()
+        T = x.shape[0]
+        v = self.valid[sample, col:col + T]
+        st = self._stat(layer, name)
+        idx = np.flatnonzero(v)
+        if idx.size:
+            a, b = int(idx[0]), int(idx[-1]) + 1
+            st.add(sample, slab_stats(x[a:b]))
+            if a > 0:
+                st.add(sample, slab_stats(x[:a]), padding=True)
+            if b < T:
+                st.add(sample, slab_stats(x[b:]), padding=True)
+        else:
+            st.add(sample, slab_stats(x), padding=True)
+        if self.level == "full":
+            ds = self._state_ds(layer, name, x)
+            ds[sample, col:col + T] = to_numpy(x)
+        elif self.level == "sampled":
+            toks = self.tok[sample, col:col + T]
+            want = self._sampled_toks[sample]
+            rows = [(j, want.index(int(t))) for j, t in enumerate(toks) if v[j] and int(t) in want]
+            if rows:
+                ds = self._sampled_ds(layer, name, x.shape[1], x)
+                ch = ds.attrs["channels"]
+                arr = to_numpy(x[[r for r, _ in rows]])[:, ch]
+                for (r, slot), vals in zip(rows, arr):
+                    ds[sample, slot] = vals
+
+    def _state_ds(self, layer, name, x):
+        path = f"{layer_group(layer)}/{name}"
+        if path not in self.f:
+            dt = to_numpy(x[:0]).dtype
+            ds = self.f.create_dataset(path, shape=(self.n_samples, self.n_cols, x.shape[1]), dtype=dt,
+                                       **self._kw((1, self.n_cols, x.shape[1])))
+            ds.attrs["source_dtype"] = source_dtype(x)
+        return self.f[path]
+
+    def _sampled_ds(self, layer, name, width, x):
+        path = f"{layer_group(layer)}/sampled/{name}"
+        if path not in self.f:
+            P = self.f["sampled/token_index"].shape[1]
+            ch = select_channels(width, self.sample_channels, self.sample_seed)
+            dt = to_numpy(x[:0]).dtype
+            ds = self.f.create_dataset(path, shape=(self.n_samples, P, len(ch)), dtype=dt, fillvalue=np.nan)
+            ds.attrs["channels"] = ch
+            ds.attrs["width"] = width
+            ds.attrs["source_dtype"] = source_dtype(x)
+        return self.f[path]
+
+    def cache(self, layer: int, sample: int, keys, values, positions) -> None:
+        """One sample's logical cache at a layer: keys and values (H_kv, T, d_h), positions (T,)."""
+        self._need_begin()
+        g = f"{layer_group(layer)}/cache"
+        pos = to_numpy(positions).astype(np.int64)
+        T = pos.shape[0]
+        H, D = keys.shape[0], keys.shape[2]
+        if f"{g}/positions" not in self.f:
+            tmax = int(self.lengths.max())
+            self.f.create_dataset(f"{g}/positions", shape=(self.n_samples, tmax), maxshape=(self.n_samples, None),
+                                  dtype=np.int64, fillvalue=-1, chunks=(1, tmax))
+            self.f.create_dataset(f"{g}/lengths", shape=(self.n_samples,), dtype=np.int64, fillvalue=0)
+            self.f[g].attrs["head_dim"] = D
+            self.f[g].attrs["n_kv_heads"] = H
+        pds = self.f[f"{g}/positions"]
+        if T > pds.shape[1]:
+            pds.resize((self.n_samples, T))
+        pds[sample, :T] = pos
+        self.f[f"{g}/lengths"][sample] = T
+        for name, t in (("keys", keys), ("values", values)):
+            flat = t.swapaxes(0, 1).reshape(T, H * D) if T else t.reshape(0, H * D)  # (T, H_kv*d_h)
+            self._stat(layer, f"cache_{name}").add(sample, slab_stats(flat))
+            if self.level == "full":
+                path = f"{g}/{name}"
+                if path not in self.f:
+                    tmax = max(int(self.lengths.max()), T)
+                    ds = self.f.create_dataset(path, shape=(self.n_samples, H, tmax, D), dtype=to_numpy(t[:0]).dtype,
+                                               maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D)))
+                    ds.attrs["source_dtype"] = source_dtype(t)
+                ds = self.f[path]
+                if T > ds.shape[2]:
+                    ds.resize((self.n_samples, H, T, D))
+                if T:
+                    ds[sample, :, :T] = to_numpy(t)
+            elif self.level == "sampled":
+                want = self._sampled_toks[sample]
+                rows = [(t_, want.index(t_)) for t_ in range(T) if t_ in want]
+                if rows:
+                    ds = self._sampled_ds(layer, f"cache_{name}", H * D, flat)
+                    arr = to_numpy(flat[[r for r, _ in rows]])[:, ds.attrs["channels"]]
+                    for (_, slot), vals in zip(rows, arr):
+                        ds[sample, slot] = vals
+
+    def layer_done(self, layer: int) -> None:
+        """Write the statistics of a completed layer (a reader streaming this file may then read it)."""
+        for (lay, name), st in list(self._stats.items()):
+            if lay != layer:
+                continue
+            base = f"{layer_group(layer)}/stats"
+            if f"{base}/{name}" in self.f:
+                del self.f[f"{base}/{name}"], self.f[f"{layer_group(layer)}/checksums/{name}"]
+            self.f.create_dataset(f"{base}/{name}", data=st.table())
+            self.f.create_dataset(f"{layer_group(layer)}/checksums/{name}", data=np.array(st.checksum, dtype=np.int64))
+            self.f[base].attrs["columns"] = json.dumps(STAT_COLUMNS)
+            del self._stats[(lay, name)]
+
+    def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
+        """h_b at the sample's gathered position, its raw logits, and where it was gathered from."""
+        self._need_begin()
+        h, z = to_numpy(norm_last), to_numpy(logits)
+        S = self.n_samples
+        if "final/logits" not in self.f:
+            k = min(self.topk, z.shape[0])
+            self.f.create_dataset("final/norm_last", shape=(S, h.shape[0]), dtype=h.dtype)
+            self.f.create_dataset("final/logits", shape=(S, z.shape[0]), dtype=z.dtype)
+            self.f.create_dataset("final/topk_ids", shape=(S, k), dtype=np.int64)
+            self.f.create_dataset("final/topk_logits", shape=(S, k), dtype=z.dtype)
+            self.f.create_dataset("final/gather_col", shape=(S,), dtype=np.int64, fillvalue=-1)
+            self.f.create_dataset("final/gather_token", shape=(S,), dtype=np.int64, fillvalue=-1)
+            self.f.create_dataset("final/written", shape=(S,), dtype=np.uint8)
+            self.f["final/logits"].attrs["source_dtype"] = source_dtype(logits)
+            self.f["final/norm_last"].attrs["source_dtype"] = source_dtype(norm_last)
+        k = self.f["final/topk_ids"].shape[1]
+        order = np.argsort(-z.astype(np.float64), kind="stable")[:k]  # ties: lower id first
+        self.f["final/norm_last"][sample] = h
+        self.f["final/logits"][sample] = z
+        self.f["final/topk_ids"][sample] = order
+        self.f["final/topk_logits"][sample] = z[order]
+        self.f["final/gather_col"][sample] = column
+        self.f["final/gather_token"][sample] = token_index
+        self.f["final/written"][sample] = 1
+
+    def update_meta(self, **items) -> None:
+        self.meta.update(items)
+        self._write_meta()
+
+    def close(self) -> None:
+        """Finish the file and move it into place (or, in memory, just mark it complete)."""
+        if self._closed:
+            return
+        self._need_begin()
+        for layer in sorted({lay for lay, _ in self._stats}):
+            self.layer_done(layer)
+        self._write_meta()
+        self.f.attrs["complete"] = 1
+        if self.in_memory:
+            self.f.flush()
+            self._closed = True
+            return
+        self.f.close()
+        self._closed = True
+        with open(self.tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.f.close()
+        except Exception:
+            pass
+        if self.tmp is not None:
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass

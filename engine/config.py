@@ -1,0 +1,302 @@
+"""Run configurations: *how* to prefill (a preset or a TOML file) and *what* (model, inputs).
+
+A config file is TOML. Every key is checked; an unknown key is an error, never ignored::
+
+    preset = "batched-left"          # optional: start from a preset, then override
+
+    [model]                          # what model (shared with the other side unless set here)
+    source = "synthetic"             # synthetic | seed-2.8 | hf:<dir> | gguf:<file> | smollm2
+    seed = 0
+    n_layers = 6                     # synthetic models: any ModelArgs field
+    [model.adapter]                  # optional LoRA on the attention projections
+    id = "demo"; rank = 4; seed = 1; scale = 1.0
+
+    [inputs]                         # what prompts (shared unless set here)
+    token_ids = [[1, 2, 3], [4, 5]]  # or prompts = ["text", ...] with a tokenizer
+    positions = [[0, 1, 2], [0, 1]]  # optional explicit position ids
+    segments = [[[0, 2]], []]        # optional spans a reuse boundary may not cut
+
+    [run]                            # how: execution path and numerics
+    engine = "native"                # native | transformers
+    batching = "unbatched"           # unbatched | left | right | packed
+    kernel = "eager"                 # eager | sdpa | tiled
+    dtype = "float32"                # float64 | float32 | bfloat16 | float16
+    chunk_size = 0
+
+    [cache]                          # KV layout
+    kind = "contiguous"              # contiguous | paged
+    dtype = "int8"                   # default: the activation dtype
+    key_rotation = "post"            # post | pre (rotate on read)
+
+    [reuse]                          # prefix KV reuse (seed §2.9)
+    prefix_len = 4
+
+    [fault]                          # one §2.11 fault
+    name = "gqa-mapping"
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from .cache import CacheLayout
+from .errors import ConfigError
+from .prefill import CacheConfig, NumericalConfig
+from .snapshot import ModelSpec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+BATCHING = ("unbatched", "left", "right", "packed")
+ENGINES = ("native", "transformers")
+FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
+          "adapter-mismatch", "masked-row-softmax")
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What to prefill: token ids (or text prompts) per sample."""
+    token_ids: tuple = ()
+    prompts: tuple = ()
+    positions: tuple | None = None
+    segments: tuple | None = None
+    pad_id: int | None = None
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in ((), None)}
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """Prefix reuse: an earlier request of the first prefix_len tokens filled the prefix cache."""
+    prefix_len: int = 4
+    tenant: str = "default"
+    cache_tenant: str | None = None  # tenant whose request built the cached prefix; default: the same
+    allow_cross_tenant: bool = False
+    cache_adapter: str = "same"  # same | other: adapter the cached prefix was built under
+    force: bool = False  # use a candidate even if its metadata does not match (fault injection only)
+
+    def __post_init__(self):
+        if not isinstance(self.prefix_len, int) or self.prefix_len < 1:
+            raise ConfigError(f"reuse prefix_len must be a positive integer (got {self.prefix_len!r})")
+        if self.cache_adapter not in ("same", "other"):
+            raise ConfigError(f"reuse cache_adapter must be 'same' or 'other' (got {self.cache_adapter!r})")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    name: str
+    layer: int | None = None  # skip-kv: the layer that skips a write (default: the middle layer)
+    sample: int = 0  # skip-kv: the sample whose write is skipped
+    token: int = -1  # skip-kv: the token index skipped (-1: the last)
+
+    def __post_init__(self):
+        if self.name not in FAULTS:
+            raise ConfigError(f"fault name must be one of {', '.join(FAULTS)} (got {self.name!r})")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to prefill: everything except the model and the prompts."""
+    name: str = "reference"
+    engine: str = "native"
+    batching: str = "unbatched"
+    attn_implementation: str = "eager"  # transformers engine only
+    numerical: NumericalConfig = NumericalConfig()
+    cache: CacheConfig = CacheConfig()
+    reuse: ReuseConfig | None = None
+    fault: FaultConfig | None = None
+
+    def __post_init__(self):
+        if self.batching not in BATCHING:
+            raise ConfigError(f"batching must be one of {', '.join(BATCHING)} (got {self.batching!r})")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINES)} (got {self.engine!r})")
+        if self.attn_implementation not in ("eager", "sdpa"):
+            raise ConfigError(f"attn_implementation must be 'eager' or 'sdpa' (got {self.attn_implementation!r})")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["cache"]["layout"] = self.cache.layout.as_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a comparison, fully resolved: model, inputs, run."""
+    model: ModelSpec
+    inputs: Inputs
+    run: RunConfig
+    origin: str  # preset name or config path
+
+
+# Presets: one change from `reference` each, in the nested shape of a config file.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "reference": ("one sample at a time, eager attention, float32, no reuse", {}),
+    "batched-left": ("all prompts as one left-padded batch", {"run": {"batching": "left"}}),
+    "batched-right": ("all prompts as one right-padded batch", {"run": {"batching": "right"}}),
+    "packed": ("all prompts packed into one row, no padding (varlen, cu_seqlens)", {"run": {"batching": "packed"}}),
+    "prefix-reuse": ("the first 4 tokens' KV come from an earlier request via the prefix cache",
+                     {"reuse": {"prefix_len": 4}}),
+    "sdpa": ("torch scaled_dot_product_attention kernel", {"run": {"kernel": "sdpa"}}),
+    "tiled": ("tiled online-softmax kernel (FlashAttention's algorithm), block 4",
+              {"run": {"kernel": "tiled", "block_size": 4}}),
+    "chunked": ("prompt processed in chunks of 4 tokens against the growing cache", {"run": {"chunk_size": 4}}),
+    "paged": ("paged KV cache: 4-token pages, non-contiguous, attention reads through the block table",
+              {"cache": {"kind": "paged", "page_size": 4}}),
+    "kv-int8": ("int8 KV cache with per-token scales; attention reads it dequantised", {"cache": {"dtype": "int8"}}),
+    "rotate-on-read": ("cache stores keys before RoPE and rotates them on read", {"cache": {"key_rotation": "pre"}}),
+    "float64": ("weights and activations in float64", {"run": {"dtype": "float64"}}),
+    "bf16": ("weights and activations in bfloat16", {"run": {"dtype": "bfloat16"}}),
+    "fp16": ("weights and activations in float16", {"run": {"dtype": "float16"}}),
+    "w8": ("weight-only int8 quantisation, per-channel scales", {"run": {"weight_quant": "int8"}}),
+    "transformers": ("Hugging Face transformers' own model, eager attention", {"run": {"engine": "transformers"}}),
+    "transformers-sdpa": ("Hugging Face transformers' own model, sdpa attention",
+                          {"run": {"engine": "transformers", "attn_implementation": "sdpa"}}),
+    "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
+                          {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
+    "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),
+    "fault:position-restart": ("§2.11 row 3: position ids restart at 0 after prefix reuse",
+                               {"reuse": {"prefix_len": 4}, "fault": {"name": "position-restart"}}),
+    "fault:gqa-mapping": ("§2.11 row 4: query head 0 reads the wrong KV head", {"fault": {"name": "gqa-mapping"}}),
+    "fault:unmasked-padding": ("§2.11 row 5: padding keys not masked (left padding)",
+                               {"run": {"batching": "left"}, "fault": {"name": "unmasked-padding"}}),
+    "fault:adapter-mismatch": ("§2.11 row 6: reuse of a prefix cache built under another adapter, check bypassed",
+                               {"reuse": {"prefix_len": 4, "cache_adapter": "other", "force": True},
+                                "fault": {"name": "adapter-mismatch"}}),
+    "fault:masked-row-softmax": ("§2.11 row 7: a fully masked padding row enters softmax (left padding)",
+                                 {"run": {"batching": "left"}, "fault": {"name": "masked-row-softmax"}}),
+}
+
+_SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
+_RUN_KEYS = {"engine", "batching", "attn_implementation", "chunk_size", "invariants"} | {
+    f.name for f in fields(NumericalConfig)}
+_CACHE_KEYS = {f.name for f in fields(CacheLayout)} - {"version"}
+_MODEL_KEYS = {"source", "seed", "adapter"}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in over.items():
+        out[k] = _merge(out.get(k, {}), v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _check_keys(section: str, got: dict, known: set, where: str) -> None:
+    unknown = sorted(set(got) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(f'[{section}] {k}' for k in unknown)} (known: {', '.join(sorted(known))})")
+
+
+def read_toml(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file (and not a preset; see `prefill-diff presets`)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read config file ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def resolve_source(source: str) -> tuple[str, dict]:
+    """A preset name or a TOML path -> (origin, nested config dict with the preset applied)."""
+    if source in PRESETS:
+        return source, {"preset": source, **PRESETS[source][1]}
+    if source.startswith("fault:") or not (os.path.exists(source) or source.endswith(".toml")):
+        raise ConfigError(f"{source!r} is neither a preset nor a config file "
+                          f"(presets: {', '.join(PRESETS)})")
+    raw = read_toml(source)
+    _check_keys("top level", raw, _SECTIONS, source)
+    preset = raw.get("preset")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"{source}: preset must be one of {', '.join(PRESETS)} (got {preset!r})")
+    base = PRESETS[preset][1] if preset else {}
+    return source, _merge(base, raw)
+
+
+def parse_run(conf: dict, where: str, name: str) -> RunConfig:
+    run, cache = dict(conf.get("run", {})), dict(conf.get("cache", {}))
+    _check_keys("run", run, _RUN_KEYS, where)
+    _check_keys("cache", cache, _CACHE_KEYS, where)
+    num = {k: run.pop(k) for k in list(run) if k in {f.name for f in fields(NumericalConfig)}}
+    try:
+        reuse = conf.get("reuse")
+        if reuse is not None:
+            _check_keys("reuse", reuse, {f.name for f in fields(ReuseConfig)}, where)
+            reuse = ReuseConfig(**reuse)
+        fault = conf.get("fault")
+        if fault is not None:
+            _check_keys("fault", fault, {f.name for f in fields(FaultConfig)}, where)
+            fault = FaultConfig(**fault)
+        cache_cfg = CacheConfig(CacheLayout(**cache), run.pop("chunk_size", 0), run.pop("invariants", "record"))
+        return RunConfig(name=name, numerical=NumericalConfig(**num), cache=cache_cfg, reuse=reuse, fault=fault, **run)
+    except TypeError as e:  # wrong value types reach dataclass constructors
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parse_model(section: dict, where: str) -> ModelSpec:
+    from .model import ModelArgs
+    known = _MODEL_KEYS | set(ModelArgs.__dataclass_fields__)
+    _check_keys("model", section, known, where)
+    source = section.get("source", "synthetic")
+    overrides = {k: v for k, v in section.items() if k not in _MODEL_KEYS}
+    adapter = section.get("adapter") or {}
+    if not isinstance(adapter, dict):
+        raise ConfigError(f"{where}: [model.adapter] must be a table (got {adapter!r})")
+    if overrides.get("rope_scaling") is not None:
+        overrides["rope_scaling"] = tuple(sorted(overrides["rope_scaling"].items()))
+    return ModelSpec(str(source), int(section.get("seed", 0)), tuple(sorted(overrides.items())),
+                     tuple(sorted(adapter.items())))
+
+
+def parse_inputs(section: dict, where: str) -> Inputs:
+    _check_keys("inputs", section, {f.name for f in fields(Inputs)}, where)
+
+    def nested(key, depth):
+        val = section.get(key)
+        if val is None:
+            return None
+        def freeze(v, d):
+            if d == 0:
+                return v
+            if not isinstance(v, list):
+                raise ConfigError(f"{where}: [inputs] {key} must be a list nested {depth} deep (got {v!r})")
+            return tuple(freeze(x, d - 1) for x in v)
+        return freeze(val, depth)
+
+    ids = nested("token_ids", 2) or ()
+    prompts = tuple(section.get("prompts", ()))
+    if ids and prompts:
+        raise ConfigError(f"{where}: [inputs] sets both token_ids and prompts; use one")
+    for b, row in enumerate(ids):
+        if not row:
+            raise ConfigError(f"{where}: [inputs] token_ids sample {b} is empty")
+        for t in row:
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ConfigError(f"{where}: [inputs] token_ids must be integers (sample {b} has {t!r})")
+    return Inputs(ids, prompts, nested("positions", 2), nested("segments", 3), section.get("pad_id"))
+
+
+def load_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None = None) -> Side:
+    """Resolve REF or CAND: the config's own [model]/[inputs] win over the shared ones."""
+    origin, conf = resolve_source(source)
+    where = origin if origin not in PRESETS else f"preset {origin}"
+    run = parse_run(conf, where, origin)
+    m = parse_model(conf["model"], where) if "model" in conf else (model or ModelSpec())
+    i = parse_inputs(conf["inputs"], where) if "inputs" in conf else (inputs or Inputs())
+    return Side(m, i, run, origin)
+
+
+def describe(side: Side) -> dict:
+    return {"origin": side.origin, "model": side.model.describe(), "inputs": side.inputs.as_dict(),
+            "run": side.run.as_dict()}
+
+
+def dumps(d) -> str:
+    return json.dumps(d, sort_keys=True, default=str)

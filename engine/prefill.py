@@ -1,0 +1,295 @@
+"""prefill(): the contract of seed §2.1-§2.7, following the pseudo-code of §2.6.
+
+    assert_input_contract(...)            -> contract.py
+    attention_bias = build_attention_bias -> attention.AttentionMask
+    residual = embedding_lookup(...)
+    for each layer: norm, qkv, RoPE, cache.write_sequence, causal_attention, MLP
+    h_last = gather_last_valid_position(final, valid_mask)
+    next_logits = unembedding(h_last)
+    assert_cache_invariants(cache, ...)
+
+``Engine.steps`` is the same computation as a generator that yields each layer's
+index once that layer (states and cache) is complete, so a caller can compare two
+runs in lockstep and stop at the first break.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import contract
+from .attention import AttentionMask, get_kernel, standard_head_map, KERNELS
+from .cache import CacheLayout, KVCache, PrefixKV, check_invariants, torch_dtype
+from .errors import CacheInvariantError, ConfigError
+from .model import apply_rope, rope_cos_sin, rope_inv_freq
+from .snapshot import Snapshot
+
+
+@dataclass(frozen=True)
+class NumericalConfig:
+    """Precision of weights and activations, the attention kernel, determinism."""
+    dtype: str = "float32"
+    kernel: str = "eager"
+    block_size: int = 16
+    weight_quant: str = "none"
+    deterministic: bool = True
+    training: bool = False
+    dropout_seed: int | None = None
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ConfigError(f"kernel must be one of {', '.join(KERNELS)} (got {self.kernel!r})")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ConfigError(f"block_size must be a positive integer (got {self.block_size!r})")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV layout and how the prompt is fed: whole, or in chunks against the growing cache."""
+    layout: CacheLayout = CacheLayout()
+    chunk_size: int = 0  # 0: the whole prompt in one forward
+    invariants: str = "raise"  # "raise" or "record" (recording runs keep going so the diff can localise)
+
+    def __post_init__(self):
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
+            raise ConfigError(f"chunk_size must be a non-negative integer (got {self.chunk_size!r})")
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Deliberate §2.11 faults; each changes execution, never the model."""
+    unmasked_padding: bool = False  # row 5: padding keys visible
+    masked_row_softmax: bool = False  # row 7: no sentinel, a fully masked padding row enters softmax
+    last_column: bool = False  # row 1: gather the rectangle's last column
+    head_map: tuple | None = None  # row 4: query head -> KV head map other than ⌊h·H_kv/H_q⌋
+    skip_kv: tuple | None = None  # row 2: (layer, sequence, token index) not written
+
+
+@dataclass
+class PrefillResult:
+    next_logits: torch.Tensor  # (n_seqs, V)
+    kv_cache: KVCache
+    valid_lengths: torch.Tensor  # (n_seqs,)
+    cache_metadata: dict
+    final_norm: torch.Tensor  # (n_seqs, d): h_b at each sequence's last valid position
+    gather_cells: list = field(default_factory=list)  # (row, column) each h_b was read from
+
+
+class Cells:
+    """Which sequence and token each cell of the input rectangle holds (seed §2.2's G, made explicit)."""
+
+    def __init__(self, valid: torch.Tensor, seq: torch.Tensor, positions: torch.Tensor, offsets: dict[int, int]):
+        self.valid, self.seq = valid, torch.where(valid, seq, -1)
+        self.positions = torch.where(valid, positions, torch.zeros_like(positions))
+        B, n = valid.shape
+        self.tok = torch.full_like(self.seq, -1)
+        self.runs = []  # (row, seq, first column, end column)
+        self.row_seqs = [[] for _ in range(B)]
+        self.last = {}  # seq -> (row, column) of its last valid token
+        self.lengths = {}  # seq -> tokens in the cache after this call
+        for b in range(B):
+            for s in self.seq[b][valid[b]].unique().tolist():
+                cols = (self.seq[b] == s).nonzero().flatten()
+                c0, c1 = int(cols[0]), int(cols[-1]) + 1
+                off = offsets.get(s, 0)
+                self.tok[b, c0:c1] = torch.arange(off, off + c1 - c0)
+                self.runs.append((b, s, c0, c1))
+                self.row_seqs[b].append(s)
+                self.last[s] = (b, c1 - 1)
+                self.lengths[s] = off + c1 - c0
+        self.n_seqs = len(self.last)
+
+    def expected_positions(self, history_positions: dict) -> list[torch.Tensor]:
+        out = []
+        for s in range(self.n_seqs):
+            mine = [self.positions[b, c0:c1] for b, t, c0, c1 in self.runs if t == s]
+            out.append(torch.cat([history_positions.get(s, torch.zeros(0, dtype=torch.long))] + mine))
+        return out
+
+
+class ForwardStep:
+    """Everything one forward over columns [c0, c1) needs besides the weights."""
+
+    def __init__(self, engine: "Engine", cells: Cells, c0: int, c1: int, cache: KVCache, read_through: bool,
+                 faults: Faults, recorder, shapes):
+        self.engine, self.cache, self.read_through, self.faults = engine, cache, read_through, faults
+        self.recorder, self.shapes, self.c0 = recorder, shapes, c0
+        self.rope = rope_cos_sin(cells.positions[:, c0:c1], engine.inv_freq, engine.dtype)
+        self.positions = cells.positions[:, c0:c1]
+        self.row_seqs = cells.row_seqs
+        self.runs = [(b, s, max(a, c0) - c0, min(e, c1) - c0, max(a, c0) - a + cells.tok[b, a].item())
+                     for b, s, a, e in cells.runs if a < c1 and e > c0]
+        q_tok, q_seq = cells.tok[:, c0:c1], cells.seq[:, c0:c1]
+        self.q_tok, self.q_seq = q_tok, q_seq
+        sentinel = not faults.masked_row_softmax
+        if faults.unmasked_padding:  # keys ordered by physical column, validity ignored
+            col = torch.arange(c0, c1).expand_as(q_tok)
+            row_seq = torch.tensor([s[0] if s else -1 for s in cells.row_seqs])[:, None].expand_as(q_seq)
+            self.mask = AttentionMask(torch.where(q_tok >= 0, col, -1), col, row_seq, row_seq, sentinel)
+        else:
+            self.mask = AttentionMask(q_tok, q_tok, q_seq, q_seq, sentinel)
+        self.head_map = list(faults.head_map) if faults.head_map else engine.head_map
+
+    def attend(self, layer: int, q_rot, k_rot, v, k_pre):
+        skip = self.faults.skip_kv
+        for b, s, a, e, tok0 in self.runs:  # cache.write_sequence for each sequence's valid cells
+            if a >= e:
+                continue
+            k, vv, kp, pos = k_rot[b, :, a:e], v[b, :, a:e], k_pre[b, :, a:e], self.positions[b, a:e]
+            if skip is not None and skip[0] == layer and skip[1] == s and tok0 <= skip[2] < tok0 + e - a:
+                keep = torch.arange(e - a) != skip[2] - tok0
+                k, vv, kp, pos = k[:, keep], vv[:, keep], kp[:, keep], pos[keep]
+            self.cache.write(layer, s, k, vv, kp, pos)
+        if self.read_through:
+            keys, values, k_tok, k_seq = self.cache.read_rows(layer, self.row_seqs, like=k_rot)
+            mask = AttentionMask(self.q_tok, k_tok, self.q_seq, k_seq, self.mask.sentinel)
+        else:
+            keys, values, mask = k_rot, v, self.mask
+        if self.shapes is not None:
+            self.shapes(layer, "q", tuple(q_rot.shape))
+            self.shapes(layer, "k", tuple(keys.shape))
+            self.shapes(layer, "v", tuple(values.shape))
+        shapes = None if self.shapes is None else (lambda name, shape: self.shapes(layer, name, shape))
+        out = self.engine.kernel(q_rot, keys, values, mask, self.head_map, shapes)
+        if self.shapes is not None:
+            self.shapes(layer, "attn_out", tuple(out.shape))
+        return out
+
+    def record(self, layer: int, name: str, x: torch.Tensor) -> None:
+        if self.recorder is not None:
+            self.recorder.state(layer, name, x, self.c0)
+
+
+class Engine:
+    """A snapshot built in one numerical configuration, ready to prefill many requests."""
+
+    def __init__(self, snapshot: Snapshot, numerical: NumericalConfig = NumericalConfig()):
+        self.snapshot, self.numerical, self.args = snapshot, numerical, snapshot.args
+        self.model, self.quantized_digest = snapshot.build(numerical.dtype, numerical.weight_quant, numerical.training)
+        self.dtype = torch_dtype(numerical.dtype)
+        self.inv_freq = rope_inv_freq(self.args, torch.float64 if self.dtype == torch.float64 else torch.float32)
+        self.kernel = get_kernel(numerical.kernel, numerical.block_size)
+        self.head_map = standard_head_map(self.args.n_heads, self.args.n_kv_heads)
+        self.rng = None
+        if numerical.training and numerical.dropout_seed is not None:
+            self.rng = numerical.dropout_seed
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE on cached pre-rotation keys (H, T, d) at their stored positions."""
+        cos, sin = rope_cos_sin(positions[None], self.inv_freq, keys.dtype)
+        return apply_rope(keys[None], cos, sin)[0]
+
+    def identity(self, layout: CacheLayout) -> dict:
+        """What a cache built by this engine must carry (invariant 5; §2.9 conditions 1, 2 and 4)."""
+        return {**self.snapshot.identity(), "rope": self.args.rope_dict(), "precision": self.numerical.dtype,
+                "cache_dtype": layout.dtype, "key_rotation": layout.key_rotation, "layout_version": layout.version}
+
+    def prefill(self, *args, **kw) -> PrefillResult:
+        gen = self.steps(*args, **kw)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def steps(self, input_ids, attention_mask, positions, cache_config: CacheConfig = CacheConfig(), *,
+              segments=None, history: dict | None = None, recorder=None, faults: Faults = Faults(), shapes=None):
+        """Generator form of prefill: yields each layer index once that layer is complete."""
+        args, model = self.args, self.model
+        input_ids = torch.as_tensor(input_ids)
+        valid = contract.check_mask(input_ids, torch.as_tensor(attention_mask))
+        B, n = valid.shape
+        seq = torch.arange(B)[:, None].expand(B, n) if segments is None else torch.as_tensor(segments)
+        contract.check_contiguous(valid, seq)
+        positions = torch.as_tensor(positions)
+        contract.check_positions(positions, valid, seq, args.max_position)
+        contract.check_ids(input_ids, valid, args.vocab_size)
+        contract.check_vocab(model, args.tokenizer_vocab_size)
+        contract.check_inference_mode(model, self.numerical.dropout_seed)
+        if self.rng is not None:
+            torch.manual_seed(self.rng)
+
+        history = history or {}
+        layout = cache_config.layout.resolved(self.numerical.dtype)
+        cells = Cells(valid, seq, positions, {s: h.length for s, h in history.items()})
+        cache = KVCache(args.n_layers, cells.n_seqs, layout, self.dtype, rotate=self.rotate)
+        identity = self.identity(layout)
+        cache.metadata.update(identity)
+        for s, prefix in history.items():  # reused prefix KV (seed §2.9), as the cache stores it
+            for layer, (k, v, pos) in enumerate(prefix.layers):
+                cache.write(layer, s, k, v, k, pos)
+        if recorder is not None:
+            recorder.inputs(input_ids, valid, cells.positions, cells.tok, cells.seq)
+        chunk = cache_config.chunk_size or n
+        read_through = not layout.plain or bool(history) or chunk < n
+        ids = torch.where(valid, input_ids, torch.zeros_like(input_ids))
+        x_last = None
+        with torch.no_grad():
+            for c0 in range(0, n, chunk):
+                c1 = min(c0 + chunk, n)
+                step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes)
+                x = model.tok_embeddings(ids[:, c0:c1])  # (B, chunk, dim)
+                for layer, block in enumerate(model.layers):
+                    x = block(x, step, layer)
+                    if c1 == n and chunk == n:
+                        self._emit_cache(recorder, cache, layer)
+                        yield layer
+                if chunk == n:
+                    x_last = x
+                else:
+                    x_last = x.new_zeros((B, n, args.dim)) if x_last is None else x_last
+                    x_last[:, c0:c1] = x
+            if chunk < n:
+                for layer in range(args.n_layers):
+                    self._emit_cache(recorder, cache, layer)
+                    yield layer
+            result = self._finish(cells, x_last, cache, faults, recorder, identity, history)
+        violations = result.cache_metadata["invariant_violations"]
+        if violations and cache_config.invariants == "raise":
+            raise CacheInvariantError("cache invariant broken after prefill: " + "; ".join(violations))
+        return result
+
+    @staticmethod
+    def _emit_cache(recorder, cache: KVCache, layer: int) -> None:
+        if recorder is None:
+            return
+        for s in range(cache.n_seqs):
+            got = cache.stored(layer, s)
+            if got is not None:
+                recorder.cache(layer, s, *got)
+
+    def _finish(self, cells: Cells, x_last, cache: KVCache, faults: Faults, recorder, identity, history):
+        n = x_last.shape[1]
+        gather = []
+        for s in range(cells.n_seqs):  # gather_last_valid_position, not the rectangle's last column
+            b, c = cells.last[s]
+            gather.append((b, n - 1) if faults.last_column else (b, c))
+        rows = torch.tensor([g[0] for g in gather])
+        cols = torch.tensor([g[1] for g in gather])
+        h = self.model.norm(x_last[rows, cols])  # (n_seqs, dim)
+        logits = self.model.unembed(h)  # (n_seqs, vocab)
+        hist_pos = {s: prefix.layers[0][2] for s, prefix in history.items()}
+        violations = check_invariants(cache, self.args.n_kv_heads, self.args.head_dim,
+                                      cells.expected_positions(hist_pos), identity)
+        for s, prefix in history.items():
+            ident = prefix.identity
+            diff = sorted(k for k in identity if ident.get(k) != identity[k])
+            if diff:
+                violations.append(f"invariant 5 (identity recorded and matching): reused prefix of sequence {s} "
+                                  f"was built with other {', '.join(diff)}")
+        lengths = torch.tensor([cells.lengths[s] for s in range(cells.n_seqs)])
+        meta = {**cache.metadata, "invariant_violations": violations, "valid_lengths": lengths.tolist()}
+        if recorder is not None:
+            for s in range(cells.n_seqs):
+                b, c = gather[s]
+                recorder.final(s, h[s], logits[s], (b, c), int(cells.tok[b, c]))
+        return PrefillResult(logits, cache, lengths, meta, h, gather)
+
+
+def prefill(input_ids, attention_mask, position_descriptor, model_snapshot: Snapshot,
+            numerical_config: NumericalConfig = NumericalConfig(), cache_config: CacheConfig = CacheConfig(),
+            **kw) -> PrefillResult:
+    """The interface of seed §2.1: one call, one snapshot, one configuration."""
+    return Engine(model_snapshot, numerical_config).prefill(
+        input_ids, attention_mask, position_descriptor, cache_config, **kw)

@@ -1,0 +1,305 @@
+"""Execution paths: turn (model, inputs, run config) into prefill calls and stream them to a recorder.
+
+Every path — one sample at a time, a left- or right-padded batch, a packed row,
+prefix reuse, chunked — is a list of ``Call``s. Each call carries a ``Placement``
+that maps its rows, columns and sequences onto the trace's coordinates: one trace
+row per sample, columns as the engine laid them out (padding kept visible).
+
+``execute`` runs the calls in lockstep, layer by layer, and yields each layer index
+once every call has finished it; the generator's return value is the run's record
+(reuse outcomes, invariant violations, fault observability).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import PrefixKV
+from .config import Inputs, RunConfig, Side
+from .errors import ConfigError
+from .prefill import Engine, Faults, NumericalConfig
+from .reuse import PrefixCache
+from .snapshot import Snapshot, load_snapshot, seeded_adapter
+
+DEFAULT_TEXT_PROMPTS = ("The capital of France is", "Hello, my name is", "In 1969, the first man on the moon was")
+DEFAULT_LENGTHS = (12, 5, 9)
+
+
+def default_token_ids(vocab_size: int, lengths=DEFAULT_LENGTHS) -> tuple:
+    """Built-in prompts of unequal lengths for models without a tokenizer; seeded, never id 0 (the pad id)."""
+    g = torch.Generator().manual_seed(2024)
+    return tuple(tuple(torch.randint(1, vocab_size, (n,), generator=g).tolist()) for n in lengths)
+
+
+def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | None]:
+    """Token ids per sample (and the text they came from, if any)."""
+    if inputs.token_ids:
+        return tuple(tuple(r) for r in inputs.token_ids), None
+    prompts = inputs.prompts
+    if not prompts:
+        if snapshot.tokenizer is None:
+            return default_token_ids(snapshot.args.vocab_size), None
+        prompts = DEFAULT_TEXT_PROMPTS
+    if snapshot.tokenizer is None:
+        raise ConfigError(f"text prompts need a tokenizer, and model {snapshot.source} has none "
+                          "(give [inputs] token_ids instead)")
+    ids = tuple(tuple(snapshot.tokenizer.encode(p)) for p in prompts)
+    for p, row in zip(prompts, ids):
+        if not row:
+            raise ConfigError(f"prompt {p!r} tokenizes to no tokens")
+    return ids, tuple(prompts)
+
+
+class Placement:
+    """Maps one call's (row, column) and sequences onto trace (sample, column)."""
+
+    def __init__(self, recorder, runs, sample_of_seq):
+        self.recorder = recorder
+        self.runs = runs  # (row, first column, end column, sample, trace column of the first)
+        self.sample_of_seq = sample_of_seq
+
+    def inputs(self, ids, valid, positions, tok, seq):
+        for r, c0, c1, s, t0 in self.runs:
+            self.recorder.inputs(s, t0, ids[r, c0:c1], valid[r, c0:c1], positions[r, c0:c1], tok[r, c0:c1])
+
+    def state(self, layer, name, x, col_start):
+        width = x.shape[1]
+        for r, c0, c1, s, t0 in self.runs:
+            a, b = max(c0, col_start), min(c1, col_start + width)
+            if a < b:
+                self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
+
+    def cache(self, layer, seq, keys, values, positions):
+        self.recorder.cache(layer, self.sample_of_seq[seq], keys, values, positions)
+
+    def final(self, seq, h, logits, cell, tok):
+        r, c = cell
+        for rr, c0, c1, s, t0 in self.runs:
+            if rr == r and s == self.sample_of_seq[seq]:
+                c = t0 + c - c0
+        self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
+
+
+@dataclass
+class Call:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor | None
+    history: dict
+    samples: list  # trace sample of each sequence
+    runs: list
+    faults: Faults = Faults()
+
+
+def _rect(rows, positions, samples, side: str, pad_id: int, history=None):
+    """A padded rectangle of the given rows; side 'left' or 'right'."""
+    n = max(len(r) for r in rows)
+    B = len(rows)
+    ids = torch.full((B, n), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, n), dtype=torch.long)
+    pos = torch.zeros((B, n), dtype=torch.long)
+    for b, (row, p) in enumerate(zip(rows, positions)):
+        c0 = n - len(row) if side == "left" else 0
+        ids[b, c0:c0 + len(row)] = torch.tensor(row)
+        mask[b, c0:c0 + len(row)] = 1
+        pos[b, c0:c0 + len(row)] = torch.tensor(p)
+    runs = [(b, 0, n, samples[b], 0) for b in range(B)]
+    return Call(ids, mask, pos, None, history or {}, list(samples), runs)
+
+
+def _packed(rows, positions, samples, history=None):
+    ids = torch.tensor([[t for r in rows for t in r]])
+    pos = torch.tensor([[p for ps in positions for p in ps]])
+    seg = torch.tensor([[i for i, r in enumerate(rows) for _ in r]])
+    runs, at = [], 0
+    for i, r in enumerate(rows):  # cu_seqlens = cumulative lengths
+        runs.append((0, at, at + len(r), samples[i], 0))
+        at += len(r)
+    return Call(ids, torch.ones_like(ids), pos, seg, history or {}, list(samples), runs)
+
+
+def plan_calls(rows, positions, samples, batching: str, pad_id: int, history_of=None) -> list[Call]:
+    """Split the samples into prefill calls for one batching mode."""
+    history_of = history_of or {}
+    if batching == "unbatched":
+        return [_rect([r], [p], [s], "right", pad_id, {0: history_of[s]} if s in history_of else None)
+                for r, p, s in zip(rows, positions, samples)]
+    hist = {i: history_of[s] for i, s in enumerate(samples) if s in history_of}
+    if batching == "packed":
+        return [_packed(rows, positions, samples, hist)]
+    return [_rect(rows, positions, samples, batching, pad_id, hist)]
+
+
+def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
+    """Why this fault cannot show on this model and these inputs (None if it can)."""
+    if run.fault is None:
+        return None
+    name, args = run.fault.name, snapshot.args
+    lengths = [len(t) for t in tokens]
+    if name == "gqa-mapping" and args.n_kv_heads < 2:
+        return (f"fault:gqa-mapping cannot show on this model: it has n_kv_heads={args.n_kv_heads}, "
+                "so every query head reads the same KV head whatever the mapping")
+    padded = len(set(lengths)) > 1 and run.batching in ("left", "right")
+    if name in ("unmasked-padding", "masked-row-softmax") and not (padded and run.batching == "left"):
+        return (f"fault:{name} cannot show here: it needs a left-padded batch of unequal lengths "
+                f"(batching={run.batching}, lengths={lengths})")
+    if name == "last-column" and not (padded and run.batching == "right"):
+        return (f"fault:last-column cannot show here: it needs a right-padded batch of unequal lengths "
+                f"(batching={run.batching}, lengths={lengths})")
+    if name in ("position-restart", "adapter-mismatch") and (
+            run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):
+        return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
+    return None
+
+
+def _faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults:
+    f = run.fault
+    if f is None:
+        return Faults()
+    args = snapshot.args
+    if f.name == "gqa-mapping":
+        hm = [h * args.n_kv_heads // args.n_heads for h in range(args.n_heads)]
+        hm[0] = (hm[0] + 1) % args.n_kv_heads
+        return Faults(head_map=tuple(hm))
+    if f.name == "skip-kv":
+        layer = args.n_layers // 2 if f.layer is None else f.layer
+        if not 0 <= layer < args.n_layers:
+            raise ConfigError(f"fault skip-kv layer must be in [0, {args.n_layers}) (got {layer})")
+        if not 0 <= f.sample < len(tokens):
+            raise ConfigError(f"fault skip-kv sample must be in [0, {len(tokens)}) (got {f.sample})")
+        if f.sample not in call.samples:
+            return Faults()
+        tok = f.token % len(tokens[f.sample])
+        return Faults(skip_kv=(layer, call.samples.index(f.sample), tok))
+    return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
+                  last_column=f.name == "last-column")
+
+
+def _reuse_meta(engine: Engine, run: RunConfig, tenant: str) -> dict:
+    layout = run.cache.layout.resolved(engine.numerical.dtype)
+    ident = engine.identity(layout)
+    return {**ident, "position_numbering": "absolute, from 0", "mask_semantics": engine.args.attention_rule,
+            "tenant": tenant}
+
+
+def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, positions, segments):
+    """The earlier requests: prefill each prompt's first prefix_len tokens into a prefix cache, then look up."""
+    reuse = run.reuse
+    k = reuse.prefix_len
+    builder = engine
+    if reuse.cache_adapter == "other":
+        base = snapshot.adapter
+        seed = 7 + (int(base.digest[7:15], 16) % 1000 if base else 0)  # stable: differs from the model's own
+        other = seeded_adapter(snapshot.args, "other-adapter", rank=base.rank if base else 4, seed=seed)
+        builder = Engine(snapshot.with_adapter(other), engine.numerical)
+    pcache = PrefixCache(allow_cross_tenant=reuse.allow_cross_tenant)
+    cache_tenant = reuse.cache_tenant or reuse.tenant
+    for s, toks in enumerate(tokens):
+        if len(toks) <= k:
+            continue
+        res = builder.prefill(torch.tensor([toks[:k]]), torch.ones(1, k, dtype=torch.long),
+                              torch.tensor([positions[s][:k]]), run.cache)
+        kv = PrefixKV([res.kv_cache.stored(layer, 0) for layer in range(snapshot.args.n_layers)],
+                      builder.identity(run.cache.layout.resolved(builder.numerical.dtype)))
+        pcache.insert(toks[:k], kv, _reuse_meta(builder, run, cache_tenant), cache_tenant,
+                      share=reuse.allow_cross_tenant)
+    meta = _reuse_meta(engine, run, reuse.tenant)
+    outcomes, history = [], {}
+    for s, toks in enumerate(tokens):
+        seg = segments[s] if segments else ()
+        found = pcache.lookup(toks, k, meta, reuse.tenant, seg, force=reuse.force)
+        outcomes.append({"sample": s, "prefix_len": k, "hit": found.hit, "forced": found.forced,
+                         "reason": found.reason})
+        if found.hit:
+            history[s] = found.kv
+    return history, outcomes
+
+
+def sample_positions(inputs: Inputs, tokens) -> list[list[int]]:
+    if inputs.positions is None:
+        return [list(range(len(t))) for t in tokens]
+    if len(inputs.positions) != len(tokens):
+        raise ConfigError(f"[inputs] positions must have one row per sample "
+                          f"(got {len(inputs.positions)} rows for {len(tokens)} samples)")
+    out = []
+    for b, (p, t) in enumerate(zip(inputs.positions, tokens)):
+        if len(p) != len(t):
+            raise ConfigError(f"[inputs] positions row {b} must have one id per token "
+                              f"(got {len(p)} for {len(t)} tokens)")
+        out.append(list(p))
+    return out
+
+
+@dataclass
+class Prepared:
+    """A side ready to run: snapshot, engine, token ids, and the calls that prefill them."""
+    side: Side
+    snapshot: Snapshot
+    tokens: tuple
+    texts: tuple | None
+    engine: Engine | None = None
+    calls: list = field(default_factory=list)
+    record: dict = field(default_factory=dict)
+
+    @property
+    def n_cols(self) -> int:
+        return max(t0 + c1 - c0 for call in self.calls for _, c0, c1, _, t0 in call.runs)
+
+
+def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
+    """Load the model, tokenize, and plan the prefill calls (including any earlier prefix requests)."""
+    snapshot = snapshot or load_snapshot(side.model)
+    run = side.run
+    tokens, texts = resolve_tokens(side.inputs, snapshot)
+    prep = Prepared(side, snapshot, tokens, texts)
+    note = fault_note(run, snapshot, tokens)
+    prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": note},
+                   "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
+    if run.engine == "transformers":
+        return prep
+    torch.use_deterministic_algorithms(run.numerical.deterministic, warn_only=True)
+    engine = Engine(snapshot, run.numerical)
+    prep.engine = engine
+    prep.record["quantized_weights_digest"] = engine.quantized_digest
+    positions = sample_positions(side.inputs, tokens)
+    pad = side.inputs.pad_id if side.inputs.pad_id is not None else 0
+    rows, pos, history = [list(t) for t in tokens], positions, {}
+    if run.reuse is not None:
+        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, side.inputs.segments)
+        prep.record["reuse"] = outcomes
+        restart = run.fault is not None and run.fault.name == "position-restart"
+        for s, kv in history.items():
+            k = kv.length
+            rows[s] = rows[s][k:]
+            pos[s] = list(range(len(rows[s]))) if restart else pos[s][k:]
+    prep.calls = plan_calls(rows, pos, list(range(len(tokens))), run.batching, pad, history)
+    for call in prep.calls:
+        call.faults = _faults_for(run, snapshot, call, tokens)
+    return prep
+
+
+def execute(prep: Prepared, recorder):
+    """Run the planned calls in lockstep; yield each completed layer; return the run record."""
+    run, L = prep.side.run, prep.snapshot.args.n_layers
+    gens = [prep.engine.steps(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,
+                              recorder=Placement(recorder, c.runs, c.samples), faults=c.faults)
+            for c in prep.calls]
+    done = [-1] * len(gens)
+    results = [None] * len(gens)
+    for layer in range(L):
+        for i, g in enumerate(gens):
+            while done[i] < layer:
+                done[i] = next(g)
+        yield layer
+    for i, g in enumerate(gens):
+        try:
+            next(g)
+            raise RuntimeError("prefill yielded more layers than the model has")
+        except StopIteration as stop:
+            results[i] = stop.value
+    for call, res in zip(prep.calls, results):
+        for v in res.cache_metadata["invariant_violations"]:
+            prep.record["invariant_violations"].append(f"samples {call.samples}: {v}")
+    return prep.record

@@ -1,0 +1,59 @@
+"""Shared helpers: an engine-side capture recorder and padded-batch builders."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+class Capture:
+    """Engine-side recorder (forward coordinates) that keeps every tensor it is given."""
+
+    def __init__(self):
+        self.states, self.caches, self.finals, self.inputs_ = {}, {}, {}, None
+
+    def inputs(self, ids, valid, positions, tok, seq):
+        self.inputs_ = (ids.clone(), valid.clone(), positions.clone(), tok.clone(), seq.clone())
+
+    def state(self, layer, name, x, col_start):
+        if col_start:
+            self.states[(layer, name)] = torch.cat([self.states[(layer, name)], x.detach().clone()], 1)
+        else:
+            self.states[(layer, name)] = x.detach().clone()
+
+    def cache(self, layer, seq, keys, values, positions):
+        self.caches[(layer, seq)] = (keys.clone(), values.clone(), positions.clone())
+
+    def final(self, seq, h, logits, cell, tok):
+        self.finals[seq] = (h.clone(), logits.clone(), cell, tok)
+
+
+def padded(prompts, side="left", pad_id=0):
+    """ids, mask, positions of a padded batch; positions count valid tokens from 0."""
+    n = max(map(len, prompts))
+    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), n), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        c0 = n - len(p) if side == "left" else 0
+        ids[b, c0:c0 + len(p)] = torch.tensor(p)
+        mask[b, c0:c0 + len(p)] = 1
+    pos = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    return ids, mask, pos
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+
+
+@pytest.fixture
+def prompts():
+    return [list(p) for p in PROMPTS]
+
+
+@pytest.fixture
+def run_cli():
+    """Invoke the CLI in-process; returns the click Result."""
+    from click.testing import CliRunner
+    from prefill_diff.cli.main import cli
+
+    def go(*args, **kw):
+        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, **kw)
+    return go

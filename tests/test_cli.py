@@ -1,0 +1,133 @@
+"""The command line: verdicts, exit statuses, JSON keys, bad input, help and README coverage."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from prefill_diff.cli.main import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_KEYS = {"stage", "layer", "kind", "tensor", "sample", "position", "max_abs_error", "max_rel_error"}
+
+
+def report_of(run_cli, *args, tmp_path):
+    out = tmp_path / "r.json"
+    res = run_cli("run", *args, "--json", out)
+    return res, json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("cand", ["batched-left", "batched-right"])
+def test_run_batched_passes(run_cli, tmp_path, cand):
+    res, rep = report_of(run_cli, "reference", cand, tmp_path=tmp_path)
+    assert res.exit_code == 0, res.output
+    assert rep["verdict"] == "pass" and rep["first_break"] is None
+    assert len(rep["layers"]) == 4 and all(row["passed"] for row in rep["layers"])
+    assert "PASSED | 4/4 layers" in res.output
+
+
+def test_run_unmasked_padding_breaks_layer_0_on_padded_samples_only(run_cli, tmp_path):
+    res, rep = report_of(run_cli, "reference", "fault:unmasked-padding", tmp_path=tmp_path)
+    assert res.exit_code == 1, res.output
+    fb = rep["first_break"]
+    assert SPEC_KEYS <= set(fb)
+    assert (fb["stage"], fb["layer"], fb["kind"], fb["tensor"]) == ("layer", 0, "value", "attn_update")
+    assert fb["max_abs_error"] > fb["atol"]
+    # the built-in prompts have lengths 12, 5, 9: samples 1 and 2 are padded, sample 0 is not
+    assert set(fb["samples"]) == {1, 2}
+    layer0 = rep["layers"][0]["tensors"]["attn_update"]
+    assert 0 not in layer0["bad_samples"]
+    assert "FAILED | layer 0 attn_update" in res.output
+
+
+def test_json_report_keys(run_cli, tmp_path):
+    res, rep = report_of(run_cli, "reference", "fault:skip-kv", tmp_path=tmp_path)
+    assert res.exit_code == 1
+    assert {"verdict", "first_break", "layers"} <= set(rep)
+    assert rep["first_break"]["kind"] == "cache_length"
+    assert rep["first_break"]["layer"] == 2  # the middle layer of 4 skips the write
+    for row in rep["layers"]:
+        assert {"layer", "passed", "tensors", "first_break"} <= set(row)
+
+
+def test_json_to_stdout_is_plain_json(run_cli):
+    res = run_cli("run", "reference", "batched-left", "--json", "-")
+    assert res.exit_code == 0
+    assert "\x1b[" not in res.output
+    assert json.loads(res.output)["verdict"] == "pass"
+
+
+def test_run_bad_preset_exits_2(run_cli):
+    res = run_cli("run", "reference", "no-such-preset")
+    assert res.exit_code == 2
+    assert "neither a preset nor a config file" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_config_unknown_key_is_an_error(run_cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "batched-left"\n[run]\nbatchin = "left"\n')
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2
+    assert "unknown key [run] batchin" in res.output
+
+
+def test_config_sets_model_inputs_and_sizes(run_cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "batched-right"\n[model]\nsource = "synthetic"\nn_layers = 2\ndim = 32\n'
+                   'head_dim = 8\n[inputs]\ntoken_ids = [[1, 2, 3, 4], [5, 6]]\n')
+    ref = tmp_path / "r.toml"
+    ref.write_text('[model]\nsource = "synthetic"\nn_layers = 2\ndim = 32\nhead_dim = 8\n'
+                   '[inputs]\ntoken_ids = [[1, 2, 3, 4], [5, 6]]\n')
+    res, rep = report_of(run_cli, ref, cfg, tmp_path=tmp_path)
+    assert res.exit_code == 0, res.output
+    assert len(rep["layers"]) == 2
+    assert rep["samples"] == [{"reference": 0, "candidate": 0}, {"reference": 1, "candidate": 1}]
+
+
+def test_config_bad_toml_exits_2(run_cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[run\n")
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2 and "not valid TOML" in res.output
+
+
+def test_config_bad_value_exits_2(run_cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nn_heads = 6\nn_kv_heads = 4\n')
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2
+    assert "n_heads must be divisible by n_kv_heads (got n_heads=6, n_kv_heads=4)" in res.output
+
+
+def test_tokens_option_and_precondition_exit_2(run_cli):
+    res = run_cli("run", "reference", "batched-left", "--tokens", "1,2,3", "--tokens", "4,500")
+    assert res.exit_code == 2
+    assert "2.1(1)" in res.output and "id 500" in res.output
+
+
+def test_ledger_default_is_the_seed_table(run_cli):
+    res = run_cli("ledger")
+    assert res.exit_code == 0
+    assert "[1, 12, 8]" in res.output and "[1, 2, 12, 12]" in res.output
+    assert re.search(r"\b192\b", res.output)
+    assert "logits [20]" in res.output
+
+
+def test_presets_lists_every_preset(run_cli):
+    from prefill_diff.engine.config import PRESETS
+    res = run_cli("presets")
+    assert res.exit_code == 0
+    for name in PRESETS:
+        assert name in res.output
+
+
+def test_every_command_has_help_and_is_in_the_readme(run_cli):
+    readme = (ROOT / "README.md").read_text()
+    for name, cmd in cli.commands.items():
+        res = run_cli(name, "--help")
+        assert res.exit_code == 0
+        assert "Example:" in res.output, name
+        assert f"prefill-diff {name}" in readme, f"README lacks an example of {name}"

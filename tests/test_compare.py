@@ -1,0 +1,97 @@
+"""Comparison: alignment by logical position, check order, first break, injected faults in trace files."""
+from __future__ import annotations
+
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from prefill_diff.dumps.reader import Trace
+from prefill_diff.verify.pipeline import prepare_side, record_side
+from prefill_diff.verify.report import compare_traces
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("traces")
+    return {name: record_side(prepare_side(name), d / f"{name}.h5") for name in ("reference", "batched-left")}
+
+
+def compare(a, b, **kw):
+    with Trace(a) as ra, Trace(b) as rb:
+        return compare_traces(ra, rb, **kw)
+
+
+def test_trace_against_itself_is_exact(traces):
+    rep = compare(traces["reference"], traces["reference"])
+    assert rep and rep.verdict == "pass"
+    for lr in rep.layers:
+        for t in lr.tensors:
+            assert t.max_abs == 0.0 and t.n_bad == 0, (lr.layer, t.tensor)
+
+
+def test_batched_aligned_with_unbatched_by_logical_position(traces):
+    rep = compare(traces["reference"], traces["batched-left"])
+    assert rep
+    lr = rep.layers[0]
+    # every valid token of every sample was compared: 12 + 5 + 9 tokens x 64 channels
+    assert lr.tensor("layer_input").compared == 26 * 64
+    assert lr.tensor("layer_input").max_abs == 0.0  # embeddings are exact
+    assert 0 < lr.tensor("layer_output").max_abs < 1e-4
+
+
+def edited(src, tmp_path, edit):
+    dst = tmp_path / "edited.h5"
+    shutil.copy(src, dst)
+    with h5py.File(dst, "a") as f:
+        edit(f)
+    return dst
+
+
+def test_value_break_points_at_layer_tensor_sample_position_channel(traces, tmp_path):
+    def bump(f):  # batched-left: sample 1 has 5 tokens in a 12-column rectangle; token 3 is column 10
+        f["layers/002/mlp_update"][1, 10, 7] += 0.5
+    rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, bump))
+    fb = rep.first_break
+    assert (fb.stage, fb.layer, fb.kind, fb.tensor, fb.sample, fb.position, fb.channel) == \
+        ("layer", 2, "value", "mlp_update", 1, 3, 7)
+    assert fb.max_abs_error == pytest.approx(0.5, abs=1e-3)
+    assert all(lr for lr in rep.layers[:2])
+
+
+def test_nan_is_a_finite_mask_break_before_values(traces, tmp_path):
+    def nan(f):
+        f["layers/001/layer_output"][0, 3, 0] = np.nan
+        f["layers/001/attn_update"][0, 5, 0] += 1.0
+    rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, nan))
+    fb = rep.first_break
+    assert (fb.layer, fb.kind, fb.tensor) == (1, "finite_mask", "layer_output")
+
+
+def test_nan_in_padding_row_is_reported_as_padding(traces, tmp_path):
+    def nan(f):  # column 0 of sample 1 is padding in the left-padded batch
+        f["layers/000/mid"][1, 0, 0] = np.nan
+    rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, nan))
+    fb = rep.first_break
+    assert (fb.layer, fb.kind, fb.tensor, fb.padding) == (0, "finite_mask", "mid", True)
+
+
+def test_cache_positions_checked_exactly(traces, tmp_path):
+    def shift(f):
+        f["layers/000/cache/positions"][2, 4] = 40
+    rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, shift))
+    fb = rep.first_break
+    assert (fb.layer, fb.kind, fb.sample, fb.position) == (0, "cache_positions", 2, 4)
+
+
+def test_smallest_passing_tolerance_is_reported(traces, tmp_path):
+    def bump(f):
+        f["final/logits"][0, 3] += 0.01
+    rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, bump))
+    t = rep.final.tensor("logits")
+    assert rep.first_break.stage == "final" and rep.first_break.tensor == "logits"
+    with Trace(traces["reference"]) as r:
+        ref = float(r.final["logits"][0, 3])
+    assert t.min_atol == pytest.approx(0.01 - t.rtol * abs(ref), abs=2e-6)  # |d| <= atol + rtol·|ref|
+    assert t.min_rtol == pytest.approx((0.01 - t.atol) / abs(ref), rel=1e-3)

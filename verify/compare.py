@@ -1,0 +1,629 @@
+"""Per-layer comparison of two traces by logical (sample, position), and the first break.
+
+Per layer, in the order of seed §2.10: shapes; finite-value masks (valid rows and
+padding rows separately); cache logical lengths, then positions, exactly; then values
+against the declared tolerance, in the order the layer computes them (layer input,
+cache keys and values, attention update, U, MLP update, layer output). Then final
+raw logits and top-ranked ids. Every tensor is read once, one sample row at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..dumps.reader import LayerView, Trace
+from ..dumps.schema import STAT_COLUMNS
+from .tolerance import Policy, Tolerance, default_policy
+
+VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn_heads", "mid", "mlp_update",
+               "layer_output")
+SUBLAYER = {"layer_input": "residual", "cache_keys": "attention", "cache_values": "attention",
+            "attn_heads": "attention", "attn_update": "attention", "mid": "attention", "mlp_update": "mlp",
+            "layer_output": "mlp", "logits": "final", "norm_last": "final"}
+ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+KIND_ORDER = ("shape", "finite_mask", "cache_length", "cache_positions", "value", "top_ids")
+
+
+@dataclass(frozen=True)
+class Break:
+    """Where and how a comparison first fails."""
+    stage: str  # metadata | layer | final
+    kind: str  # shape | finite_mask | cache_length | cache_positions | value | top_ids | metadata
+    message: str
+    layer: int | None = None
+    tensor: str | None = None
+    sample: int | None = None  # reference trace's sample index
+    position: int | None = None  # token index within the sample
+    channel: int | None = None
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    padding: bool = False  # a finite-mask break in padding rows
+    heads: tuple | None = None  # attention: query heads that differ
+    samples: tuple = ()  # every reference sample that breaks here
+
+    @property
+    def sublayer(self) -> str | None:
+        return SUBLAYER.get(self.tensor) if self.tensor else None
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["heads"] = list(self.heads) if self.heads is not None else None
+        d["samples"] = list(self.samples)
+        d["sublayer"] = self.sublayer
+        return d
+
+
+@dataclass(frozen=True)
+class TensorResult:
+    """One tensor of one layer (or of the final stage), compared over aligned cells."""
+    tensor: str
+    level: str  # full | sampled | stats | none
+    atol: float
+    rtol: float
+    compared: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    mean_abs: float = 0.0
+    cosine: float | None = None
+    n_bad: int = 0
+    worst: tuple | None = None  # (sample, position, channel)
+    min_atol: float = 0.0  # smallest atol that passes at this rtol
+    min_rtol: float = 0.0  # smallest rtol that passes at this atol
+    finite_ref_only: int = 0  # valid cells finite in ref but not in cand
+    finite_cand_only: int = 0
+    nonfinite_both: int = 0
+    pad_nonfinite_ref: int = 0
+    pad_nonfinite_cand: int = 0
+    shape_detail: str | None = None
+    bad_samples: tuple = ()
+    bad_positions: dict = field(default_factory=dict)  # sample -> first bad position
+    heads: tuple | None = None
+    bit_identical: bool | None = None
+    note: str | None = None
+    equal_nan: bool = False
+
+    @property
+    def finite_ok(self) -> bool:
+        both = 0 if self.equal_nan else self.nonfinite_both
+        return not (self.finite_ref_only or self.finite_cand_only or both or
+                    self.pad_nonfinite_cand > self.pad_nonfinite_ref or self.pad_nonfinite_ref > self.pad_nonfinite_cand)
+
+    def __bool__(self) -> bool:
+        return self.shape_detail is None and self.finite_ok and self.n_bad == 0
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "bad_positions"}
+        d["passed"] = bool(self)
+        d["worst"] = list(self.worst) if self.worst else None
+        d["heads"] = list(self.heads) if self.heads is not None else None
+        d["bad_samples"] = list(self.bad_samples)
+        for k in ("max_abs", "max_rel", "mean_abs", "min_atol", "min_rtol"):
+            d[k] = _num(d[k])
+        return d
+
+
+def _num(x):
+    if x is None:
+        return None
+    x = float(x)
+    return x if np.isfinite(x) else ("inf" if x > 0 else "-inf" if x < 0 else "nan")
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    lengths_ok: bool = True
+    positions_ok: bool = True
+    detail: str | None = None
+    sample: int | None = None
+    position: int | None = None
+    samples: tuple = ()
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    layer: int
+    tensors: tuple
+    cache: CacheResult
+    first_break: Break | None
+
+    def __bool__(self) -> bool:
+        return self.first_break is None
+
+    def tensor(self, name: str) -> TensorResult | None:
+        return next((t for t in self.tensors if t.tensor == name), None)
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "passed": bool(self),
+                "first_break": None if self.first_break is None else self.first_break.as_dict(),
+                "cache": {"lengths_ok": self.cache.lengths_ok, "positions_ok": self.cache.positions_ok,
+                          "detail": self.cache.detail},
+                "tensors": {t.tensor: t.as_dict() for t in self.tensors}}
+
+
+@dataclass(frozen=True)
+class FinalResult:
+    tensors: tuple
+    top_ids_ok: bool
+    top_detail: str | None
+    first_break: Break | None
+    top: tuple = ()  # per matched sample: (ref sample, ref top ids, cand top ids)
+    sample_max_abs: tuple = ()  # per matched sample: (ref sample, logits max abs error)
+    gather: tuple = ()  # per matched sample: (ref sample, ref token, cand token, last token)
+
+    def __bool__(self) -> bool:
+        return self.first_break is None
+
+    def tensor(self, name: str) -> TensorResult | None:
+        return next((t for t in self.tensors if t.tensor == name), None)
+
+
+class _Acc:
+    """Streaming error metrics over slabs of aligned (ref, cand) cells."""
+
+    def __init__(self, tol: Tolerance, equal_nan: bool):
+        self.tol, self.equal_nan = tol, equal_nan
+        self.n = 0
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.sum_abs = 0.0
+        self.dots = np.zeros(3)  # <r,c>, <r,r>, <c,c>
+        self.n_bad = 0
+        self.min_atol = 0.0
+        self.min_rtol = 0.0
+        self.worst = None
+        self.worst_excess = -np.inf
+        self.fin = np.zeros(3, dtype=np.int64)  # ref-only finite, cand-only finite, both non-finite
+        self.bad_samples = {}
+        self.head_bad = None
+
+    def add(self, r: np.ndarray, c: np.ndarray, sample: int, toks: np.ndarray, heads: int | None = None):
+        """r, c: (T, W) aligned rows of one sample; toks: their token indices."""
+        if r.size == 0:
+            return
+        dt = np.result_type(r.dtype, c.dtype, np.float32)
+        r = r.astype(dt, copy=False)
+        c = c.astype(dt, copy=False)
+        d = np.subtract(c, r)
+        np.abs(d, out=d)
+        mx = d.max()
+        if not np.isfinite(mx):
+            fr, fc = np.isfinite(r), np.isfinite(c)
+            self.fin += [int((fr & ~fc).sum()), int((~fr & fc).sum()), int((~fr & ~fc).sum())]
+            ok = fr & fc
+            if self.equal_nan:
+                same = ~fr & ~fc & ((np.isnan(r) & np.isnan(c)) | (r == c))
+                self.fin[2] -= int(same.sum())
+            if (~ok).any():
+                first = int(np.argmax((~ok).any(axis=1)))
+                self.bad_samples.setdefault(sample, int(toks[first]))
+            d = np.where(ok, d, 0)
+            r = np.where(ok, r, 0)
+            c = np.where(ok, c, 0)
+        a, rt = self.tol.atol, self.tol.rtol
+        ar = np.abs(r)
+        self.n += d.size
+        self.sum_abs += float(d.sum(dtype=np.float64))
+        rf, cf = r.ravel(), c.ravel()
+        self.dots += [float(np.dot(rf, cf)), float(np.dot(rf, rf)), float(np.dot(cf, cf))]
+        excess = d - (a + rt * ar)  # > 0: out of tolerance
+        bad = excess > 0
+        nb = int(bad.sum())
+        self.n_bad += nb
+        i = int(np.argmax(excess))
+        e = float(excess.flat[i])
+        if e > self.worst_excess:
+            self.worst_excess = e
+            row, ch = divmod(i, d.shape[1])
+            self.worst = (sample, int(toks[row]), int(ch))
+        if nb:
+            first_row = int(np.argmax(bad.any(axis=1)))
+            self.bad_samples.setdefault(sample, int(toks[first_row]))
+            if heads:
+                per_head = bad.reshape(bad.shape[0], heads, -1).any(axis=(0, 2))
+                self.head_bad = per_head if self.head_bad is None else (self.head_bad | per_head)
+        self.max_abs = max(self.max_abs, float(d.max()))
+        self.min_atol = max(self.min_atol, float((d - rt * ar).max()))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            over = d - a
+            need = np.where(over > 0, over / ar, 0.0)
+            rel = np.where(ar > 0, d / ar, np.where(d > 0, np.inf, 0.0))
+        self.min_rtol = max(self.min_rtol, float(need.max()))
+        self.max_rel = max(self.max_rel, float(rel.max()))
+
+    def result(self, tensor: str, level: str, **kw) -> TensorResult:
+        rc, rr, cc = self.dots
+        cos = float(rc / np.sqrt(rr * cc)) if rr > 0 and cc > 0 else (1.0 if rr == cc == 0 and self.n else None)
+        heads = None if self.head_bad is None else tuple(int(h) for h in np.flatnonzero(self.head_bad))
+        return TensorResult(tensor, level, self.tol.atol, self.tol.rtol, compared=self.n, max_abs=self.max_abs,
+                            max_rel=self.max_rel, mean_abs=self.sum_abs / self.n if self.n else 0.0, cosine=cos,
+                            n_bad=self.n_bad, worst=self.worst, min_atol=max(self.min_atol, 0.0),
+                            min_rtol=max(self.min_rtol, 0.0), finite_ref_only=int(self.fin[0]),
+                            finite_cand_only=int(self.fin[1]), nonfinite_both=int(self.fin[2]),
+                            bad_samples=tuple(sorted(self.bad_samples)), bad_positions=dict(self.bad_samples),
+                            heads=heads, equal_nan=self.equal_nan, **kw)
+
+
+def match_samples(ref: Trace, cand: Trace):
+    """Pairs (ref sample, cand sample) with equal token ids, in order; and the unmatched of each side."""
+    free = {}
+    for j, toks in enumerate(cand.samples):
+        free.setdefault(toks, []).append(j)
+    pairs, ref_only = [], []
+    for i, toks in enumerate(ref.samples):
+        if free.get(toks):
+            pairs.append((i, free[toks].pop(0)))
+        else:
+            ref_only.append(i)
+    cand_only = sorted(j for js in free.values() for j in js)
+    return pairs, ref_only, cand_only
+
+
+def rotate_keys(keys: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """RoPE (rotate-half convention) on keys (H, T, d) stored before rotation."""
+    freqs = positions[:, None].astype(np.float64) * inv_freq[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    k = keys.astype(np.float64)
+    half = k.shape[-1] // 2
+    rot = np.concatenate([-k[..., half:], k[..., :half]], axis=-1)
+    return (k * cos + rot * sin).astype(np.result_type(keys.dtype, np.float32))
+
+
+class Comparator:
+    """Compares a reference trace with a candidate, layer by layer."""
+
+    def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None):
+        self.ref, self.cand = ref, cand
+        self.policy = policy or default_policy(ref.meta, cand.meta)
+        self.pairs, self.ref_only, self.cand_only = match_samples(ref, cand)
+        self.notes: list[str] = []
+        self.skipped: set[str] = set()
+        self._align = {}
+        for rs, cs in self.pairs:
+            rcols, rtoks = ref.cells(rs)
+            ccols, ctoks = cand.cells(cs)
+            common, ri, ci = np.intersect1d(rtoks, ctoks, assume_unique=True, return_indices=True)
+            self._align[rs] = (_as_slice(rcols[ri]), _as_slice(ccols[ci]), common,
+                               ref.pad_cols(rs), cand.pad_cols(cs))
+            only_r, only_c = np.setdiff1d(rtoks, ctoks), np.setdiff1d(ctoks, rtoks)
+            if only_r.size:
+                self.notes.append(f"sample {rs}: positions {_span(only_r)} have residual states in the reference only"
+                                  " (compared as cache entries where the cache holds them)")
+            if only_c.size:
+                self.notes.append(f"sample {rs}: positions {_span(only_c)} have residual states in the candidate only")
+
+    # -- metadata ---------------------------------------------------------------------------------
+    def metadata_break(self) -> Break | None:
+        ra, ca = self.ref.args, self.cand.args
+        diffs = [f"{k} {ra.get(k)} vs {ca.get(k)}" for k in ARCH_KEYS if ra.get(k) != ca.get(k)]
+        if self.ref.n_layers != self.cand.n_layers and not any(d.startswith("n_layers") for d in diffs):
+            diffs.append(f"layers stored {self.ref.n_layers} vs {self.cand.n_layers}")
+        if self.ref.final["logits"].shape[1] != self.cand.final["logits"].shape[1] and not any(
+                d.startswith("vocab") for d in diffs):
+            diffs.append(f"logits width {self.ref.final['logits'].shape[1]} vs {self.cand.final['logits'].shape[1]}")
+        if diffs:
+            return Break("metadata", "metadata", "traces are not comparable: architectures differ ("
+                         + "; ".join(diffs) + ")")
+        if not self.pairs:
+            return Break("metadata", "metadata", "traces are not comparable: no sample has the same token ids "
+                         f"(reference {len(self.ref.samples)} samples, candidate {len(self.cand.samples)})")
+        if self.ref_only:
+            self.notes.append(f"reference samples {self.ref_only} have no counterpart in the candidate (not compared)")
+        if self.cand_only:
+            self.notes.append(f"candidate samples {self.cand_only} have no counterpart in the reference (not compared)")
+        return None
+
+    # -- one layer ----------------------------------------------------------------------------------
+    def layer(self, r: LayerView, c: LayerView) -> LayerResult:
+        i = r.layer
+        results = {}
+        for name in ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output"):
+            res = self._state(r, c, name)
+            if res is not None:
+                results[name] = res
+        cache, cache_tensors = self._cache(r, c)
+        results.update(cache_tensors)
+        tensors = tuple(results[n] for n in VALUE_ORDER if n in results)
+        return LayerResult(i, tensors, cache, self._first_break(i, tensors, cache))
+
+    def _first_break(self, layer, tensors, cache: CacheResult) -> Break | None:
+        for t in tensors:
+            if t.shape_detail:
+                return Break("layer", "shape", t.shape_detail, layer, t.tensor)
+        for t in tensors:
+            if not t.finite_ok:
+                return self._finite_break("layer", layer, t)
+        if not cache.lengths_ok:
+            return Break("layer", "cache_length", cache.detail, layer, "cache_lengths", cache.sample, cache.position,
+                         samples=cache.samples)
+        if not cache.positions_ok:
+            return Break("layer", "cache_positions", cache.detail, layer, "cache_positions", cache.sample,
+                         cache.position, samples=cache.samples)
+        for t in tensors:
+            if t.tensor == "attn_heads":
+                continue
+            if t.n_bad:
+                heads = None
+                if t.tensor == "attn_update":
+                    h = next((x for x in tensors if x.tensor == "attn_heads"), None)
+                    heads = h.heads if h is not None and h.heads is not None else None
+                return self._value_break("layer", layer, t, heads)
+        heads_t = next((x for x in tensors if x.tensor == "attn_heads" and x.n_bad), None)
+        if heads_t is not None:
+            return self._value_break("layer", layer, heads_t, heads_t.heads)
+        return None
+
+    def _finite_break(self, stage, layer, t: TensorResult) -> Break:
+        if t.finite_ref_only or t.finite_cand_only or (t.nonfinite_both and not t.equal_nan):
+            where = (f"{t.finite_cand_only} valid values finite only in the candidate, "
+                     f"{t.finite_ref_only} finite only in the reference, {t.nonfinite_both} non-finite in both")
+            s = t.bad_samples[0] if t.bad_samples else None
+            return Break(stage, "finite_mask", f"non-finite values in valid rows of {t.tensor}: {where}", layer,
+                         t.tensor, s, t.bad_positions.get(s), samples=t.bad_samples)
+        side = "candidate" if t.pad_nonfinite_cand > t.pad_nonfinite_ref else "reference"
+        n = max(t.pad_nonfinite_cand, t.pad_nonfinite_ref)
+        return Break(stage, "finite_mask", f"{n} non-finite values in padding rows of {t.tensor} in the {side} only "
+                     "(a padding row entered a softmax with no finite score?)", layer, t.tensor, padding=True,
+                     sample=t.bad_samples[0] if t.bad_samples else None, samples=t.bad_samples)
+
+    def _value_break(self, stage, layer, t: TensorResult, heads=None) -> Break:
+        s, pos, ch = t.worst if t.worst else (None, None, None)
+        msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g} "
+               f"(atol={t.atol:g}, rtol={t.rtol:g}); would pass with atol>={t.min_atol:.3g} or rtol>={t.min_rtol:.3g}")
+        if t.level != "full":
+            msg += f" [{t.level} level]"
+        return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, t.max_rel, t.atol, t.rtol,
+                     heads=heads, samples=t.bad_samples)
+
+    def _state(self, r: LayerView, c: LayerView, name: str) -> TensorResult | None:
+        tol = self.policy.tol(name, r.layer)
+        rd, cd = r.state(name), c.state(name)
+        if rd is not None and cd is not None:
+            if rd.shape[2] != cd.shape[2]:
+                return TensorResult(name, "full", tol.atol, tol.rtol,
+                                    shape_detail=f"{name} width {rd.shape[2]} vs {cd.shape[2]}")
+            acc = _Acc(tol, self.policy.equal_nan)
+            heads = self.ref.args.get("n_heads") if name == "attn_heads" else None
+            pad_r = pad_c = 0
+            for rs, cs in self.pairs:
+                rsl, csl, toks, rpad, cpad = self._align[rs]
+                rrow, crow = self.ref.read(rd, (rs,)), self.cand.read(cd, (cs,))
+                acc.add(rrow[rsl], crow[csl], rs, toks, heads)
+                nr = int((~np.isfinite(rrow[rpad])).sum()) if rpad.size else 0
+                nc = int((~np.isfinite(crow[cpad])).sum()) if cpad.size else 0
+                if nc != nr:
+                    acc.bad_samples.setdefault(rs, None)
+                pad_r, pad_c = pad_r + nr, pad_c + nc
+            return acc.result(name, "full", pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c)
+        if name == "attn_heads":
+            return None
+        if r.sampled(name) is not None or c.sampled(name) is not None:
+            return self._sampled(r, c, name, tol)
+        return self._stats(r, c, name, tol)
+
+    def _sampled(self, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:
+        """Values at the sampled level's declared (token, channel) subset; the full side is subset to match."""
+        self.skipped.add("values compared on the sampled subset only (sampled level)")
+        acc = _Acc(tol, self.policy.equal_nan)
+        pick = {}
+        for side, view, trace in (("r", r, self.ref), ("c", c, self.cand)):
+            pick[side] = (view.sampled(name), view.state(name), trace)
+        ds_s = pick["r"][0] if pick["r"][0] is not None else pick["c"][0]
+        channels = np.asarray(ds_s.attrs["channels"])
+        tok_source = self.ref if pick["r"][0] is not None else self.cand
+        tok_index = tok_source.read(tok_source.f["sampled/token_index"])
+        for rs, cs in self.pairs:
+            s_side = rs if tok_source is self.ref else cs
+            toks = tok_index[s_side]
+            toks = toks[toks >= 0]
+            rows = []
+            for side, s in (("r", rs), ("c", cs)):
+                samp, full, trace = pick[side]
+                if samp is not None:
+                    own = trace.read(trace.f["sampled/token_index"], (s,))
+                    slot = {int(t): j for j, t in enumerate(own) if t >= 0}
+                    data = trace.read(samp, (s,))
+                    rows.append({int(t): data[slot[int(t)]] for t in toks if int(t) in slot})
+                elif full is not None:
+                    cols, ctoks = trace.cells(s)
+                    where = {int(t): int(cl) for t, cl in zip(ctoks, cols)}
+                    data = trace.read(full, (s,))
+                    rows.append({int(t): data[where[int(t)], channels] for t in toks if int(t) in where})
+                else:
+                    return TensorResult(name, "none", tol.atol, tol.rtol, note="no values in one trace")
+            common = [t for t in toks if int(t) in rows[0] and int(t) in rows[1]]
+            if common:
+                a = np.stack([rows[0][int(t)] for t in common])
+                b = np.stack([rows[1][int(t)] for t in common])
+                acc.add(a, b, rs, np.asarray(common))
+        return acc.result(name, "sampled")
+
+    def _stats(self, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:
+        """Statistics only: finite counts exactly, min/max/mean/rms within tolerance, checksums."""
+        rs_t, cs_t = r.stats(name), c.stats(name)
+        if rs_t is None or cs_t is None:
+            self.skipped.add(f"{name}: not recorded in one trace")
+            return TensorResult(name, "none", tol.atol, tol.rtol, note="not recorded in one trace")
+        col = {k: i for i, k in enumerate(STAT_COLUMNS)}
+        rchk, cchk = r.checksum(name), c.checksum(name)
+        fin = np.zeros(2, dtype=np.int64)
+        worst, max_abs, n_bad, min_atol, bad, identical, n = None, 0.0, 0, 0.0, {}, True, 0
+        for rs, cs in self.pairs:
+            a, b = rs_t[rs], cs_t[cs]
+            if a[col["count"]] != b[col["count"]]:
+                self.skipped.add(f"statistics of {name} cover different cells on the two sides; not compared")
+                continue
+            nf_r, nf_c = a[col["count"]] - a[col["finite"]], b[col["count"]] - b[col["finite"]]
+            if nf_r != nf_c:
+                fin += [max(nf_c - nf_r, 0), max(nf_r - nf_c, 0)]
+                bad.setdefault(rs, None)
+            cnt = max(a[col["count"]], 1)
+            ra = np.array([a[col["min"]], a[col["max"]], a[col["mean"]], a[col["l2"]] / np.sqrt(cnt)])
+            ca = np.array([b[col["min"]], b[col["max"]], b[col["mean"]], b[col["l2"]] / np.sqrt(cnt)])
+            n += 4
+            with np.errstate(invalid="ignore"):
+                d = np.abs(ca - ra)
+            d = np.where(np.isfinite(d), d, 0.0)
+            over = d > tol.atol + tol.rtol * np.abs(ra)
+            if over.any():
+                n_bad += int(over.sum())
+                bad.setdefault(rs, None)
+            if d.max() > max_abs:
+                max_abs, worst = float(d.max()), (rs, None, None)
+            min_atol = max(min_atol, float((d - tol.rtol * np.abs(ra)).max()))
+            if rchk is not None and cchk is not None and rchk[rs] != cchk[cs]:
+                identical = False
+            pr, pc = a[col["pad_count"]] - a[col["pad_finite"]], b[col["pad_count"]] - b[col["pad_finite"]]
+            if pr != pc:
+                bad.setdefault(rs, None)
+        self.skipped.add("values compared as statistics only (stats level): max_abs is the largest statistic error")
+        pad_r = int(sum(rs_t[rs][col["pad_count"]] - rs_t[rs][col["pad_finite"]] for rs, _ in self.pairs))
+        pad_c = int(sum(cs_t[cs][col["pad_count"]] - cs_t[cs][col["pad_finite"]] for _, cs in self.pairs))
+        return TensorResult(name, "stats", tol.atol, tol.rtol, compared=n, max_abs=max_abs, n_bad=n_bad,
+                            worst=worst, min_atol=max(min_atol, 0.0), finite_ref_only=int(fin[1]),
+                            finite_cand_only=int(fin[0]), pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c,
+                            bad_samples=tuple(sorted(bad)), bad_positions=dict(bad),
+                            bit_identical=identical if rchk is not None else None, equal_nan=self.policy.equal_nan)
+
+    # -- cache -----------------------------------------------------------------------------------
+    def _cache(self, r: LayerView, c: LayerView):
+        rl, cl = r.cache_lengths, c.cache_lengths
+        rp, cp = r.cache_positions, c.cache_positions
+        lengths_ok = positions_ok = True
+        detail = sample = position = None
+        bad_len, bad_pos = [], []
+        for rs, cs in self.pairs:
+            if rl[rs] != cl[cs]:
+                bad_len.append(rs)
+                if lengths_ok:
+                    lengths_ok = False
+                    T = int(min(rl[rs], cl[cs]))
+                    first = next((t for t in range(T) if rp[rs, t] != cp[cs, t]), T)
+                    sample, position = rs, first
+                    detail = (f"sample {rs}: cache holds {int(cl[cs])} tokens in the candidate, "
+                              f"{int(rl[rs])} in the reference (first differing slot {first})")
+        if lengths_ok:
+            for rs, cs in self.pairs:
+                T = int(rl[rs])
+                diff = np.flatnonzero(rp[rs, :T] != cp[cs, :T])
+                if diff.size:
+                    bad_pos.append(rs)
+                    if positions_ok:
+                        positions_ok = False
+                        t = int(diff[0])
+                        sample, position = rs, t
+                        detail = (f"sample {rs}: cache slot {t} holds position {int(cp[cs, t])} in the candidate, "
+                                  f"{int(rp[rs, t])} in the reference ({diff.size} of {T} slots differ)")
+        res = CacheResult(lengths_ok, positions_ok, detail, sample, position, tuple(bad_len or bad_pos))
+        tensors = {}
+        for name in ("keys", "values"):
+            tname = f"cache_{name}"
+            tol = self.policy.tol(tname, r.layer)
+            rd, cd = r.cache(name), c.cache(name)
+            if rd is None or cd is None:
+                if r.sampled(tname) is not None or c.sampled(tname) is not None:
+                    tensors[tname] = self._sampled_cache(r, c, tname, tol)
+                else:
+                    tensors[tname] = self._stats(r, c, tname, tol)
+                continue
+            if rd.shape[1] != cd.shape[1] or rd.shape[3] != cd.shape[3]:
+                tensors[tname] = TensorResult(tname, "full", tol.atol, tol.rtol, shape_detail=(
+                    f"cache {name}: n_kv_heads x head_dim {rd.shape[1]}x{rd.shape[3]} vs {cd.shape[1]}x{cd.shape[3]}"))
+                continue
+            acc = _Acc(tol, self.policy.equal_nan)
+            for rs, cs in self.pairs:
+                T = int(min(rl[rs], cl[cs]))
+                a = self.ref.read(rd, (rs, slice(None), slice(0, T)))
+                b = self.cand.read(cd, (cs, slice(None), slice(0, T)))
+                if name == "keys":
+                    a, b = self._post_rotation(a, rp[rs, :T], self.ref), self._post_rotation(b, cp[cs, :T], self.cand)
+                H = a.shape[0]
+                acc.add(a.swapaxes(0, 1).reshape(T, -1), b.swapaxes(0, 1).reshape(T, -1), rs, np.arange(T))
+            tensors[tname] = acc.result(tname, "full")
+        return res, tensors
+
+    def _sampled_cache(self, r, c, tname, tol):
+        return self._sampled(r, c, tname, tol) if (r.sampled(tname) is not None and c.sampled(tname) is not None) \
+            else self._stats(r, c, tname, tol)
+
+    def _post_rotation(self, keys, positions, trace: Trace):
+        other = self.cand if trace is self.ref else self.ref
+        mine = trace.meta.get("layout", {}).get("key_rotation", "post")
+        theirs = other.meta.get("layout", {}).get("key_rotation", "post")
+        if mine == "pre" and theirs != "pre":
+            inv = np.asarray(trace.model.get("rope_inv_freq"), dtype=np.float64)
+            return rotate_keys(keys, positions, inv)
+        return keys
+
+    # -- final stage -------------------------------------------------------------------------------
+    def final(self) -> FinalResult:
+        rf, cf = self.ref.final, self.cand.final
+        tensors = []
+        for name in ("logits", "norm_last"):
+            tol = self.policy.tol(name)
+            if rf[name].shape[1] != cf[name].shape[1]:
+                tensors.append(TensorResult(name, "full", tol.atol, tol.rtol,
+                                            shape_detail=f"{name} width {rf[name].shape[1]} vs {cf[name].shape[1]}"))
+                continue
+            acc = _Acc(tol, self.policy.equal_nan)
+            for rs, cs in self.pairs:
+                acc.add(rf[name][rs:rs + 1], cf[name][cs:cs + 1], rs, np.array([int(self.ref.lengths[rs]) - 1]))
+            tensors.append(acc.result(name, "full"))
+        per_sample = tuple((rs, float(np.abs(cf["logits"][cs].astype(np.float64) - rf["logits"][rs]).max()))
+                           for rs, cs in self.pairs)
+        top_ok, top_detail, tops, gathers, top_samples = True, None, [], [], []
+        tol = self.policy.tol("logits")
+        k = min(self.policy.topk, rf["topk_ids"].shape[1], cf["topk_ids"].shape[1])
+        for rs, cs in self.pairs:
+            rz, cids = rf["logits"][rs].astype(np.float64), cf["topk_ids"][cs, :k]
+            order = rf["topk_ids"][rs, :k]
+            tops.append((rs, order.tolist(), cids.tolist()))
+            last = int(self.ref.lengths[rs]) - 1
+            gathers.append((rs, int(rf["gather_token"][rs]), int(cf["gather_token"][cs]), last))
+            for rank in range(k):
+                want = rz[order[rank]]
+                got = rz[cids[rank]]
+                if not got >= want - (tol.atol + tol.rtol * abs(want)):
+                    top_samples.append(rs)
+                    if top_ok:
+                        top_ok = False
+                        top_detail = (f"sample {rs}: rank {rank} is id {int(cids[rank])} in the candidate, "
+                                      f"id {int(order[rank])} in the reference (reference logits {got:.4g} vs "
+                                      f"{want:.4g}, beyond tolerance)")
+                    break
+        fb = None
+        for t in tensors:
+            if t.shape_detail:
+                fb = Break("final", "shape", t.shape_detail, tensor=t.tensor)
+                break
+        if fb is None:
+            for t in tensors:
+                if not t.finite_ok:
+                    fb = self._finite_break("final", None, t)
+                    break
+        if fb is None:
+            for t in tensors:
+                if t.n_bad:
+                    fb = self._value_break("final", None, t)
+                    break
+        if fb is None and not top_ok:
+            fb = Break("final", "top_ids", top_detail, tensor="topk_ids", sample=top_samples[0],
+                       samples=tuple(top_samples))
+        return FinalResult(tuple(tensors), top_ok, top_detail, fb, tuple(tops), per_sample, tuple(gathers))
+
+
+def _as_slice(idx: np.ndarray):
+    """A contiguous ascending index array as a slice (a view, no copy); otherwise the array."""
+    if idx.size and idx[-1] - idx[0] == idx.size - 1 and (idx.size < 2 or (np.diff(idx) == 1).all()):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return idx
+
+
+def _span(toks: np.ndarray) -> str:
+    toks = sorted(int(t) for t in toks)
+    if toks == list(range(toks[0], toks[-1] + 1)):
+        return f"{toks[0]}..{toks[-1]}" if len(toks) > 1 else str(toks[0])
+    return str(toks[:8])[:-1] + (", ...]" if len(toks) > 8 else "]")

@@ -1,0 +1,117 @@
+"""The whole job in one call: prepare both sides, record both traces, compare them.
+
+This is the top of the data flow (config -> engine -> dumps -> verify); the CLI only
+parses options, calls these functions and renders the result.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from ..dumps.capture import record
+from ..dumps.reader import Trace
+from ..dumps.recorder import Recorder
+from .policy_file import build_policy
+from .report import Report, compare_traces
+
+
+@dataclass
+class Outcome:
+    report: Report
+    ref_path: str | None = None
+    cand_path: str | None = None
+    token_text: dict | None = None
+
+
+def prepare_side(source: str, model=None, inputs=None):
+    from ..engine.config import load_side
+    from ..engine.runner import prepare
+    return prepare(load_side(source, model, inputs))
+
+
+def record_side(prep, path, level: str = "full", force: bool = False, compression=None, progress=None,
+                in_memory: bool = False):
+    """Record a prepared side; returns the path (or the open in-memory Recorder)."""
+    rec = Recorder(path, level, force=force, compression=compression, in_memory=in_memory)
+    record(prep, rec, progress=progress)
+    return rec if in_memory else str(path)
+
+
+def _policy(policy_args, ref: Trace, cand: Trace):
+    if policy_args is None or not any(a is not None for a in policy_args):
+        return None
+    return build_policy(*policy_args, ref.meta, cand.meta)
+
+
+def _token_text(*traces) -> dict | None:
+    merged = {}
+    for t in traces:
+        merged.update(t.meta.get("token_text") or {})
+    return merged or None
+
+
+def compare_files(ref_path, cand_path, policy_args=None, fail_fast: bool = False) -> Outcome:
+    with Trace(ref_path) as ref, Trace(cand_path) as cand:
+        report = compare_traces(ref, cand, _policy(policy_args, ref, cand), fail_fast=fail_fast)
+        return Outcome(report, str(ref_path), str(cand_path), _token_text(ref, cand))
+
+
+def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_dir: str | None = None,
+             level: str = "full", force: bool = False, policy_args=None, progress=None) -> Outcome:
+    """Record REF and CAND (into out_dir, or a temporary directory removed afterwards) and compare."""
+    ref_prep = prepare_side(ref_source, model, inputs)
+    cand_prep = prepare_side(cand_source, model, inputs)
+    tmp = None
+    if out_dir is None:
+        tmp = out_dir = tempfile.mkdtemp(prefix="prefill-diff-")
+    else:
+        os.makedirs(out_dir, exist_ok=True)
+    try:
+        ref_path = record_side(ref_prep, os.path.join(out_dir, "ref.h5"), level, force,
+                               progress=None if progress is None else progress("reference"))
+        cand_path = record_side(cand_prep, os.path.join(out_dir, "cand.h5"), level, force,
+                                progress=None if progress is None else progress("candidate"))
+        outcome = compare_files(ref_path, cand_path, policy_args)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if tmp is not None:
+        outcome.ref_path = outcome.cand_path = None
+    return outcome
+
+
+def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail_fast: bool = False,
+                 policy_args=None, level: str | None = None) -> Outcome:
+    """CI gate: BASELINE.h5 against a trace file, or against a preset/config recorded now."""
+    if os.path.isfile(candidate) and not candidate.endswith(".toml"):
+        return compare_files(baseline, candidate, policy_args, fail_fast)
+    with Trace(baseline) as base:
+        samples = base.samples
+        from ..engine.config import Inputs
+        from ..engine.snapshot import ModelSpec
+        spec = model or ModelSpec(**{k: v for k, v in _spec_of(base).items()})
+        inputs = inputs or Inputs(token_ids=tuple(samples))
+        level = level or base.level
+    prep = prepare_side(candidate, spec, inputs)
+    tmp = tempfile.mkdtemp(prefix="prefill-diff-")
+    try:
+        path = record_side(prep, os.path.join(tmp, "cand.h5"), level)
+        outcome = compare_files(baseline, path, policy_args, fail_fast)
+        outcome.cand_path = None
+        return outcome
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _spec_of(trace: Trace) -> dict:
+    """The baseline's model spec, so a config recorded against it uses the same model."""
+    spec = trace.model.get("spec") or {}
+    out = {"source": spec.get("source", trace.model.get("source", "synthetic")), "seed": spec.get("seed", 0)}
+    if spec.get("overrides"):
+        out["overrides"] = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+                                        for k, v in spec["overrides"].items()))
+    if spec.get("adapter"):
+        out["adapter"] = tuple(sorted(spec["adapter"].items()))
+    return out

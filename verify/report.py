@@ -1,0 +1,193 @@
+"""The verdict: a typed report, its fixed wording, and machine formats (JSON, JUnit XML).
+
+``Report`` is what the CLI renders and what CI reads. Its JSON keys (SPEC §4) are
+stable and documented in docs/report-format.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..dumps.reader import Trace
+from .compare import Break, Comparator, FinalResult, LayerResult
+from .tolerance import Policy
+
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Report:
+    first_break: Break | None
+    layers: tuple
+    final: FinalResult | None
+    policy: Policy
+    n_layers: int
+    notes: tuple = ()
+    skipped: tuple = ()
+    inconclusive: tuple = ()  # faults that cannot show on this model/inputs
+    ref: dict = field(default_factory=dict)
+    cand: dict = field(default_factory=dict)
+    pairs: tuple = ()
+    stopped_early: bool = False
+    diagnosis: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.first_break is None
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self else "fail"
+
+    def verdict_line(self) -> str:
+        if self:
+            line = f"PASSED | {len(self.layers)}/{self.n_layers} layers, logits and cache within tolerance"
+            if self.inconclusive:
+                line += " | INCONCLUSIVE: the injected fault cannot show here"
+            return line
+        return "FAILED | " + break_line(self.first_break)
+
+    def as_dict(self) -> dict:
+        fb = self.first_break
+        return {
+            "report_version": REPORT_VERSION,
+            "verdict": self.verdict,
+            "verdict_line": self.verdict_line(),
+            "first_break": None if fb is None else fb.as_dict(),
+            "diagnosis": self.diagnosis,
+            "layers": [lr.as_dict() for lr in self.layers],
+            "final": None if self.final is None else {
+                "passed": bool(self.final),
+                "tensors": {t.tensor: t.as_dict() for t in self.final.tensors},
+                "top_ids_ok": self.final.top_ids_ok, "top_ids_detail": self.final.top_detail,
+                "top": [{"sample": s, "reference": r, "candidate": c} for s, r, c in self.final.top],
+                "gathered_token": [{"sample": s, "reference": r, "candidate": c, "last_valid": last}
+                                   for s, r, c, last in self.final.gather]},
+            "policy": self.policy.as_dict(),
+            "notes": list(self.notes),
+            "checks_not_done": list(self.skipped),
+            "inconclusive": list(self.inconclusive),
+            "stopped_early": self.stopped_early,
+            "samples": [{"reference": r, "candidate": c} for r, c in self.pairs],
+            "reference": self.ref,
+            "candidate": self.cand,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2, sort_keys=False, default=_jsonable)
+
+
+def _jsonable(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def break_line(b: Break) -> str:
+    """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > atol=1e-03'."""
+    if b.stage == "metadata":
+        return f"metadata | {b.message}"
+    where = f"layer {b.layer} {b.tensor}" if b.stage == "layer" else f"final {b.tensor}"
+    loc = []
+    if b.sample is not None:
+        loc.append(f"sample {b.sample}")
+    if b.position is not None:
+        loc.append(f"pos {b.position}")
+    parts = [where + (f" ({b.kind})" if b.kind != "value" else "")]
+    if loc:
+        parts.append(" ".join(loc))
+    if b.kind == "value":
+        parts.append(f"max_abs={b.max_abs_error:.1e} > atol={b.atol:.0e}" if b.max_abs_error is not None else b.message)
+        if b.heads:
+            parts.append("query heads " + ",".join(map(str, b.heads)))
+    elif b.kind == "finite_mask":
+        parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
+    else:
+        parts.append(b.message.split(": ", 1)[-1] if b.kind in ("cache_length", "cache_positions") else b.message)
+    return " | ".join(parts)
+
+
+def trace_summary(t: Trace) -> dict:
+    m = t.meta
+    return {"file": t.name, "level": t.level, "format_version": t.version,
+            "origin": m.get("side", {}).get("origin"), "engine": m.get("engine"),
+            "weights_digest": m.get("model", {}).get("weights_digest"),
+            "adapter": m.get("model", {}).get("adapter"),
+            "quantized_weights_digest": (m.get("record") or {}).get("quantized_weights_digest"),
+            "layout": m.get("layout")}
+
+
+def record_notes(t: Trace, side: str) -> tuple[list, list]:
+    """Notes from what the engine recorded: reuse decisions, invariant violations, unshowable faults."""
+    rec = t.meta.get("record") or {}
+    notes, inconclusive = [], []
+    for o in rec.get("reuse") or ():
+        if o.get("forced"):
+            notes.append(f"{side} sample {o['sample']}: prefix reuse FORCED although refused: {o['reason']}")
+        elif not o.get("hit"):
+            notes.append(f"{side} sample {o['sample']}: prefix reuse refused: {o['reason']}")
+    for v in rec.get("invariant_violations") or ():
+        notes.append(f"{side} cache invariant broken after prefill: {v}")
+    fault = rec.get("fault") or {}
+    if fault.get("cannot_show"):
+        inconclusive.append(fault["cannot_show"])
+    return notes, inconclusive
+
+
+class Session:
+    """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
+
+    def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None):
+        self.ref, self.cand = ref, cand
+        self.cmp = Comparator(ref, cand, policy)
+        self.layers: list[LayerResult] = []
+        self.first_break = self.cmp.metadata_break()
+        self.metadata_failed = self.first_break is not None
+
+    def add_layer(self, i: int) -> LayerResult:
+        lr = self.cmp.layer(self.ref.layer(i), self.cand.layer(i))
+        self.layers.append(lr)
+        if self.first_break is None and lr.first_break is not None:
+            self.first_break = lr.first_break
+        return lr
+
+    def finish(self, stopped_early: bool = False) -> Report:
+        final = None
+        if not self.metadata_failed and not stopped_early:
+            final = self.cmp.final()
+            if self.first_break is None and final.first_break is not None:
+                self.first_break = final.first_break
+        notes, inconclusive = list(self.cmp.notes), []
+        for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
+            n, i = record_notes(t, side)
+            notes += n
+            inconclusive += i
+        rd, cd = self.ref.meta.get("model", {}), self.cand.meta.get("model", {})
+        if rd.get("weights_digest") != cd.get("weights_digest"):
+            notes.append(f"weights differ: reference {rd.get('weights_digest', '?')[:19]}…, "
+                         f"candidate {cd.get('weights_digest', '?')[:19]}…")
+        if self.ref.level != self.cand.level:
+            notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
+                         "checks use what both traces have")
+        from .diagnose import diagnose
+        report = Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
+                        tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
+                        trace_summary(self.ref), trace_summary(self.cand), tuple(self.cmp.pairs), stopped_early)
+        return _with_diagnosis(report, diagnose(report, self.ref, self.cand))
+
+
+def _with_diagnosis(report: Report, text: str | None) -> Report:
+    from dataclasses import replace
+    return replace(report, diagnosis=text)
+
+
+def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False) -> Report:
+    """Compare two traces; with fail_fast, stop at the first layer that breaks."""
+    s = Session(ref, cand, policy)
+    if s.metadata_failed:
+        return s.finish()
+    for i in range(ref.n_layers):
+        lr = s.add_layer(i)
+        if fail_fast and lr.first_break is not None:
+            return s.finish(stopped_early=i < ref.n_layers - 1)
+    return s.finish()
