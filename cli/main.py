@@ -166,11 +166,14 @@ def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, j
               help="gzip (with shuffle) makes smaller files that every HDF5 tool reads.")
 @click.option("--force", is_flag=True, help="Overwrite an existing trace.")
 @model_options
-def record(config, output, level, compression, force, model, prompts, tokens):
+@tolerance_options
+def record(config, output, level, compression, force, model, prompts, tokens, policy, atol, rtol, tolerance_file):
     """Prefill CONFIG (a preset or TOML file) and write its trace to OUTPUT.
 
     The file appears only when complete: it is written under a temporary name and
     renamed at the end, so an interrupted run leaves nothing a reader would accept.
+    Tolerance options are stored in the trace: `compare` uses them when this trace is
+    the baseline and no tolerance is given on its command line.
 
     \b
     Example:
@@ -178,15 +181,17 @@ def record(config, output, level, compression, force, model, prompts, tokens):
         prefill-diff record batched-left -o cand.h5 --level stats --compression gzip
     """
     from ..verify.pipeline import prepare_side, record_side
+    from ..verify.policy_file import policy_spec
+    tol = policy_spec(policy, atol, rtol, tolerance_file)
     spec, inputs = _shared(model, prompts, tokens)
     prep = prepare_side(config, spec, inputs)
     console = _console()
     prog, progress = _progress(console, prep.snapshot.args.n_layers)
     if prog is not None:
         with prog:
-            record_side(prep, output, level, force, compression, progress=progress("recording"))
+            record_side(prep, output, level, force, compression, progress=progress("recording"), tolerance=tol)
     else:
-        record_side(prep, output, level, force, compression)
+        record_side(prep, output, level, force, compression, tolerance=tol)
     console.print(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} samples)")
 
 
@@ -240,6 +245,36 @@ def ledger(config, model, prompts, tokens):
     side = load_side(config or "reference", spec, inputs)
     prep = prepare(side)
     _console().print(ledger_renderable(build(prep), prep.snapshot.source))
+
+
+@cli.command()
+@click.argument("trace", type=click.Path(dir_okay=False))
+@click.option("--layer", type=int, default=None, help="Only this layer.")
+@click.option("--tensor", default=None, metavar="NAME",
+              help="Only this tensor: layer_input, attn_update, attn_heads, mid, mlp_update, layer_output, "
+                   "cache_keys, cache_values.")
+@click.option("--sample", type=int, default=None, help="Only this sample (with --layer and --tensor: its values).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(trace, layer, tensor, sample, as_json):
+    """Summarise TRACE: model, run, inputs, per-layer statistics and finite counts, final top ids.
+
+    Works on traces of every level, from the statistics each trace carries.
+
+    \b
+    Example:
+        prefill-diff inspect ref.h5
+        prefill-diff inspect ref.h5 --layer 2 --tensor mlp_update --sample 1
+    """
+    from ..dumps.inspect import summarize
+    from ..dumps.reader import Trace
+    with Trace(trace) as t:
+        summary = summarize(t, layer, tensor, sample)
+    if as_json:
+        import json
+        click.echo(json.dumps(summary, indent=2, default=str))
+        return
+    from .render import inspect_renderable
+    _console().print(inspect_renderable(summary))
 
 
 @cli.command()

@@ -22,6 +22,10 @@ def _fmt(x) -> str:
     return f"{x:.1e}" if x else "0"
 
 
+def _g(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
 def sparkline(values) -> str:
     """Max abs error per layer on a log scale; · for exact agreement."""
     logs = [math.log10(v) for v in values if v and v > 0 and math.isfinite(v)]
@@ -146,4 +150,58 @@ def ledger_renderable(ledgers, model_name: str):
         for seq, tok, hs, zs in lg.finals:
             t.add_row(f"final h_b, sequence {seq} (token {tok})", f"{list(hs)} -> logits {list(zs)}")
         parts.append(t)
+    return Group(*parts)
+
+
+def inspect_renderable(s: dict):
+    m, run = s["model"], s["run"]
+    a = m.get("args") or {}
+    eng = run.get("engine") or {}
+    head = [Text(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle']})",
+                 style="bold"),
+            Text(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
+                 f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
+                 f"weights {str(m.get('weights_digest'))[:23]}…"
+                 + (f"  adapter {m['adapter']['id']}" if m.get("adapter") else "")),
+            Text(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
+                 f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache {run.get('layout')}")]
+    rep = s.get("repro") or {}
+    if rep:
+        head.append(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
+                         f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
+                         f"{rep.get('deterministic_algorithms')}", style="dim"))
+    samples = Table(title="samples", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("sample", "length", "tokens"):
+        samples.add_column(c)
+    for x in s["samples"]:
+        toks = x["text"] if x.get("text") else " ".join(map(str, x["token_ids"][:16])) + (
+            " …" if len(x["token_ids"]) > 16 else "")
+        samples.add_row(str(x["sample"]), str(x["length"]), toks)
+    layers = Table(title="per-layer statistics (valid cells; nonfinite counts valid/padding)", title_justify="left",
+                   box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in ("layer", "tensor", "min", "max", "mean", "l2", "nonfin", "cache len"):
+        layers.add_column(c, justify="right" if c not in ("tensor",) else "left", no_wrap=True)
+    for row in s["layers"]:
+        first = True
+        for name, st in row["tensors"].items():
+            nf = f"{st['nonfinite']}/{st['pad_nonfinite']}"
+            layers.add_row(str(row["layer"]) if first else "", name, _g(st["min"]), _g(st["max"]),
+                           _g(st["mean"]), _g(st["l2"]), f"[red]{nf}[/]" if nf != "0/0" else nf,
+                           ",".join(map(str, row["cache_lengths"])) if first else "")
+            first = False
+    final = Table(title="final: gathered token and top ids", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    for c in ("sample", "gathered token", "top ids"):
+        final.add_column(c)
+    for f in s["final"]:
+        ids = f["top_ids"][:5]
+        shown = " ".join(f"{i}:{t!r}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
+            " ".join(map(str, ids))
+        final.add_row(str(f["sample"]), str(f["gathered_token"]), shown)
+    parts = head + [samples, layers, final]
+    if "values" in s:
+        v = s["values"]
+        parts.append(Text(f"values ({v['dtype']}, shape {v['shape']}, first 8 channels):"))
+        for p, row in zip(v["positions"], v["head"]):
+            parts.append(Text(f"  pos {p}: " + " ".join(f"{x:.4g}" for x in row)))
     return Group(*parts)

@@ -1,1 +1,10 @@
-"""prefill-diff: dumps."""
+"""prefill-diff traces: the HDF5 format (docs/trace-format.md), its Recorder and its reader.
+
+Importing this package does not import torch.
+"""
+from .reader import Trace, TraceError
+from .recorder import Recorder, RecorderError, TraceExistsError
+from .schema import FORMAT_NAME, FORMAT_VERSION
+
+__all__ = ["Recorder", "RecorderError", "TraceExistsError", "Trace", "TraceError", "FORMAT_NAME",
+           "FORMAT_VERSION"]

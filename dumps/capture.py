@@ -57,8 +57,7 @@ def capture(prep, recorder: Recorder, extra_meta: dict | None = None):
     Returns the run record (also written into the trace's meta).
     """
     from ..engine import runner
-    recorder.begin([list(t) for t in prep.tokens], prep.n_cols if prep.calls else
-                   max(len(t) for t in prep.tokens), {**trace_meta(prep), **(extra_meta or {})})
+    recorder.begin([list(t) for t in prep.tokens], prep.n_cols, {**trace_meta(prep), **(extra_meta or {})})
     if prep.side.run.engine == "transformers":
         from ..engine import hf_engine
         steps = hf_engine.execute(prep, recorder)

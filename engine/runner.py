@@ -257,14 +257,18 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     note = fault_note(run, snapshot, tokens)
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": note},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
-    if run.engine == "transformers":
-        return prep
     torch.use_deterministic_algorithms(run.numerical.deterministic, warn_only=True)
+    positions = sample_positions(side.inputs, tokens)
+    pad = side.inputs.pad_id
+    if pad is None:
+        tok = snapshot.tokenizer
+        pad = tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
+    if run.engine == "transformers":  # transformers' own model runs these calls (engine/hf_engine.py)
+        prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
+        return prep
     engine = Engine(snapshot, run.numerical)
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
-    positions = sample_positions(side.inputs, tokens)
-    pad = side.inputs.pad_id if side.inputs.pad_id is not None else 0
     rows, pos, history = [list(t) for t in tokens], positions, {}
     if run.reuse is not None:
         history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, side.inputs.segments)

@@ -14,7 +14,8 @@ import numpy as np
 
 from ..dumps.reader import LayerView, Trace
 from ..dumps.schema import STAT_COLUMNS
-from .tolerance import Policy, Tolerance, default_policy
+from .policy_file import resolve_policy
+from .tolerance import Policy, Tolerance
 
 VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn_heads", "mid", "mlp_update",
                "layer_output")
@@ -277,7 +278,8 @@ class Comparator:
 
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None):
         self.ref, self.cand = ref, cand
-        self.policy = policy or default_policy(ref.meta, cand.meta)
+        # no policy given: the tolerance the reference declares, else the dtype defaults
+        self.policy = policy or resolve_policy(ref.meta.get("tolerance"), ref.meta, cand.meta)
         self.pairs, self.ref_only, self.cand_only = match_samples(ref, cand)
         self.notes: list[str] = []
         self.skipped: set[str] = set()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..dumps.capture import record
 from ..dumps.reader import Trace
 from ..dumps.recorder import Recorder
-from .policy_file import build_policy
+from .policy_file import policy_spec, resolve_policy
 from .report import Report, compare_traces
 
 
@@ -32,17 +32,22 @@ def prepare_side(source: str, model=None, inputs=None):
 
 
 def record_side(prep, path, level: str = "full", force: bool = False, compression=None, progress=None,
-                in_memory: bool = False):
-    """Record a prepared side; returns the path (or the open in-memory Recorder)."""
+                in_memory: bool = False, tolerance: dict | None = None):
+    """Record a prepared side; returns the path (or the open in-memory Recorder).
+
+    ``tolerance`` (a policy spec) is stored in the trace: a baseline declares how it is to be compared.
+    """
+    if tolerance:
+        resolve_policy(tolerance)  # refuse a bad declaration before recording
     rec = Recorder(path, level, force=force, compression=compression, in_memory=in_memory)
-    record(prep, rec, progress=progress)
+    record(prep, rec, progress=progress, extra_meta={"tolerance": tolerance} if tolerance else None)
     return rec if in_memory else str(path)
 
 
 def _policy(policy_args, ref: Trace, cand: Trace):
-    if policy_args is None or not any(a is not None for a in policy_args):
-        return None
-    return build_policy(*policy_args, ref.meta, cand.meta)
+    """Flags if given; otherwise None: the comparison uses the reference's declared tolerance or dtype defaults."""
+    spec = policy_spec(*policy_args) if policy_args else None
+    return None if spec is None else resolve_policy(spec, ref.meta, cand.meta)
 
 
 def _token_text(*traces) -> dict | None:

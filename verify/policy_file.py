@@ -30,7 +30,7 @@ def read_policy_file(path: str) -> dict:
         raise ConfigError(f"{path}: cannot read tolerance file ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    known = {"base", "equal_nan", "topk", "name", *KINDS}
+    known = {"base", "equal_nan", "topk", "name", "atol", "rtol", *KINDS}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
@@ -44,29 +44,39 @@ def read_policy_file(path: str) -> dict:
     return raw
 
 
-def build_policy(policy: str | None, atol, rtol, tolerance_file, ref_meta: dict | None,
-                 cand_meta: dict | None) -> Policy:
-    """Flags win over the file; the file wins over the dtype defaults."""
+def policy_spec(policy: str | None = None, atol=None, rtol=None, tolerance_file=None) -> dict | None:
+    """The declared tolerance as plain data (flags over file), or None if nothing was declared."""
     raw = read_policy_file(tolerance_file) if tolerance_file else {}
-    base = policy or raw.get("base")
-    if base:
-        p = dtype_policy(base)
-    else:
-        p = default_policy(ref_meta or {}, cand_meta or {})
-    kinds = {k: raw[k] for k in KINDS if k in raw}
+    spec = {k: v for k, v in raw.items()}
+    if policy:
+        spec["base"] = policy
+    if atol is not None:
+        spec["atol"] = atol
+    if rtol is not None:
+        spec["rtol"] = rtol
+    return spec or None
+
+
+def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: dict | None = None) -> Policy:
+    """A Policy from a declared spec; what the spec leaves open follows the traces' dtypes."""
+    spec = dict(spec or {})
+    base = spec.get("base")
+    p = dtype_policy(base) if base else default_policy(ref_meta or {}, cand_meta or {})
+    kinds = {k: spec[k] for k in KINDS if k in spec}
     extra = {}
-    if "equal_nan" in raw:
-        if not isinstance(raw["equal_nan"], bool):
-            raise ConfigError(f"{tolerance_file}: equal_nan must be true or false")
-        extra["equal_nan"] = raw["equal_nan"]
-    if "topk" in raw:
-        if not isinstance(raw["topk"], int) or raw["topk"] < 1:
-            raise ConfigError(f"{tolerance_file}: topk must be a positive integer")
-        extra["topk"] = raw["topk"]
-    p = p.with_overrides(kinds=kinds, **extra) if kinds or extra else p
-    if atol is not None or rtol is not None:
-        p = p.with_overrides(atol=atol, rtol=rtol)
-    if raw.get("name"):
+    if "equal_nan" in spec:
+        if not isinstance(spec["equal_nan"], bool):
+            raise ConfigError(f"equal_nan must be true or false (got {spec['equal_nan']!r})")
+        extra["equal_nan"] = spec["equal_nan"]
+    if "topk" in spec:
+        if not isinstance(spec["topk"], int) or isinstance(spec["topk"], bool) or spec["topk"] < 1:
+            raise ConfigError(f"topk must be a positive integer (got {spec['topk']!r})")
+        extra["topk"] = spec["topk"]
+    if kinds or extra:
+        p = p.with_overrides(kinds=kinds, **extra)
+    if spec.get("atol") is not None or spec.get("rtol") is not None:
+        p = p.with_overrides(atol=spec.get("atol"), rtol=spec.get("rtol"))
+    if spec.get("name"):
         from dataclasses import replace
-        p = replace(p, name=str(raw["name"]))
+        p = replace(p, name=str(spec["name"]))
     return p

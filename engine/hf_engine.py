@@ -1,0 +1,155 @@
+"""Hugging Face transformers as a candidate engine: an implementation we did not write.
+
+The model runs unchanged; forward hooks hand its states to the same recorder our
+engine uses, and its returned cache gives the keys (after RoPE) and values:
+
+    decoder layer  -> layer_input (its input), layer_output (its output)
+    self_attn      -> attn_update (o_proj output);  o_proj input -> attn_heads
+    mlp            -> mlp_update;  mid = layer_input + attn_update, as the layer adds them
+    cache.layers[l].keys / .values -> the cache, at each sample's valid positions
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cache import torch_dtype
+from .errors import ConfigError, ModelLoadError
+from .hub import hf_state_dict
+from .runner import Placement
+
+
+def _check_supported(run) -> None:
+    unsupported = []
+    if run.batching not in ("unbatched", "left", "right"):
+        unsupported.append(f"batching={run.batching}")
+    if run.reuse is not None:
+        unsupported.append("prefix reuse")
+    if run.fault is not None:
+        unsupported.append(f"fault {run.fault.name}")
+    if run.cache.chunk_size:
+        unsupported.append("chunked prefill")
+    if run.numerical.weight_quant != "none":
+        unsupported.append("weight quantisation")
+    lay = run.cache.layout
+    if lay.kind != "contiguous" or lay.key_rotation != "post" or lay.dtype not in (None, run.numerical.dtype):
+        unsupported.append("a non-default cache layout")
+    if unsupported:
+        raise ConfigError("the transformers engine runs the model as transformers does; it does not support "
+                          + ", ".join(unsupported) + " (use engine = \"native\" for those)")
+
+
+def hf_config(args):
+    """A transformers config for our ModelArgs (Llama, or Qwen2 when there is a QKV bias)."""
+    from transformers import LlamaConfig, Qwen2Config
+    rope = {"rope_theta": args.rope_theta, "rope_type": "default", **dict(args.rope_scaling)}
+    common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
+                  num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
+                  num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
+                  rope_parameters=rope, tie_word_embeddings=args.tie_embeddings,
+                  max_position_embeddings=args.max_position)
+    if args.qkv_bias:
+        return Qwen2Config(**common)
+    return LlamaConfig(attention_bias=False, **common)
+
+
+def build_model(snapshot, dtype: str, attn: str):
+    """transformers' own model: its own loader for real checkpoints, our weights for synthetic models."""
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ModelLoadError("the transformers engine needs transformers: pip install 'prefill-diff[hf]'") from None
+    if snapshot.adapter is not None:
+        raise ConfigError("the transformers engine does not apply our LoRA adapters")
+    tdt = torch_dtype(dtype)
+    src = snapshot.source
+    if src.startswith("hf:"):
+        model = AutoModelForCausalLM.from_pretrained(src[3:], dtype=tdt, attn_implementation=attn,
+                                                     local_files_only=True)
+    elif src.startswith("gguf:") or src == "smollm2":
+        from .gguf_loader import smollm2_path
+        path = smollm2_path() if src == "smollm2" else src[5:]
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
+                                                     dtype=tdt, attn_implementation=attn, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config(snapshot.args), dtype=tdt, attn_implementation=attn)
+        missing, unexpected = model.load_state_dict(
+            {k: v.to(tdt) for k, v in hf_state_dict(snapshot.state).items()}, strict=False)
+        missing = [m for m in missing if "rotary" not in m and not (snapshot.args.tie_embeddings and "lm_head" in m)]
+        if missing or unexpected:
+            raise ModelLoadError(f"weights do not fit transformers' model (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+        if snapshot.args.tie_embeddings:
+            model.tie_weights()
+    return model.eval()
+
+
+def _hooks(model, rec, states):
+    def on_layer(i):
+        def hook(mod, args, kwargs, out):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = out[0] if isinstance(out, tuple) else out
+            rec.state(i, "layer_input", x, 0)
+            a = states.pop(("attn", i))
+            rec.state(i, "attn_update", a, 0)
+            rec.state(i, "mid", x + a, 0)
+            rec.state(i, "mlp_update", states.pop(("mlp", i)), 0)
+            rec.state(i, "layer_output", y, 0)
+        return hook
+
+    def keep(key):
+        def hook(mod, args, out):
+            states[key] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    def heads(i):
+        def hook(mod, args):
+            rec.state(i, "attn_heads", args[0], 0)
+        return hook
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(keep(("attn", i))))
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads(i)))
+        handles.append(layer.mlp.register_forward_hook(keep(("mlp", i))))
+    handles.append(model.model.norm.register_forward_hook(keep("norm")))
+    return handles
+
+
+def forward_call(model, call, recorder) -> None:
+    """One transformers forward over a padded rectangle, recorded through ``recorder`` (forward coordinates)."""
+    ids, mask, pos = call.ids, call.mask, call.positions
+    valid = mask.bool()
+    tok = torch.where(valid, mask.cumsum(-1) - 1, torch.full_like(ids, -1))
+    seq = torch.where(valid, torch.arange(ids.shape[0])[:, None].expand_as(ids), torch.full_like(ids, -1))
+    recorder.inputs(ids, valid, pos, tok, seq)
+    states = {}
+    handles = _hooks(model, recorder, states)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=torch.where(valid, ids, 0), attention_mask=mask, position_ids=pos, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for layer, lc in enumerate(out.cache.layers):
+        for b in range(ids.shape[0]):
+            cols = valid[b].nonzero().flatten()
+            recorder.cache(layer, b, lc.keys[b][:, cols], lc.values[b][:, cols], pos[b, cols])
+    norm = states["norm"]
+    for b in range(ids.shape[0]):
+        c = int(valid[b].nonzero().flatten()[-1])
+        recorder.final(b, norm[b, c], out.logits[b, c], (b, c), int(tok[b, c]))
+
+
+def execute(prep, recorder):
+    """Like runner.execute, for the transformers engine: yields each layer once the forward is done."""
+    run = prep.side.run
+    _check_supported(run)
+    model = build_model(prep.snapshot, run.numerical.dtype, run.attn_implementation)
+    for call in prep.calls:
+        forward_call(model, call, Placement(recorder, call.runs, call.samples))
+    for layer in range(prep.snapshot.args.n_layers):
+        yield layer
+    return prep.record
