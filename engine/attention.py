@@ -72,50 +72,37 @@ def standard_head_map(n_heads: int, n_kv_heads: int) -> list[int]:
     return [h * n_kv_heads // n_heads for h in range(n_heads)]
 
 
-def _per_query_head(k: torch.Tensor, head_map: list[int]) -> torch.Tensor:
-    """K or V (B, n_kv_heads, Sk, d) -> (B, n_heads, Sk, d) by an explicit head map."""
-    return k[:, torch.tensor(head_map, device=k.device)]
+# Kernels read KV head g(h) = ⌊h·H_kv/H_q⌋ for query head h, i.e. query heads are grouped in runs
+# of n_rep = H_q/H_kv. A different head map is applied around the kernel (prefill.ForwardStep).
 
-
-def _grouped(head_map: list[int], n_kv_heads: int) -> bool:
-    return head_map == standard_head_map(len(head_map), n_kv_heads)
-
-
-def eager_attention(q, k, v, mask: AttentionMask, head_map: list[int], shapes=None):
+def eager_attention(q, k, v, mask: AttentionMask, shapes=None):
     """softmax(Q̃K̃ᵀ/√d_h + M)·V with S and A materialised."""
     B, H, S, D = q.shape
     n_kv = k.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)
-    if _grouped(head_map, n_kv):
-        qg = q.view(B, n_kv, H // n_kv, S, D)  # (B, n_kv_heads, n_rep, S, head_dim)
-        scores = qg @ k[:, :, None].transpose(-1, -2)  # (B, n_kv_heads, n_rep, S, Sk)
-        scores = scores.view(B, H, S, -1) / math.sqrt(D)  # (B, n_heads, S, Sk)
-    else:
-        scores = q @ _per_query_head(k, head_map).transpose(-1, -2) / math.sqrt(D)
+    qg = q.view(B, n_kv, H // n_kv, S, D)  # (B, n_kv_heads, n_rep, S, head_dim)
+    scores = qg @ k[:, :, None].transpose(-1, -2)  # (B, n_kv_heads, n_rep, S, Sk)
+    scores = scores.view(B, H, S, -1) / math.sqrt(D)  # (B, n_heads, S, Sk)
     scores = scores + mask.bias(scores.dtype)
     if shapes is not None:
         shapes("scores", tuple(scores.shape))
     probs = torch.softmax(scores, dim=-1, dtype=compute).to(q.dtype)  # stable: subtracts the row max
-    if _grouped(head_map, n_kv):
-        out = probs.view(B, n_kv, H // n_kv, S, -1) @ v[:, :, None]  # (B, n_kv_heads, n_rep, S, head_dim)
-        return out.view(B, H, S, D)
-    return probs @ _per_query_head(v, head_map)
+    out = probs.view(B, n_kv, H // n_kv, S, -1) @ v[:, :, None]  # (B, n_kv_heads, n_rep, S, head_dim)
+    return out.view(B, H, S, D)
 
 
-def sdpa_attention(q, k, v, mask: AttentionMask, head_map: list[int], shapes=None):
+def sdpa_attention(q, k, v, mask: AttentionMask, shapes=None):
     """torch's scaled_dot_product_attention with the same boolean visibility."""
-    if _grouped(head_map, k.shape[1]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible[:, None], enable_gqa=True)
-    return F.scaled_dot_product_attention(
-        q, _per_query_head(k, head_map), _per_query_head(v, head_map), attn_mask=mask.visible[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible[:, None], enable_gqa=True)
 
 
-def tiled_attention(q, k, v, mask: AttentionMask, head_map: list[int], shapes=None, block_size: int = 16):
+def tiled_attention(q, k, v, mask: AttentionMask, shapes=None, block_size: int = 16):
     """FlashAttention's online softmax in torch: S is only ever one (block × block) tile."""
     B, H, S, D = q.shape
     Sk = k.shape[2]
     compute = torch.promote_types(q.dtype, torch.float32)
-    kq, vq = _per_query_head(k, head_map), _per_query_head(v, head_map)  # (B, n_heads, Sk, head_dim)
+    n_rep = H // k.shape[1]
+    kq, vq = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, n_heads, Sk, head_dim)
     out = torch.empty_like(q)
     scale = 1.0 / math.sqrt(D)
     for q0 in range(0, S, block_size):
@@ -151,6 +138,5 @@ def get_kernel(name: str, block_size: int = 16):
     if name == "sdpa":
         return sdpa_attention
     if name == "tiled":
-        return lambda q, k, v, mask, head_map, shapes=None: tiled_attention(
-            q, k, v, mask, head_map, shapes, block_size=block_size)
+        return lambda q, k, v, mask, shapes=None: tiled_attention(q, k, v, mask, shapes, block_size=block_size)
     raise ValueError(name)

@@ -151,7 +151,12 @@ class ForwardStep:
             self.shapes(layer, "k", tuple(keys.shape))
             self.shapes(layer, "v", tuple(values.shape))
         shapes = None if self.shapes is None else (lambda name, shape: self.shapes(layer, name, shape))
-        out = self.engine.kernel(q_rot, keys, values, mask, self.head_map, shapes)
+        out = self.engine.kernel(q_rot, keys, values, mask, shapes)
+        std = self.engine.head_map
+        wrong = [h for h in range(len(std)) if self.head_map[h] != std[h]]
+        if wrong:  # query heads that read another KV head: recomputed alone, the others stay bit-identical
+            kv = [self.head_map[h] for h in wrong]
+            out[:, wrong] = self.engine.kernel(q_rot[:, wrong], keys[:, kv], values[:, kv], mask)
         if self.shapes is not None:
             self.shapes(layer, "attn_out", tuple(out.shape))
         return out
