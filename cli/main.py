@@ -129,8 +129,13 @@ def cli():
               help="Keep the two traces in DIR as ref.h5 and cand.h5 (default: a temporary directory).")
 @click.option("--level", type=LEVEL_CHOICE, default="full", show_default=True, help="Trace level for both sides.")
 @click.option("--force", is_flag=True, help="Overwrite traces already in --out.")
+@click.option("--fail-fast", is_flag=True,
+              help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
+@click.option("--calibrate", "calibrate", type=float, default=None, metavar="K", is_flag=False, flag_value=10.0,
+              help="Also run REF in float64 and allow CAND K times REF's own error per layer and tensor "
+                   "(default K=10): measured noise instead of a guessed tolerance.")
 def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, json_path, junit_path, plot_path,
-        quiet, out_dir, level, force):
+        quiet, out_dir, level, force, fail_fast, calibrate):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -140,13 +145,20 @@ def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, j
     Example:
         prefill-diff run reference batched-left
         prefill-diff run reference fault:unmasked-padding --json report.json
+        prefill-diff run reference sdpa --calibrate
+        prefill-diff run reference fault:gqa-mapping --fail-fast
     """
-    from ..verify.pipeline import run_pair
+    from ..verify.pipeline import run_lockstep, run_pair
     spec, inputs = _shared(model, prompts, tokens)
     pol = (policy, atol, rtol, tolerance_file)
     console = _console()
+    if fail_fast:
+        if out_dir or calibrate:
+            raise BadInput("--fail-fast keeps no traces and does not calibrate; drop --out/--calibrate")
+        outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=pol)
+        _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
     prog, progress = _progress(console)
-    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=pol)
+    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=pol, calibrate=calibrate)
     if prog is not None:
         with prog:
             outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)

@@ -92,7 +92,6 @@ def layer_table(report) -> Table:
     t.add_column("layer", justify="right", no_wrap=True)
     for _, label in COLUMNS:
         t.add_column(label, justify="right", no_wrap=True, min_width=7)
-    t.add_column("break")
     for lr in report.layers:
         row = [f"[green]{lr.layer}[/]" if lr else f"[bold red]{lr.layer}[/]"]
         for name, _ in COLUMNS:
@@ -102,8 +101,6 @@ def layer_table(report) -> Table:
                 continue
             cell = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
             row.append(f"[red]{cell}[/]" if not tr else cell)
-        fb = lr.first_break
-        row.append("" if fb is None else f"{fb.kind} {fb.tensor or ''}".strip())
         t.add_row(*row)
     return t
 

@@ -41,6 +41,7 @@ def trace_meta(prep) -> dict:
         "texts": list(prep.texts) if prep.texts else None,
         "repro": repro_record(run.as_dict()["numerical"]),
         "tolerance": None,
+        "record": dict(prep.record),  # what is known before the run; completed when it ends
     }
 
 

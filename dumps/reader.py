@@ -121,6 +121,12 @@ class Trace:
                 from None
 
     def _check(self):
+        self._check_header(require_complete=True)
+        self._check_inputs()
+        self._check_final()
+        self._check_layers()
+
+    def _check_header(self, require_complete: bool):
         f, where = self.f, self.name
         fmt = f.attrs.get("format")
         if isinstance(fmt, bytes):
@@ -139,7 +145,7 @@ class Trace:
             raise TraceError(f"{where}: trace format version {version!r} is not supported "
                              f"(this reader reads versions {', '.join(f'{m}.x' for m in READABLE_MAJOR)})")
         self.version = str(version)
-        if int(f.attrs.get("complete", 0)) != 1:
+        if require_complete and int(f.attrs.get("complete", 0)) != 1:
             raise TraceError(f"{where}: incomplete trace (the recording did not finish)")
         self.level = f.attrs.get("level")
         if isinstance(self.level, bytes):
@@ -149,9 +155,11 @@ class Trace:
         self.meta = _json_attr(f, "meta", where) or {}
         if not isinstance(self.meta, dict):
             raise TraceError(f"{where}: attribute 'meta' must be a JSON object")
+
+    def _check_inputs(self):
+        f, where = self.f, self.name
         for path in ("samples/token_ids", "samples/lengths", "inputs/input_ids", "inputs/valid_mask",
-                     "inputs/computed", "inputs/positions", "inputs/token_index", "final/logits",
-                     "final/norm_last", "final/topk_ids", "final/gather_col", "final/gather_token"):
+                     "inputs/computed", "inputs/positions", "inputs/token_index"):
             if not isinstance(f.get(path), h5py.Dataset):
                 raise TraceError(f"{where}: missing required dataset /{path}")
         S, C = f["inputs/valid_mask"].shape if f["inputs/valid_mask"].ndim == 2 else (None, None)
@@ -161,13 +169,23 @@ class Trace:
         for path in ("inputs/input_ids", "inputs/computed", "inputs/positions", "inputs/token_index"):
             if f[path].shape != (S, C):
                 raise TraceError(f"{where}: /{path} has shape {f[path].shape}, expected {(S, C)}")
-        if f["samples/lengths"].shape != (S,) or f["samples/token_ids"].ndim != 2 or f["samples/token_ids"].shape[0] != S:
+        if f["samples/lengths"].shape != (S,) or f["samples/token_ids"].ndim != 2 or \
+                f["samples/token_ids"].shape[0] != S:
             raise TraceError(f"{where}: /samples datasets do not match {S} samples")
         self.lengths = self.read(f["samples/lengths"]).astype(np.int64)
         if (self.lengths < 1).any() or (self.lengths > f["samples/token_ids"].shape[1]).any():
             raise TraceError(f"{where}: /samples/lengths out of range")
+
+    def _check_final(self):
+        f, where, S = self.f, self.name, self.n_samples
+        for path in ("final/logits", "final/norm_last", "final/topk_ids", "final/gather_col", "final/gather_token"):
+            if not isinstance(f.get(path), h5py.Dataset):
+                raise TraceError(f"{where}: missing required dataset /{path}")
         if f["final/logits"].ndim != 2 or f["final/logits"].shape[0] != S:
             raise TraceError(f"{where}: /final/logits must be [{S}, vocab] (got {f['final/logits'].shape})")
+
+    def _check_layers(self):
+        f, where = self.f, self.name
         layers = f.get("layers")
         names = sorted(layers.keys()) if isinstance(layers, h5py.Group) else []
         self.n_layers = len(names)
@@ -252,6 +270,31 @@ class Trace:
     def source_dtype(self, ds) -> str:
         v = ds.attrs.get("source_dtype", ds.dtype.name)
         return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class LiveTrace(Trace):
+    """A trace still being recorded in memory (run --fail-fast): layers are checked as they arrive."""
+
+    def __init__(self, recorder, name: str):
+        self.f, self.name = recorder.f, name
+        self._check_header(require_complete=False)
+        self._check_inputs()
+        self.n_layers = int(self.meta.get("model", {}).get("args", {}).get("n_layers", 0))
+        self._checked = set()
+
+    def layer(self, i: int) -> LayerView:
+        if i not in self._checked:
+            if layer_group(i) not in self.f:
+                raise TraceError(f"{self.name}: layer {i} has not been recorded")
+            self._check_layer(i)
+            self._checked.add(i)
+        return LayerView(self, i)
+
+    def refresh(self) -> None:
+        """Re-read what the recorder finished since: meta and the final outputs."""
+        self.meta = _json_attr(self.f, "meta", self.name) or {}
+        self._check_final()
+        self.__dict__.pop("final", None)
 
 
 def open_trace(path) -> Trace:

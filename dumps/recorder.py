@@ -169,10 +169,10 @@ class Recorder:
         self.level, self.topk = level, topk
         self.compression = None if compression in (None, "none") else compression
         self.sample_tokens, self.sample_channels, self.sample_seed = sample_tokens, sample_channels, sample_seed
-        self.path = Path(path)
+        self.path = Path(path) if path is not None else None
         self.in_memory = in_memory
-        if in_memory:
-            self.tmp = None
+        if in_memory or path is None:
+            self.in_memory, self.tmp = True, None
             self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False)
         else:
             if self.path.exists() and not force:

@@ -303,9 +303,6 @@ class Comparator:
         diffs = [f"{k} {ra.get(k)} vs {ca.get(k)}" for k in ARCH_KEYS if ra.get(k) != ca.get(k)]
         if self.ref.n_layers != self.cand.n_layers and not any(d.startswith("n_layers") for d in diffs):
             diffs.append(f"layers stored {self.ref.n_layers} vs {self.cand.n_layers}")
-        if self.ref.final["logits"].shape[1] != self.cand.final["logits"].shape[1] and not any(
-                d.startswith("vocab") for d in diffs):
-            diffs.append(f"logits width {self.ref.final['logits'].shape[1]} vs {self.cand.final['logits'].shape[1]}")
         if diffs:
             return Break("metadata", "metadata", "traces are not comparable: architectures differ ("
                          + "; ".join(diffs) + ")")
@@ -505,8 +502,8 @@ class Comparator:
                     T = int(min(rl[rs], cl[cs]))
                     first = next((t for t in range(T) if rp[rs, t] != cp[cs, t]), T)
                     sample, position = rs, first
-                    detail = (f"sample {rs}: cache holds {int(cl[cs])} tokens in the candidate, "
-                              f"{int(rl[rs])} in the reference (first differing slot {first})")
+                    detail = (f"sample {rs}: candidate holds {int(cl[cs])} tokens, reference {int(rl[rs])} "
+                              f"(first differing slot {first})")
         if lengths_ok:
             for rs, cs in self.pairs:
                 T = int(rl[rs])
@@ -517,7 +514,7 @@ class Comparator:
                         positions_ok = False
                         t = int(diff[0])
                         sample, position = rs, t
-                        detail = (f"sample {rs}: cache slot {t} holds position {int(cp[cs, t])} in the candidate, "
+                        detail = (f"sample {rs}: slot {t} holds position {int(cp[cs, t])} in the candidate, "
                                   f"{int(rp[rs, t])} in the reference ({diff.size} of {T} slots differ)")
         res = CacheResult(lengths_ok, positions_ok, detail, sample, position, tuple(bad_len or bad_pos))
         tensors = {}

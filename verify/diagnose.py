@@ -64,7 +64,7 @@ def diagnose(report, ref, cand) -> str | None:
         return ("Logits agree within tolerance but the top-ranked ids differ beyond it: check the logits' "
                 "tolerance; a top-k difference alone changes greedy decoding.")
     if fb.stage == "final":
-        gathers = [g for g in (report.final.gather if report.final else ()) if g[2] != g[3]]
+        gathers = [g for g in (report.final.gather if report.final is not None else ()) if g[2] != g[3]]
         if gathers:
             s, _, got, last = gathers[0]
             return (f"All layers agree, but the final logits of sample {s} were gathered at token {got}, "

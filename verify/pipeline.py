@@ -10,11 +10,11 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from ..dumps.capture import record
-from ..dumps.reader import Trace
+from ..dumps.capture import capture, record
+from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
 from .policy_file import policy_spec, resolve_policy
-from .report import Report, compare_traces
+from .report import Report, Session, compare_traces
 
 
 @dataclass
@@ -63,9 +63,27 @@ def compare_files(ref_path, cand_path, policy_args=None, fail_fast: bool = False
         return Outcome(report, str(ref_path), str(cand_path), _token_text(ref, cand))
 
 
+def float64_side(source: str, model=None, inputs=None):
+    """The same execution path as ``source``, in float64 (the golden run of --calibrate)."""
+    from dataclasses import replace
+    from ..engine.config import load_side
+    from ..engine.runner import prepare
+    side = load_side(source, model, inputs)
+    run = side.run
+    layout = run.cache.layout
+    if layout.dtype not in (None, "int8"):
+        layout = replace(layout, dtype=None)
+    run = replace(run, numerical=replace(run.numerical, dtype="float64"), cache=replace(run.cache, layout=layout))
+    return prepare(replace(side, run=run))
+
+
 def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_dir: str | None = None,
-             level: str = "full", force: bool = False, policy_args=None, progress=None) -> Outcome:
-    """Record REF and CAND (into out_dir, or a temporary directory removed afterwards) and compare."""
+             level: str = "full", force: bool = False, policy_args=None, progress=None,
+             calibrate: float | None = None) -> Outcome:
+    """Record REF and CAND (into out_dir, or a temporary directory removed afterwards) and compare.
+
+    With ``calibrate=K`` REF is also recorded in float64 and the tolerance is K times REF's own error.
+    """
     ref_prep = prepare_side(ref_source, model, inputs)
     cand_prep = prepare_side(cand_source, model, inputs)
     tmp = None
@@ -78,7 +96,18 @@ def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_
                                progress=None if progress is None else progress("reference"))
         cand_path = record_side(cand_prep, os.path.join(out_dir, "cand.h5"), level, force,
                                 progress=None if progress is None else progress("candidate"))
-        outcome = compare_files(ref_path, cand_path, policy_args)
+        if calibrate is not None:
+            from .calibrate import calibrated_policy
+            if level != "full":
+                from ..engine.errors import ConfigError
+                raise ConfigError("--calibrate needs full traces (got --level " + level + ")")
+            gold = record_side(float64_side(ref_source, model, inputs), os.path.join(out_dir, "ref64.h5"), level,
+                               force, progress=None if progress is None else progress("reference, float64"))
+            with Trace(ref_path) as ref, Trace(gold) as ref64, Trace(cand_path) as cand:
+                report = compare_traces(ref, cand, calibrated_policy(ref, ref64, calibrate))
+                outcome = Outcome(report, ref_path, cand_path, _token_text(ref, cand))
+        else:
+            outcome = compare_files(ref_path, cand_path, policy_args)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -120,3 +149,40 @@ def _spec_of(trace: Trace) -> dict:
     if spec.get("adapter"):
         out["adapter"] = tuple(sorted(spec["adapter"].items()))
     return out
+
+
+def run_lockstep(ref_source: str, cand_source: str, model=None, inputs=None, *, level: str = "full",
+                 policy_args=None) -> Outcome:
+    """run --fail-fast: both sides advance one layer at a time into in-memory traces; stop at the first break.
+
+    Nothing is written to disk, and the work after the breaking layer is never done.
+    """
+    preps = [prepare_side(ref_source, model, inputs), prepare_side(cand_source, model, inputs)]
+    recs = [Recorder(None, level), Recorder(None, level)]
+    gens = [capture(p, r) for p, r in zip(preps, recs)]
+    try:
+        for g in gens:
+            next(g)
+        traces = [LiveTrace(recs[0], f"{ref_source} (in memory)"), LiveTrace(recs[1], f"{cand_source} (in memory)")]
+        session = Session(*traces, _policy(policy_args, *traces))
+        if session.metadata_failed:
+            return Outcome(session.finish(stopped_early=True))
+        n_layers = traces[0].n_layers
+        for layer in range(n_layers):
+            if layer:
+                for g in gens:
+                    next(g)
+            lr = session.add_layer(layer)
+            if lr.first_break is not None and layer < n_layers - 1:
+                return Outcome(session.finish(stopped_early=True), token_text=_token_text(*traces))
+        for g in gens:
+            for _ in g:
+                raise RuntimeError("a side yielded more layers than its model has")
+        for t in traces:
+            t.refresh()
+        return Outcome(session.finish(), token_text=_token_text(*traces))
+    finally:
+        for g in gens:
+            g.close()
+        for r in recs:
+            r.abort()

@@ -87,15 +87,17 @@ def break_line(b: Break) -> str:
     """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > atol=1e-03'."""
     if b.stage == "metadata":
         return f"metadata | {b.message}"
-    where = f"layer {b.layer} {b.tensor}" if b.stage == "layer" else f"final {b.tensor}"
-    loc = []
-    if b.sample is not None:
-        loc.append(f"sample {b.sample}")
-    if b.position is not None:
-        loc.append(f"pos {b.position}")
-    parts = [where + (f" ({b.kind})" if b.kind != "value" else "")]
+    if b.kind in ("cache_length", "cache_positions"):
+        what = "cache length" if b.kind == "cache_length" else "cache positions"
+    else:
+        what = b.tensor + (" finite mask" if b.kind == "finite_mask" else "") + (" top ids" if b.kind == "top_ids"
+                                                                               else "")
+    where = f"layer {b.layer} {what}" if b.stage == "layer" else f"final {what}"
+    parts = [where]
+    loc = " ".join(x for x in (f"sample {b.sample}" if b.sample is not None else "",
+                               f"pos {b.position}" if b.position is not None else "") if x)
     if loc:
-        parts.append(" ".join(loc))
+        parts.append(loc)
     if b.kind == "value":
         parts.append(f"max_abs={b.max_abs_error:.1e} > atol={b.atol:.0e}" if b.max_abs_error is not None else b.message)
         if b.heads:
@@ -103,7 +105,7 @@ def break_line(b: Break) -> str:
     elif b.kind == "finite_mask":
         parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
     else:
-        parts.append(b.message.split(": ", 1)[-1] if b.kind in ("cache_length", "cache_positions") else b.message)
+        parts.append(b.message.split(": ", 1)[-1] if b.message.startswith("sample ") else b.message)
     return " | ".join(parts)
 
 

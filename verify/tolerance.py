@@ -52,6 +52,7 @@ class Policy:
     equal_nan: bool = False  # NaN == NaN at the same place counts as agreement
     topk: int = 5
     per_layer: dict = field(default_factory=dict)  # (layer, tensor) -> atol floor, from --calibrate
+    calibration: dict | None = None  # how per_layer was measured
 
     def tol(self, tensor: str, layer: int | None = None) -> Tolerance:
         t = self.kinds[KIND_OF.get(tensor, "residual")]
@@ -59,9 +60,13 @@ class Policy:
         return t if floor is None or floor <= t.atol else Tolerance(floor, t.rtol)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "equal_nan": self.equal_nan, "topk": self.topk,
-                "kinds": {k: {"atol": v.atol, "rtol": v.rtol} for k, v in self.kinds.items()},
-                "calibrated_layers": len({layer for layer, _ in self.per_layer})}
+        d = {"name": self.name, "equal_nan": self.equal_nan, "topk": self.topk,
+             "kinds": {k: {"atol": v.atol, "rtol": v.rtol} for k, v in self.kinds.items()}}
+        if self.calibration:
+            d["calibration"] = {**self.calibration, "atol": [
+                {"layer": layer, "tensor": t, "atol": a} for (layer, t), a in sorted(
+                    self.per_layer.items(), key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1]))]}
+        return d
 
     def with_overrides(self, atol=None, rtol=None, kinds: dict | None = None, **kw) -> "Policy":
         new = dict(self.kinds)

@@ -1,0 +1,42 @@
+"""The README's examples stay true: the Commands block runs, in order, with the exit statuses it states."""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def command_block() -> list[tuple[list[str], int]]:
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Commands\n(.*?)(?=^## )", text, re.M | re.S).group(1)
+    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    out = []
+    for line in block.splitlines():
+        cmd, _, comment = line.partition("#")
+        if not cmd.strip():
+            continue
+        m = re.search(r"exit (\d)", comment)
+        out.append((shlex.split(cmd)[1:], int(m.group(1)) if m else 0))
+    return out
+
+
+def test_readme_commands_run_as_documented(run_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cmds = command_block()
+    assert {c[0] for c, _ in cmds} >= {"run", "record", "compare", "inspect", "ledger", "presets"}
+    for args, want in cmds:
+        res = run_cli(*args)
+        assert res.exit_code == want, (args, res.output[-2000:])
+    assert (tmp_path / "report.json").exists() and (tmp_path / "report.xml").exists()
+    assert (tmp_path / "errors.png").exists() and (tmp_path / "ref.h5").exists()
+
+
+def test_readme_quick_start_has_two_lines_and_ci_runs_the_second():
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"^## Quick start\s*\n.*?```sh\n(.*?)```", text, re.M | re.S).group(1)
+    lines = [l for l in block.splitlines() if l.strip() and not l.startswith("#")]
+    assert len(lines) == 2
+    assert lines[0].startswith("pip install") and "prefill-diff run reference batched-left" in lines[0]
+    assert lines[1] in (ROOT / ".ci" / "run").read_text()
