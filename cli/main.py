@@ -134,8 +134,8 @@ def cli():
 @click.option("--calibrate", "calibrate", type=float, default=None, metavar="K", is_flag=False, flag_value=10.0,
               help="Also run REF in float64 and allow CAND K times REF's own error per layer and tensor "
                    "(default K=10): measured noise instead of a guessed tolerance.")
-def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, json_path, junit_path, plot_path,
-        quiet, out_dir, level, force, fail_fast, calibrate):
+def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path, quiet, out_dir, level, force,
+        fail_fast, calibrate):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -150,15 +150,14 @@ def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, j
     """
     from ..verify.pipeline import run_lockstep, run_pair
     spec, inputs = _shared(model, prompts, tokens)
-    pol = (policy, atol, rtol, tolerance_file)
     console = _console()
     if fail_fast:
         if out_dir or calibrate:
             raise BadInput("--fail-fast keeps no traces and does not calibrate; drop --out/--calibrate")
-        outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=pol)
+        outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=tol)
         _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
     prog, progress = _progress(console)
-    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=pol, calibrate=calibrate)
+    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=tol, calibrate=calibrate)
     if prog is not None:
         with prog:
             outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)
@@ -179,7 +178,7 @@ def run(ref, cand, model, prompts, tokens, policy, atol, rtol, tolerance_file, j
 @click.option("--force", is_flag=True, help="Overwrite an existing trace.")
 @model_options
 @tolerance_options
-def record(config, output, level, compression, force, model, prompts, tokens, policy, atol, rtol, tolerance_file):
+def record(config, output, level, compression, force, model, prompts, tokens, tol):
     """Prefill CONFIG (a preset or TOML file) and write its trace to OUTPUT.
 
     The file appears only when complete: it is written under a temporary name and
@@ -194,7 +193,7 @@ def record(config, output, level, compression, force, model, prompts, tokens, po
     """
     from ..verify.pipeline import prepare_side, record_side
     from ..verify.policy_file import policy_spec
-    tol = policy_spec(policy, atol, rtol, tolerance_file)
+    tol = policy_spec(**tol)
     spec, inputs = _shared(model, prompts, tokens)
     prep = prepare_side(config, spec, inputs)
     console = _console()
@@ -214,7 +213,7 @@ def record(config, output, level, compression, force, model, prompts, tokens, po
 @report_options
 @model_options
 @click.option("--fail-fast", is_flag=True, help="Stop at the first layer that breaks.")
-def compare(baseline, candidate, policy, atol, rtol, tolerance_file, json_path, junit_path, plot_path, quiet,
+def compare(baseline, candidate, tol, json_path, junit_path, plot_path, quiet,
             model, prompts, tokens, fail_fast):
     """Compare BASELINE.h5 with CANDIDATE (a trace, or a preset/config that is recorded first).
 
@@ -226,7 +225,7 @@ def compare(baseline, candidate, policy, atol, rtol, tolerance_file, json_path, 
     from ..verify.pipeline import compare_with
     spec, inputs = _shared(model, prompts, tokens)
     outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast,
-                           policy_args=(policy, atol, rtol, tolerance_file))
+                           policy_args=tol)
     _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
 
 

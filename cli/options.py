@@ -27,17 +27,31 @@ def model_options(f):
 
 
 def tolerance_options(f):
-    """--policy, --atol, --rtol, --tolerance: the declared tolerance."""
+    """--policy, --atol, --rtol, --ntol, --row-rtol, --tolerance: the declared tolerance, as one ``tol`` dict.
+
+    An element passes when |cand - ref| <= atol + rtol·|ref| + ntol·rms(ref row), or when its whole
+    row is within row_rtol relative L2 error.
+    """
+    import functools
+
+    @functools.wraps(f)
+    def collect(*args, policy, atol, rtol, ntol, row_rtol, tolerance_file, **kw):
+        return f(*args, tol=dict(policy=policy, atol=atol, rtol=rtol, ntol=ntol, row_rtol=row_rtol,
+                                 tolerance_file=tolerance_file), **kw)
     return _compose(
         click.option("--policy", default=None, metavar="DTYPE",
                      help="Tolerance policy by dtype: float64, float32, bfloat16, float16, int8 "
                           "(default: the coarser dtype of the two sides)."),
         click.option("--atol", type=float, default=None, help="Absolute tolerance for every tensor kind."),
         click.option("--rtol", type=float, default=None, help="Relative tolerance for every tensor kind."),
+        click.option("--ntol", type=float, default=None,
+                     help="Tolerance in units of the RMS of the reference vector at each position."),
+        click.option("--row-rtol", type=float, default=None,
+                     help="Accept a whole row (one position's vector) within this relative L2 error (0: off)."),
         click.option("--tolerance", "tolerance_file", type=click.Path(dir_okay=False), default=None,
-                     help="TOML policy file: [residual] atol=..., rtol=...; kinds: residual, attn_update, "
-                          "mlp_update, cache_keys, cache_values, logits."),
-    )(f)
+                     help="TOML policy file: [residual] atol=..., rtol=..., ntol=...; kinds: residual, "
+                          "attn_update, mlp_update, cache_keys, cache_values, logits."),
+    )(collect)
 
 
 def report_options(f):

@@ -92,6 +92,10 @@ def test_smallest_passing_tolerance_is_reported(traces, tmp_path):
     t = rep.final.tensor("logits")
     assert rep.first_break.stage == "final" and rep.first_break.tensor == "logits"
     with Trace(traces["reference"]) as r:
-        ref = float(r.final["logits"][0, 3])
-    assert t.min_atol == pytest.approx(0.01 - t.rtol * abs(ref), abs=2e-6)  # |d| <= atol + rtol·|ref|
-    assert t.min_rtol == pytest.approx((0.01 - t.atol) / abs(ref), rel=1e-3)
+        row = r.final["logits"][0].astype(np.float64)
+    ref, rms = abs(row[3]), float(np.sqrt(np.mean(row ** 2)))
+    # the rule: |d| <= atol + rtol·|ref| + ntol·rms(ref row); each smallest value holds the other two fixed
+    assert t.min_atol == pytest.approx(0.01 - t.rtol * ref - t.ntol * rms, abs=2e-6)
+    assert t.min_rtol == pytest.approx((0.01 - t.atol - t.ntol * rms) / ref, rel=1e-3)
+    assert t.min_ntol == pytest.approx((0.01 - t.atol - t.rtol * ref) / rms, rel=1e-3)
+    assert t.worst_bound == pytest.approx(t.atol + t.rtol * ref + t.ntol * rms, rel=1e-5)

@@ -41,6 +41,8 @@ class Break:
     max_rel_error: float | None = None
     atol: float | None = None
     rtol: float | None = None
+    ntol: float | None = None
+    bound: float | None = None  # the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(row)
     padding: bool = False  # a finite-mask break in padding rows
     heads: tuple | None = None  # attention: query heads that differ
     samples: tuple = ()  # every reference sample that breaks here
@@ -62,8 +64,7 @@ class TensorResult:
     """One tensor of one layer (or of the final stage), compared over aligned cells."""
     tensor: str
     level: str  # full | sampled | stats | none
-    atol: float
-    rtol: float
+    tol: Tolerance
     compared: int = 0
     max_abs: float = 0.0
     max_rel: float = 0.0
@@ -71,8 +72,13 @@ class TensorResult:
     cosine: float | None = None
     n_bad: int = 0
     worst: tuple | None = None  # (sample, position, channel)
-    min_atol: float = 0.0  # smallest atol that passes at this rtol
-    min_rtol: float = 0.0  # smallest rtol that passes at this atol
+    min_atol: float = 0.0  # smallest atol that passes with this rtol and ntol
+    min_rtol: float = 0.0  # smallest rtol that passes with this atol and ntol
+    min_ntol: float = 0.0  # smallest ntol that passes with this atol and rtol
+    min_row_rtol: float = 0.0  # smallest row_rtol under which every row with element errors passes whole
+    max_row_rel: float = 0.0  # largest ||cand - ref|| / ||ref|| over rows (one sample and position)
+    rows_by_row_rule: int = 0  # rows with element errors beyond atol/rtol/ntol accepted by row_rtol
+    worst_bound: float | None = None  # the tolerance at the worst element
     finite_ref_only: int = 0  # valid cells finite in ref but not in cand
     finite_cand_only: int = 0
     nonfinite_both: int = 0
@@ -87,6 +93,22 @@ class TensorResult:
     equal_nan: bool = False
 
     @property
+    def atol(self) -> float:
+        return self.tol.atol
+
+    @property
+    def rtol(self) -> float:
+        return self.tol.rtol
+
+    @property
+    def ntol(self) -> float:
+        return self.tol.ntol
+
+    @property
+    def row_rtol(self) -> float:
+        return self.tol.row_rtol
+
+    @property
     def finite_ok(self) -> bool:
         both = 0 if self.equal_nan else self.nonfinite_both
         return not (self.finite_ref_only or self.finite_cand_only or both or
@@ -96,12 +118,14 @@ class TensorResult:
         return self.shape_detail is None and self.finite_ok and self.n_bad == 0
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "bad_positions"}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("bad_positions", "tol")}
+        d.update(atol=self.atol, rtol=self.rtol, ntol=self.ntol, row_rtol=self.row_rtol)
         d["passed"] = bool(self)
         d["worst"] = list(self.worst) if self.worst else None
         d["heads"] = list(self.heads) if self.heads is not None else None
         d["bad_samples"] = list(self.bad_samples)
-        for k in ("max_abs", "max_rel", "mean_abs", "min_atol", "min_rtol"):
+        for k in ("max_abs", "max_rel", "mean_abs", "min_atol", "min_rtol", "min_ntol", "min_row_rtol", "max_row_rel",
+                  "worst_bound"):
             d[k] = _num(d[k])
         return d
 
@@ -162,26 +186,24 @@ class FinalResult:
 
 
 class _Acc:
-    """Streaming error metrics over slabs of aligned (ref, cand) cells."""
+    """Streaming error metrics over slabs of aligned (ref, cand) rows."""
 
     def __init__(self, tol: Tolerance, equal_nan: bool):
         self.tol, self.equal_nan = tol, equal_nan
         self.n = 0
-        self.max_abs = 0.0
-        self.max_rel = 0.0
-        self.sum_abs = 0.0
+        self.max_abs = self.max_rel = self.sum_abs = self.max_row_rel = 0.0
         self.dots = np.zeros(3)  # <r,c>, <r,r>, <c,c>
         self.n_bad = 0
-        self.min_atol = 0.0
-        self.min_rtol = 0.0
-        self.worst = None
+        self.min_atol = self.min_rtol = self.min_ntol = self.min_row_rtol = 0.0
+        self.rows_by_row_rule = 0
+        self.worst = self.worst_bound = None
         self.worst_excess = -np.inf
         self.fin = np.zeros(3, dtype=np.int64)  # ref-only finite, cand-only finite, both non-finite
         self.bad_samples = {}
         self.head_bad = None
 
     def add(self, r: np.ndarray, c: np.ndarray, sample: int, toks: np.ndarray, heads: int | None = None):
-        """r, c: (T, W) aligned rows of one sample; toks: their token indices."""
+        """r, c: (T, W) aligned rows of one sample (one row per position); toks: their token indices."""
         if r.size == 0:
             return
         dt = np.result_type(r.dtype, c.dtype, np.float32)
@@ -189,8 +211,7 @@ class _Acc:
         c = c.astype(dt, copy=False)
         d = np.subtract(c, r)
         np.abs(d, out=d)
-        mx = d.max()
-        if not np.isfinite(mx):
+        if not np.isfinite(d.max()):
             fr, fc = np.isfinite(r), np.isfinite(c)
             self.fin += [int((fr & ~fc).sum()), int((~fr & fc).sum()), int((~fr & ~fc).sum())]
             ok = fr & fc
@@ -200,16 +221,33 @@ class _Acc:
             if (~ok).any():
                 first = int(np.argmax((~ok).any(axis=1)))
                 self.bad_samples.setdefault(sample, int(toks[first]))
-            d = np.where(ok, d, 0)
-            r = np.where(ok, r, 0)
-            c = np.where(ok, c, 0)
-        a, rt = self.tol.atol, self.tol.rtol
+            d, r, c = np.where(ok, d, 0), np.where(ok, r, 0), np.where(ok, c, 0)
+        a, rt, nt = self.tol.atol, self.tol.rtol, self.tol.ntol
         ar = np.abs(r)
+        rr = np.einsum("ij,ij->i", r, r)  # squared row norms
+        dd = np.einsum("ij,ij->i", d, d)
+        rms = np.sqrt(rr / r.shape[1])[:, None]
         self.n += d.size
         self.sum_abs += float(d.sum(dtype=np.float64))
-        rf, cf = r.ravel(), c.ravel()
-        self.dots += [float(np.dot(rf, cf)), float(np.dot(rf, rf)), float(np.dot(cf, cf))]
-        excess = d - (a + rt * ar)  # > 0: out of tolerance
+        self.dots += [float(np.einsum("ij,ij->", r, c)), float(rr.sum()), float(np.einsum("ij,ij->", c, c))]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            row_rel = np.where(rr > 0, np.sqrt(dd / rr), np.where(dd > 0, np.inf, 0.0))
+        self.max_row_rel = max(self.max_row_rel, float(row_rel.max()))
+        self.max_abs = max(self.max_abs, float(d.max()))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.max_rel = max(self.max_rel, _max_need(d / ar, d))
+        slack = d - rt * ar - nt * rms  # > atol: the element rule fails
+        elem_bad_rows = (slack > a).any(axis=1)
+        if elem_bad_rows.any():
+            self.min_row_rtol = max(self.min_row_rtol, float(row_rel[elem_bad_rows].max()))
+        if self.tol.row_rtol > 0:  # rows within row_rtol pass whole; the element rule judges the rest
+            whole = row_rel <= self.tol.row_rtol
+            self.rows_by_row_rule += int((whole & elem_bad_rows).sum())
+            if whole.all():
+                return
+            keep = ~whole
+            d, ar, rms, slack, toks = d[keep], ar[keep], rms[keep], slack[keep], toks[keep]
+        excess = slack - a
         bad = excess > 0
         nb = int(bad.sum())
         self.n_bad += nb
@@ -219,32 +257,42 @@ class _Acc:
             self.worst_excess = e
             row, ch = divmod(i, d.shape[1])
             self.worst = (sample, int(toks[row]), int(ch))
+            self.worst_bound = float(a + rt * ar.flat[i] + nt * rms[row, 0])
         if nb:
             first_row = int(np.argmax(bad.any(axis=1)))
             self.bad_samples.setdefault(sample, int(toks[first_row]))
             if heads:
                 per_head = bad.reshape(bad.shape[0], heads, -1).any(axis=(0, 2))
                 self.head_bad = per_head if self.head_bad is None else (self.head_bad | per_head)
-        self.max_abs = max(self.max_abs, float(d.max()))
-        self.min_atol = max(self.min_atol, float((d - rt * ar).max()))
+        self.min_atol = max(self.min_atol, float(slack.max()))
         with np.errstate(divide="ignore", invalid="ignore"):
-            over = d - a
-            need = np.where(over > 0, over / ar, 0.0)
-            rel = np.where(ar > 0, d / ar, np.where(d > 0, np.inf, 0.0))
-        self.min_rtol = max(self.min_rtol, float(need.max()))
-        self.max_rel = max(self.max_rel, float(rel.max()))
+            need_r = (d - a - nt * rms) / ar
+            need_n = (d - a - rt * ar) / rms
+        self.min_rtol = max(self.min_rtol, _max_need(need_r, d - a - nt * rms))
+        self.min_ntol = max(self.min_ntol, _max_need(need_n, d - a - rt * ar))
 
     def result(self, tensor: str, level: str, **kw) -> TensorResult:
         rc, rr, cc = self.dots
         cos = float(rc / np.sqrt(rr * cc)) if rr > 0 and cc > 0 else (1.0 if rr == cc == 0 and self.n else None)
         heads = None if self.head_bad is None else tuple(int(h) for h in np.flatnonzero(self.head_bad))
-        return TensorResult(tensor, level, self.tol.atol, self.tol.rtol, compared=self.n, max_abs=self.max_abs,
-                            max_rel=self.max_rel, mean_abs=self.sum_abs / self.n if self.n else 0.0, cosine=cos,
-                            n_bad=self.n_bad, worst=self.worst, min_atol=max(self.min_atol, 0.0),
-                            min_rtol=max(self.min_rtol, 0.0), finite_ref_only=int(self.fin[0]),
+        return TensorResult(tensor, level, self.tol, compared=self.n, max_abs=self.max_abs, max_rel=self.max_rel,
+                            mean_abs=self.sum_abs / self.n if self.n else 0.0, cosine=cos, n_bad=self.n_bad,
+                            worst=self.worst, min_atol=max(self.min_atol, 0.0), min_rtol=max(self.min_rtol, 0.0),
+                            min_ntol=max(self.min_ntol, 0.0), min_row_rtol=self.min_row_rtol,
+                            max_row_rel=self.max_row_rel, rows_by_row_rule=self.rows_by_row_rule,
+                            worst_bound=self.worst_bound, finite_ref_only=int(self.fin[0]),
                             finite_cand_only=int(self.fin[1]), nonfinite_both=int(self.fin[2]),
                             bad_samples=tuple(sorted(self.bad_samples)), bad_positions=dict(self.bad_samples),
                             heads=heads, equal_nan=self.equal_nan, **kw)
+
+
+def _max_need(ratio: np.ndarray, numerator: np.ndarray) -> float:
+    """Largest ratio where the numerator is positive; a positive numerator over zero is inf."""
+    pos = numerator > 0
+    if not pos.any():
+        return 0.0
+    vals = ratio[pos]
+    return float(np.nan_to_num(vals, nan=np.inf, posinf=np.inf).max())
 
 
 def match_samples(ref: Trace, cand: Trace):
@@ -370,19 +418,21 @@ class Comparator:
 
     def _value_break(self, stage, layer, t: TensorResult, heads=None) -> Break:
         s, pos, ch = t.worst if t.worst else (None, None, None)
-        msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g} "
-               f"(atol={t.atol:g}, rtol={t.rtol:g}); would pass with atol>={t.min_atol:.3g} or rtol>={t.min_rtol:.3g}")
+        msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
+               f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
+               f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={t.min_atol:.3g}, "
+               f"rtol>={t.min_rtol:.3g}, ntol>={t.min_ntol:.3g} or row_rtol>={t.min_row_rtol:.3g}")
         if t.level != "full":
             msg += f" [{t.level} level]"
-        return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, t.max_rel, t.atol, t.rtol,
-                     heads=heads, samples=t.bad_samples)
+        return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, t.max_rel, t.atol, t.rtol, t.ntol,
+                     t.worst_bound, heads=heads, samples=t.bad_samples)
 
     def _state(self, r: LayerView, c: LayerView, name: str) -> TensorResult | None:
         tol = self.policy.tol(name, r.layer)
         rd, cd = r.state(name), c.state(name)
         if rd is not None and cd is not None:
             if rd.shape[2] != cd.shape[2]:
-                return TensorResult(name, "full", tol.atol, tol.rtol,
+                return TensorResult(name, "full", tol,
                                     shape_detail=f"{name} width {rd.shape[2]} vs {cd.shape[2]}")
             acc = _Acc(tol, self.policy.equal_nan)
             heads = self.ref.args.get("n_heads") if name == "attn_heads" else None
@@ -432,7 +482,7 @@ class Comparator:
                     data = trace.read(full, (s,))
                     rows.append({int(t): data[where[int(t)], channels] for t in toks if int(t) in where})
                 else:
-                    return TensorResult(name, "none", tol.atol, tol.rtol, note="no values in one trace")
+                    return TensorResult(name, "none", tol, note="no values in one trace")
             common = [t for t in toks if int(t) in rows[0] and int(t) in rows[1]]
             if common:
                 a = np.stack([rows[0][int(t)] for t in common])
@@ -445,7 +495,7 @@ class Comparator:
         rs_t, cs_t = r.stats(name), c.stats(name)
         if rs_t is None or cs_t is None:
             self.skipped.add(f"{name}: not recorded in one trace")
-            return TensorResult(name, "none", tol.atol, tol.rtol, note="not recorded in one trace")
+            return TensorResult(name, "none", tol, note="not recorded in one trace")
         col = {k: i for i, k in enumerate(STAT_COLUMNS)}
         rchk, cchk = r.checksum(name), c.checksum(name)
         fin = np.zeros(2, dtype=np.int64)
@@ -466,13 +516,14 @@ class Comparator:
             with np.errstate(invalid="ignore"):
                 d = np.abs(ca - ra)
             d = np.where(np.isfinite(d), d, 0.0)
-            over = d > tol.atol + tol.rtol * np.abs(ra)
+            scale = tol.ntol * ra[3] if np.isfinite(ra[3]) else 0.0  # ntol in units of the sample's RMS
+            over = d > tol.atol + tol.rtol * np.abs(ra) + scale
             if over.any():
                 n_bad += int(over.sum())
                 bad.setdefault(rs, None)
             if d.max() > max_abs:
                 max_abs, worst = float(d.max()), (rs, None, None)
-            min_atol = max(min_atol, float((d - tol.rtol * np.abs(ra)).max()))
+            min_atol = max(min_atol, float((d - tol.rtol * np.abs(ra) - scale).max()))
             if rchk is not None and cchk is not None and rchk[rs] != cchk[cs]:
                 identical = False
             pr, pc = a[col["pad_count"]] - a[col["pad_finite"]], b[col["pad_count"]] - b[col["pad_finite"]]
@@ -481,7 +532,7 @@ class Comparator:
         self.skipped.add("values compared as statistics only (stats level): max_abs is the largest statistic error")
         pad_r = int(sum(rs_t[rs][col["pad_count"]] - rs_t[rs][col["pad_finite"]] for rs, _ in self.pairs))
         pad_c = int(sum(cs_t[cs][col["pad_count"]] - cs_t[cs][col["pad_finite"]] for _, cs in self.pairs))
-        return TensorResult(name, "stats", tol.atol, tol.rtol, compared=n, max_abs=max_abs, n_bad=n_bad,
+        return TensorResult(name, "stats", tol, compared=n, max_abs=max_abs, n_bad=n_bad,
                             worst=worst, min_atol=max(min_atol, 0.0), finite_ref_only=int(fin[1]),
                             finite_cand_only=int(fin[0]), pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c,
                             bad_samples=tuple(sorted(bad)), bad_positions=dict(bad),
@@ -529,7 +580,7 @@ class Comparator:
                     tensors[tname] = self._stats(r, c, tname, tol)
                 continue
             if rd.shape[1] != cd.shape[1] or rd.shape[3] != cd.shape[3]:
-                tensors[tname] = TensorResult(tname, "full", tol.atol, tol.rtol, shape_detail=(
+                tensors[tname] = TensorResult(tname, "full", tol, shape_detail=(
                     f"cache {name}: n_kv_heads x head_dim {rd.shape[1]}x{rd.shape[3]} vs {cd.shape[1]}x{cd.shape[3]}"))
                 continue
             acc = _Acc(tol, self.policy.equal_nan)
@@ -564,7 +615,7 @@ class Comparator:
         for name in ("logits", "norm_last"):
             tol = self.policy.tol(name)
             if rf[name].shape[1] != cf[name].shape[1]:
-                tensors.append(TensorResult(name, "full", tol.atol, tol.rtol,
+                tensors.append(TensorResult(name, "full", tol,
                                             shape_detail=f"{name} width {rf[name].shape[1]} vs {cf[name].shape[1]}"))
                 continue
             acc = _Acc(tol, self.policy.equal_nan)
@@ -578,6 +629,7 @@ class Comparator:
         k = min(self.policy.topk, rf["topk_ids"].shape[1], cf["topk_ids"].shape[1])
         for rs, cs in self.pairs:
             rz, cids = rf["logits"][rs].astype(np.float64), cf["topk_ids"][cs, :k]
+            rms = float(np.sqrt(np.mean(rz * rz)))
             order = rf["topk_ids"][rs, :k]
             tops.append((rs, order.tolist(), cids.tolist()))
             last = int(self.ref.lengths[rs]) - 1
@@ -585,7 +637,7 @@ class Comparator:
             for rank in range(k):
                 want = rz[order[rank]]
                 got = rz[cids[rank]]
-                if not got >= want - (tol.atol + tol.rtol * abs(want)):
+                if not got >= want - (tol.atol + tol.rtol * abs(want) + tol.ntol * rms):
                     top_samples.append(rs)
                     if top_ok:
                         top_ok = False

@@ -46,7 +46,7 @@ def record_side(prep, path, level: str = "full", force: bool = False, compressio
 
 def _policy(policy_args, ref: Trace, cand: Trace):
     """Flags if given; otherwise None: the comparison uses the reference's declared tolerance or dtype defaults."""
-    spec = policy_spec(*policy_args) if policy_args else None
+    spec = policy_spec(**policy_args) if policy_args else None
     return None if spec is None else resolve_policy(spec, ref.meta, cand.meta)
 
 

@@ -8,11 +8,13 @@ Policy file (every key optional; unknown keys are errors)::
     [residual]                # one table per kind: residual, attn_update, mlp_update,
     atol = 1e-4               #   cache_keys, cache_values, logits
     rtol = 1e-4
+    ntol = 1e-3               # times the RMS of the reference vector at that position
+    row_rtol = 0.0            # a row within this relative L2 error passes whole (0: off)
 """
 from __future__ import annotations
 
 from ..engine.errors import ConfigError
-from .tolerance import KINDS, Policy, default_policy, dtype_policy
+from .tolerance import KINDS, TOL_FIELDS, Policy, default_policy, dtype_policy
 
 try:
     import tomllib
@@ -30,7 +32,7 @@ def read_policy_file(path: str) -> dict:
         raise ConfigError(f"{path}: cannot read tolerance file ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    known = {"base", "equal_nan", "topk", "name", "atol", "rtol", *KINDS}
+    known = {"base", "equal_nan", "topk", "name", *TOL_FIELDS, *KINDS}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
@@ -38,22 +40,25 @@ def read_policy_file(path: str) -> dict:
         if k in raw:
             if not isinstance(raw[k], dict):
                 raise ConfigError(f"{path}: [{k}] must be a table with atol and/or rtol")
-            bad = sorted(set(raw[k]) - {"atol", "rtol"})
+            bad = sorted(set(raw[k]) - set(TOL_FIELDS))
             if bad:
-                raise ConfigError(f"{path}: unknown keys {bad} in [{k}] (known: atol, rtol)")
+                raise ConfigError(f"{path}: unknown keys {bad} in [{k}] (known: {', '.join(TOL_FIELDS)})")
     return raw
 
 
-def policy_spec(policy: str | None = None, atol=None, rtol=None, tolerance_file=None) -> dict | None:
-    """The declared tolerance as plain data (flags over file), or None if nothing was declared."""
-    raw = read_policy_file(tolerance_file) if tolerance_file else {}
-    spec = {k: v for k, v in raw.items()}
+def policy_spec(policy: str | None = None, tolerance_file=None, **fields) -> dict | None:
+    """The declared tolerance as plain data (flags over file), or None if nothing was declared.
+
+    fields: atol, rtol, ntol, row_rtol for every kind (None: not given).
+    """
+    spec = dict(read_policy_file(tolerance_file)) if tolerance_file else {}
     if policy:
         spec["base"] = policy
-    if atol is not None:
-        spec["atol"] = atol
-    if rtol is not None:
-        spec["rtol"] = rtol
+    for k, v in fields.items():
+        if k not in TOL_FIELDS:
+            raise TypeError(k)
+        if v is not None:
+            spec[k] = v
     return spec or None
 
 
@@ -74,8 +79,8 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
         extra["topk"] = spec["topk"]
     if kinds or extra:
         p = p.with_overrides(kinds=kinds, **extra)
-    if spec.get("atol") is not None or spec.get("rtol") is not None:
-        p = p.with_overrides(atol=spec.get("atol"), rtol=spec.get("rtol"))
+    if any(spec.get(k) is not None for k in TOL_FIELDS):
+        p = p.with_overrides(**{k: spec.get(k) for k in TOL_FIELDS})
     if spec.get("name"):
         from dataclasses import replace
         p = replace(p, name=str(spec["name"]))

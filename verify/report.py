@@ -84,7 +84,10 @@ def _jsonable(x):
 
 
 def break_line(b: Break) -> str:
-    """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > atol=1e-03'."""
+    """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > tol=1.0e-03'.
+
+    tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row).
+    """
     if b.stage == "metadata":
         return f"metadata | {b.message}"
     if b.kind in ("cache_length", "cache_positions"):
@@ -99,7 +102,10 @@ def break_line(b: Break) -> str:
     if loc:
         parts.append(loc)
     if b.kind == "value":
-        parts.append(f"max_abs={b.max_abs_error:.1e} > atol={b.atol:.0e}" if b.max_abs_error is not None else b.message)
+        if b.max_abs_error is not None and b.bound is not None:
+            parts.append(f"max_abs={b.max_abs_error:.1e} > tol={b.bound:.1e}")
+        else:
+            parts.append(b.message)
         if b.heads:
             parts.append("query heads " + ",".join(map(str, b.heads)))
     elif b.kind == "finite_mask":

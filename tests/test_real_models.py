@@ -1,0 +1,228 @@
+"""Real models: SmolLM2-135M from its GGUF, a local Hugging Face checkpoint, transformers as the candidate."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from prefill_diff.dumps.reader import Trace
+from prefill_diff.engine.config import PRESETS, Inputs
+from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
+from prefill_diff.verify.pipeline import prepare_side, record_side
+from prefill_diff.verify.report import compare_traces
+
+pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+SMOL = ModelSpec("smollm2")
+FRANCE = Inputs(prompts=("The capital of France is",))
+THREE = Inputs(prompts=("The capital of France is", "Hello, my name is", "In 1969, the first man on the moon was"))
+
+
+@pytest.fixture(scope="module")
+def smol_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("smol")
+
+
+def record(source, d, name, model=SMOL, inputs=FRANCE):
+    return record_side(prepare_side(source, model, inputs), d / f"{name}.h5")
+
+
+def test_smollm2_tokenizer_and_weights():
+    snap = load_snapshot(SMOL)
+    a = snap.args
+    assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.hidden_dim, a.vocab_size) == \
+        (576, 30, 9, 3, 64, 1536, 49152)
+    assert a.rope_theta == 100000.0 and a.tie_embeddings
+    assert snap.tokenizer.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
+    n = sum(t.numel() for k, t in snap.state.items() if k != "output.weight")
+    assert n == 134_515_008  # 134.5 M parameters, the tied head counted once
+
+
+def test_smollm2_ours_and_transformers_agree_and_say_paris(smol_dir):
+    ours = record("reference", smol_dir, "ours")
+    theirs = record("transformers", smol_dir, "theirs")
+    with Trace(ours) as a, Trace(theirs) as b:
+        rep = compare_traces(a, b)
+        assert rep, rep.verdict_line()
+        assert len(rep.layers) == 30 and rep.policy.name == "float32"
+        for t in (a, b):
+            z = t.final["logits"][0].astype(np.float64)
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            top = int(np.argmax(z))
+            assert t.meta["token_text"][str(top)] == " Paris"
+            assert p[top] == pytest.approx(0.7725, abs=2e-3)
+        assert a.meta["texts"] == ["The capital of France is"]
+
+
+def test_smollm2_left_padded_batch_of_three_against_transformers(smol_dir):
+    ours = record("batched-left", smol_dir, "ours3", inputs=THREE)
+    cfg = smol_dir / "hf-left.toml"
+    cfg.write_text('preset = "transformers"\n[run]\nbatching = "left"\n')
+    theirs = record(str(cfg), smol_dir, "theirs3", inputs=THREE)
+    with Trace(ours) as a, Trace(theirs) as b:
+        rep = compare_traces(a, b)
+        assert rep, rep.verdict_line()
+        assert a.inputs["valid_mask"].sum(1).tolist() == [len(p) for p in a.samples]
+        assert a.pad_cols(0).size > 0  # the shortest prompt is padded on the left
+        assert a.meta["token_text"][str(int(a.final["topk_ids"][0, 0]))] == " Paris"
+
+
+def test_gguf_unpermutation_matches_transformers_own_gguf_load():
+    from prefill_diff.engine.gguf_loader import smollm2_path
+    from transformers import AutoModelForCausalLM
+    path = smollm2_path()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    hf_state = hf.state_dict()
+    ours = load_snapshot(SMOL).state
+    for layer in (0, 17, 29):
+        for mine, theirs in (("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_proj"),
+                             ("attention.wv", "self_attn.v_proj")):
+            a = ours[f"layers.{layer}.{mine}.weight"]
+            b = hf_state[f"model.layers.{layer}.{theirs}.weight"]
+            assert torch.equal(a, b.float()), (layer, mine)
+    from prefill_diff.engine.gguf_loader import unpermute
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)  # the permutation itself is a bijection
+    assert sorted(unpermute(w, 2).ravel().tolist()) == sorted(w.ravel().tolist())
+    assert not np.array_equal(unpermute(w, 2), w)
+
+
+def test_smollm2_bf16_error_growth_over_30_layers(run_cli, tmp_path):
+    out = tmp_path / "r.json"
+    res = run_cli("run", "reference", "bf16", "--model", "smollm2", "--prompt", "The capital of France is",
+                  "--json", out)
+    rep = json.loads(out.read_text())
+    assert len(rep["layers"]) == 30
+    errs = [max(float(t["max_row_rel"]) for t in row["tensors"].values()) for row in rep["layers"]]
+    assert errs[-1] > errs[0] > 0  # error grows with depth
+    assert rep["policy"]["name"] == "bfloat16"
+    assert res.exit_code == (0 if rep["verdict"] == "pass" else 1)
+    res = run_cli("run", "reference", "bf16", "--model", "smollm2", "--prompt", "The capital of France is")
+    spark = next(l for l in res.output.splitlines() if l.startswith("error growth"))
+    assert len(spark.split(": ", 1)[1].strip()) == 30
+
+
+# -- a local Hugging Face checkpoint, made here -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=50000.0,
+                      tie_word_embeddings=False, max_position_embeddings=512)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random biases, so the QKV bias really matters
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    d = tmp_path_factory.mktemp("qwen")
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def test_hf_checkpoint_loads_and_agrees_with_transformers(qwen_dir, tmp_path):
+    spec = ModelSpec(f"hf:{qwen_dir}")
+    snap = load_snapshot(spec)
+    assert snap.args.qkv_bias and not snap.args.tie_embeddings and snap.args.rope_theta == 50000.0
+    assert snap.args.arch == "qwen2"
+    inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11), (2, 3, 4)))
+    ours = record_side(prepare_side("batched-left", spec, inputs), tmp_path / "o.h5")
+    theirs = record_side(prepare_side("transformers", spec, inputs), tmp_path / "t.h5")
+    with Trace(ours) as a, Trace(theirs) as b:
+        rep = compare_traces(a, b)
+        assert rep, rep.verdict_line()
+        assert b.meta["engine"]["name"] == "transformers"
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if not p.startswith("fault:")])
+def test_every_preset_runs_on_a_hf_checkpoint(qwen_dir, tmp_path, preset):
+    spec = ModelSpec(f"hf:{qwen_dir}")
+    inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6), (8, 9, 10, 11, 12, 13)))
+    ref = record_side(prepare_side("reference", spec, inputs), tmp_path / "r.h5")
+    cand = record_side(prepare_side(preset, spec, inputs), tmp_path / "c.h5")
+    with Trace(ref) as a, Trace(cand) as b:
+        rep = compare_traces(a, b)
+    assert rep, f"{preset}: {rep.verdict_line()}"
+
+
+@pytest.mark.parametrize("fault", [p for p in PRESETS if p.startswith("fault:")])
+def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
+    spec = ModelSpec(f"hf:{qwen_dir}")
+    inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6), (8, 9, 10, 11, 12, 13)))
+    ref = record_side(prepare_side("reference", spec, inputs), tmp_path / "r.h5")
+    cand = record_side(prepare_side(fault, spec, inputs), tmp_path / "c.h5")
+    with Trace(ref) as a, Trace(cand) as b:
+        rep = compare_traces(a, b)
+    assert not rep and "§2.11" in rep.diagnosis, rep.verdict_line()
+
+
+def test_unsupported_architecture_is_refused(tmp_path, run_cli):
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    res = run_cli("run", "reference", "batched-left", "--model", f"hf:{d}")
+    assert res.exit_code == 2
+    assert "GPT2LMHeadModel" in res.output and "supported: LlamaForCausalLM, MistralForCausalLM, " \
+        "Qwen2ForCausalLM" in res.output
+
+
+def test_missing_checkpoint_and_pickles_are_refused(tmp_path, run_cli):
+    res = run_cli("run", "reference", "batched-left", "--model", f"hf:{tmp_path / 'nope'}")
+    assert res.exit_code == 2 and "no config.json" in res.output
+    d = tmp_path / "bin"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+                                               "num_hidden_layers": 1, "num_attention_heads": 2,
+                                               "intermediate_size": 8, "vocab_size": 10}))
+    (d / "pytorch_model.bin").write_bytes(b"pickle")
+    res = run_cli("run", "reference", "batched-left", "--model", f"hf:{d}")
+    assert res.exit_code == 2 and "pickled .bin checkpoints are not loaded" in res.output
+
+
+def test_text_prompt_on_a_model_without_tokenizer_is_refused(run_cli):
+    res = run_cli("run", "reference", "batched-left", "--prompt", "hello")
+    assert res.exit_code == 2 and "text prompts need a tokenizer" in res.output
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smol_dir):
+    return record("reference", smol_dir, "ref3", inputs=THREE)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_runs_on_smollm2(smol_reference, tmp_path, preset):
+    cand = record(preset, tmp_path, "c", inputs=THREE)
+    with Trace(smol_reference) as a, Trace(cand) as b:
+        rep = compare_traces(a, b)
+    if preset.startswith("fault:"):
+        assert not rep and "§2.11" in rep.diagnosis, rep.verdict_line()
+    else:
+        assert rep, f"{preset}: {rep.verdict_line()}"
+
+
+def test_fp32_engine_shares_the_snapshot_weights():
+    """Loading keeps one float32 copy: a float32 engine uses the snapshot's tensors, not copies."""
+    from prefill_diff.engine.prefill import Engine
+    snap = load_snapshot(SMOL)
+    eng = Engine(snap)
+    assert eng.model.layers[3].attention.wq.weight.data_ptr() == snap.state["layers.3.attention.wq.weight"].data_ptr()
+    assert eng.model.output.weight.data_ptr() == eng.model.tok_embeddings.weight.data_ptr()  # tied, once
+    ptrs = [t.data_ptr() for k, t in snap.state.items() if k != "output.weight"]
+    assert len(set(ptrs)) == len(ptrs)
+
+
+def test_thirty_layer_run_reports_progress(smol_dir):
+    from prefill_diff.verify.pipeline import run_pair
+    seen = {}
+
+    def progress(label):
+        seen[label] = []
+        return seen[label].append
+    out = run_pair("reference", "sdpa", SMOL, FRANCE, progress=progress)
+    assert out.report
+    assert seen == {"reference": list(range(30)), "candidate": list(range(30))}
