@@ -27,7 +27,9 @@ class Cli(click.Group):
         except PrefillDiffError as e:
             raise BadInput(str(e)) from None
         except KeyboardInterrupt:
-            click.echo("interrupted; partial trace files were removed", err=True)
+            from ..dumps.recorder import remove_partial_files
+            remove_partial_files()
+            click.echo("interrupted; no trace was written and partial files were removed", err=True)
             ctx.exit(130)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise

@@ -38,6 +38,20 @@ from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, STAT_COLUMNS, layer_gro
 
 _INT_VIEW = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.int8}
 _MASK64 = (1 << 64) - 1
+_PARTIAL: set = set()  # temporary files of this process not yet renamed into place
+
+
+def remove_partial_files() -> list:
+    """Delete this process's unfinished temporary traces (after an interrupt); returns their paths."""
+    gone = []
+    for tmp in list(_PARTIAL):
+        try:
+            os.unlink(tmp)
+            gone.append(str(tmp))
+        except FileNotFoundError:
+            pass
+        _PARTIAL.discard(tmp)
+    return gone
 
 
 class TraceExistsError(PrefillDiffError):
@@ -180,9 +194,11 @@ class Recorder:
             if self.path.is_dir():
                 raise RecorderError(f"{self.path} is a directory")
             self.tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+            _PARTIAL.add(self.tmp)  # registered before it exists, so an interrupt at any moment can remove it
             try:
                 self.f = h5py.File(self.tmp, "w")
             except OSError as e:
+                _PARTIAL.discard(self.tmp)
                 raise RecorderError(f"cannot write {self.path}: {e}") from None
         self.f.attrs["format"] = FORMAT_NAME
         self.f.attrs["format_version"] = FORMAT_VERSION
@@ -420,6 +436,7 @@ class Recorder:
         with open(self.tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(self.tmp, self.path)
+        _PARTIAL.discard(self.tmp)
 
     def abort(self) -> None:
         """Drop the partial file."""
@@ -435,3 +452,4 @@ class Recorder:
                 os.unlink(self.tmp)
             except FileNotFoundError:
                 pass
+            _PARTIAL.discard(self.tmp)

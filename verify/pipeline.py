@@ -40,7 +40,11 @@ def record_side(prep, path, level: str = "full", force: bool = False, compressio
     if tolerance:
         resolve_policy(tolerance)  # refuse a bad declaration before recording
     rec = Recorder(path, level, force=force, compression=compression, in_memory=in_memory)
-    record(prep, rec, progress=progress, extra_meta={"tolerance": tolerance} if tolerance else None)
+    try:
+        record(prep, rec, progress=progress, extra_meta={"tolerance": tolerance} if tolerance else None)
+    except BaseException:
+        rec.abort()
+        raise
     return rec if in_memory else str(path)
 
 
