@@ -48,6 +48,8 @@ def _console(stderr: bool = False):
 
 def _shared(model, prompts, tokens):
     """--model/--prompt/--tokens -> (ModelSpec or None, Inputs or None)."""
+    if not (model or prompts or tokens):
+        return None, None  # and no engine import: comparing two trace files never loads torch
     from ..engine.config import Inputs
     from ..engine.errors import ConfigError
     from ..engine.snapshot import ModelSpec

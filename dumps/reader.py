@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from functools import cached_property
 
 import h5py
@@ -19,6 +20,28 @@ from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, REA
 
 class TraceError(PrefillDiffError):
     """A file is not a readable trace: missing, not HDF5, foreign, unknown version, incomplete or corrupt."""
+
+
+_DAMAGE = (OSError, KeyError, ValueError, TypeError, RuntimeError, IndexError, OverflowError, AttributeError,
+           UnicodeDecodeError, MemoryError)
+ROW_LIMIT = 1 << 30  # bytes of one stored sample row a reader will allocate
+
+
+def _guarded(fn):
+    """Turn whatever HDF5 raises on a damaged file into one TraceError naming the file."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *a, **kw):
+        try:
+            return fn(self, *a, **kw)
+        except TraceError:
+            raise
+        except _DAMAGE as e:
+            name = getattr(self, "name", None) or getattr(getattr(self, "trace", None), "name", "trace")
+            first = str(e).splitlines()[0][:160] if str(e) else ""
+            raise TraceError(f"{name}: damaged trace ({type(e).__name__}: {first})") from None
+    return wrapper
 
 
 def _json_attr(f, key: str, where: str):
@@ -37,6 +60,21 @@ def _json_attr(f, key: str, where: str):
         raise TraceError(f"{where}: attribute {key!r} is not valid JSON ({e})") from None
 
 
+_local = threading.local()
+
+
+def _row_buffer(slot: str, shape, dtype) -> np.ndarray:
+    bufs = getattr(_local, "rows", None)
+    if bufs is None:
+        bufs = _local.rows = {}
+    key = (slot, tuple(shape), np.dtype(dtype).str)
+    if key not in bufs:
+        for k in [k for k in bufs if k[0] == slot]:  # one buffer per slot: drop the old shape
+            del bufs[k]
+        bufs[key] = np.empty(shape, dtype=dtype)
+    return bufs[key]
+
+
 class LayerView:
     """One layer of a trace: states, statistics, samples and cache, all lazy."""
 
@@ -44,31 +82,44 @@ class LayerView:
         self.trace, self.layer = trace, layer
         self.g = trace.f[layer_group(layer)]
 
+    @_guarded
     def state(self, name: str):
         return self.g.get(name) if isinstance(self.g.get(name), h5py.Dataset) else None
 
+    @_guarded
     def sampled(self, name: str):
         return self.g.get(f"sampled/{name}")
 
+    @_guarded
     def stats(self, name: str):
         ds = self.g.get(f"stats/{name}")
         return None if ds is None else self.trace.read(ds)
 
+    @_guarded
     def checksum(self, name: str):
         ds = self.g.get(f"checksums/{name}")
         return None if ds is None else self.trace.read(ds)
 
+    @_guarded
     def cache(self, name: str):
         return self.g.get(f"cache/{name}")
 
     @cached_property
+    @_guarded
     def cache_lengths(self) -> np.ndarray:
-        return self.trace.read(self.g["cache/lengths"])
+        lengths = self.trace.read(self.g["cache/lengths"])
+        cap = self.g["cache/positions"].shape[1]
+        if lengths.dtype.kind not in "iu" or (lengths < 0).any() or (lengths > cap).any():
+            raise TraceError(f"{self.trace.name}: layer {self.layer} cache lengths {lengths.tolist()[:8]} are not "
+                             f"in [0, {cap}]")
+        return lengths
 
     @cached_property
+    @_guarded
     def cache_positions(self) -> np.ndarray:
         return self.trace.read(self.g["cache/positions"])
 
+    @_guarded
     def names(self) -> list[str]:
         have = set(self.g.keys()) | {k for k in self.g.get("stats", {}).keys()}
         return [s for s in STATES if s in have]
@@ -96,7 +147,7 @@ class Trace:
         except TraceError:
             self.close()
             raise
-        except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
+        except _DAMAGE as e:
             self.close()
             raise TraceError(f"{self.name}: damaged trace ({type(e).__name__}: {str(e)[:160]})") from None
 
@@ -116,9 +167,24 @@ class Trace:
         """ds[sel], turning HDF5 read failures into TraceError."""
         try:
             return ds[sel]
-        except (OSError, ValueError, RuntimeError) as e:
+        except _DAMAGE as e:
             raise TraceError(f"{self.name}: cannot read {ds.name} (corrupt data: {str(e).splitlines()[0][:120]})") \
                 from None
+
+    def read_row(self, ds, index: int, slot: str) -> np.ndarray:
+        """ds[index] (one sample's chunk) into a reused per-thread buffer named ``slot``.
+
+        Streaming compare reads thousands of rows of the same shape; reading into the same memory
+        avoids a fresh allocation (and its page faults) per row. The result is valid until the next
+        read into the same slot on the same thread.
+        """
+        buf = _row_buffer(slot, ds.shape[1:], ds.dtype)
+        try:
+            ds.read_direct(buf, np.s_[index])
+        except _DAMAGE as e:
+            raise TraceError(f"{self.name}: cannot read {ds.name} (corrupt data: {str(e).splitlines()[0][:120]})") \
+                from None
+        return buf
 
     def _check(self):
         self._check_header(require_complete=True)
@@ -166,6 +232,8 @@ class Trace:
         if S is None:
             raise TraceError(f"{where}: /inputs/valid_mask must be 2-D [samples, columns]")
         self.n_samples, self.n_cols = S, C
+        if S * C * 8 > ROW_LIMIT or f["samples/token_ids"].size * 8 > ROW_LIMIT:
+            raise TraceError(f"{where}: declared inputs of {S} x {C} cells are larger than a reader allocates")
         for path in ("inputs/input_ids", "inputs/computed", "inputs/positions", "inputs/token_index"):
             if f[path].shape != (S, C):
                 raise TraceError(f"{where}: /{path} has shape {f[path].shape}, expected {(S, C)}")
@@ -201,6 +269,18 @@ class Trace:
     def _check_layer(self, i: int):
         g, where = self.f[layer_group(i)], self.name
         S, C = self.n_samples, self.n_cols
+        a = self.args
+        widths = {n: a.get("dim") for n in REQUIRED_STATES}
+        if a.get("n_heads") and a.get("head_dim"):
+            widths["attn_heads"] = a["n_heads"] * a["head_dim"]
+        for name, want in widths.items():
+            ds = g.get(name)
+            if isinstance(ds, h5py.Dataset):
+                if ds.ndim != 3 or (want is not None and ds.shape[2] != want):
+                    raise TraceError(f"{where}: layer {i} {name} has shape {ds.shape}, the model says width {want}")
+                if C * ds.shape[2] * ds.dtype.itemsize > ROW_LIMIT:
+                    raise TraceError(f"{where}: layer {i} {name} declares rows of {C * ds.shape[2]} values, "
+                                     "larger than a reader allocates")
         for name in REQUIRED_STATES:
             ds = g.get(name)
             if self.level == "full":
@@ -222,18 +302,27 @@ class Trace:
                 ds = g.get(f"cache/{name}")
                 if not isinstance(ds, h5py.Dataset) or ds.ndim != 4 or ds.shape[0] != S or ds.shape[2] != pos.shape[1]:
                     raise TraceError(f"{where}: layer {i} cache {name} is missing or misshapen")
+                if (a.get("n_kv_heads") is not None and ds.shape[1] != a["n_kv_heads"]) or \
+                        (a.get("head_dim") is not None and ds.shape[3] != a["head_dim"]):
+                    raise TraceError(f"{where}: layer {i} cache {name} has shape {ds.shape}, the model says "
+                                     f"{a.get('n_kv_heads')} KV heads of {a.get('head_dim')}")
+                if int(np.prod(ds.shape[1:])) * ds.dtype.itemsize > ROW_LIMIT:
+                    raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
 
     # -- logical view ---------------------------------------------------------------------------
     @cached_property
+    @_guarded
     def inputs(self) -> dict:
         return {k: self.read(self.f[f"inputs/{k}"]) for k in
                 ("input_ids", "valid_mask", "computed", "positions", "token_index")}
 
     @cached_property
+    @_guarded
     def samples(self) -> list[tuple]:
         ids = self.read(self.f["samples/token_ids"])
         return [tuple(int(t) for t in ids[s, :self.lengths[s]]) for s in range(self.n_samples)]
 
+    @_guarded
     def cells(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
         """Columns holding the sample's valid, computed tokens, and their token indices, in token order."""
         inp = self.inputs
@@ -243,6 +332,7 @@ class Trace:
         order = np.argsort(toks, kind="stable")
         return cols[order], toks[order]
 
+    @_guarded
     def pad_cols(self, sample: int) -> np.ndarray:
         inp = self.inputs
         return np.flatnonzero((inp["computed"][sample] == 1) & (inp["valid_mask"][sample] == 0))
@@ -255,8 +345,13 @@ class Trace:
             yield LayerView(self, i)
 
     @cached_property
+    @_guarded
     def final(self) -> dict:
         out = {k: self.read(v) for k, v in self.f["final"].items() if isinstance(v, h5py.Dataset)}
+        V = out["logits"].shape[1]
+        ids = out["topk_ids"]
+        if ids.dtype.kind not in "iu" or ids.shape[0] != self.n_samples or ((ids < 0) | (ids >= V)).any():
+            raise TraceError(f"{self.name}: /final/topk_ids must hold ids in [0, {V}) for {self.n_samples} samples")
         return out
 
     @property

@@ -36,9 +36,21 @@ import numpy as np
 from ..engine.errors import PrefillDiffError
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, STAT_COLUMNS, layer_group
 
-_INT_VIEW = {8: np.int64, 4: np.int32, 2: np.int16, 1: np.int8}
 _MASK64 = (1 << 64) - 1
+# HDF5 1.8 object formats and newer carry checksums on every metadata block, so damaged metadata is
+# detected instead of being followed (the 1.6-compatible default can send the library into a loop on a
+# corrupted file); "v110" as the newest keeps files readable by HDF5 1.10 tools such as Debian's h5dump.
+LIBVER = ("v108", "v110")
 _PARTIAL: set = set()  # temporary files of this process not yet renamed into place
+
+
+def _text(obj, key: str, value: str) -> None:
+    """A string attribute stored fixed-length, inline in its (checksummed) object header.
+
+    Variable-length strings live in HDF5's global heap, which has no checksum: a damaged heap can send
+    the library into an endless loop when the attribute is read (found by fuzzing the reader).
+    """
+    obj.attrs[key] = np.bytes_(value.encode("utf-8"))
 
 
 def remove_partial_files() -> list:
@@ -86,40 +98,54 @@ def _signed64(v: int) -> int:
 
 
 def slab_stats(x) -> tuple:
-    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab, on the tensor's own device.
+    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab (rows, width), on the tensor's own device.
 
-    The checksum is the wrapped int64 sum of the values' bit patterns: equal slabs give
-    equal checksums; a differing checksum alone is not a failure.
+    Four passes at memory speed: aminmax, sum, a BLAS dot for the sum of squares, and the checksum;
+    the finite count is only computed when sum or sumsq is not finite. The checksum is the wrapped int64
+    sum, row by row, of the data's 8-byte words (each row zero-padded to a multiple of 8 bytes), so it
+    composes over any split into rows: equal data gives equal checksums. A differing checksum alone is
+    never a failure.
     """
     n = int(np.prod(x.shape))
     if n == 0:
         return 0, 0, np.inf, -np.inf, 0.0, 0.0, 0
     if _is_torch(x):
-        xf = x if str(x.dtype) in ("torch.float32", "torch.float64") else x.float()
-        mn, mx = xf.aminmax()
-        s, ss = xf.sum(), (xf * xf).sum()
-        v = [float(t) for t in (mn, mx, s, ss)]
-        finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(xf.isfinite().sum())
-        bits = x.contiguous().view(_torch_int_dtype(x))
-        check = int(bits.sum(dtype=_torch_int64(x)))
-        return n, finite, v[0], v[1], v[2], v[3], check
-    a = np.asarray(x)
-    af = a.astype(np.float64) if a.dtype.itemsize < 4 else a
-    s, ss = float(af.sum(dtype=np.float64)), float(np.dot(af.ravel(), af.ravel()))
+        import sys
+        torch = sys.modules["torch"]  # x is a torch tensor, so torch is already imported
+        xc = x.detach().contiguous()
+        flat = (xc if xc.dtype in (torch.float32, torch.float64) else xc.float()).view(-1)
+        mn, mx = flat.aminmax()
+        v = [float(t) for t in (mn, mx, flat.sum(), torch.dot(flat, flat))]
+        finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(flat.isfinite().sum())
+        return n, finite, v[0], v[1], v[2], v[3], _torch_checksum(xc, torch)
+    a = np.ascontiguousarray(x)
+    af = (a.astype(np.float64) if a.dtype.itemsize < 4 else a).ravel()
+    s, ss = float(af.sum(dtype=np.float64)), float(np.dot(af, af))
     finite = n if np.isfinite(s) and np.isfinite(ss) else int(np.isfinite(af).sum())
-    check = int(np.ascontiguousarray(a).view(_INT_VIEW[a.dtype.itemsize]).sum(dtype=np.int64))
-    return n, finite, float(af.min()), float(af.max()), s, ss, check
+    return n, finite, float(af.min()), float(af.max()), s, ss, _numpy_checksum(a)
 
 
-def _torch_int_dtype(x):
-    import sys
-    torch = sys.modules["torch"]  # x is a torch tensor, so torch is already imported
-    return {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[x.element_size()]
+def _words_per_row(row_bytes: int) -> int:
+    return -(-row_bytes // 8)
 
 
-def _torch_int64(x):
-    import sys
-    return sys.modules["torch"].int64
+def _torch_checksum(x, torch) -> int:
+    rows = x.reshape(x.shape[0], -1)
+    row_bytes = rows.shape[1] * rows.element_size()
+    if row_bytes % 8 == 0:
+        return int(rows.view(torch.int64).sum())
+    raw = rows.view(torch.uint8)
+    pad = _words_per_row(row_bytes) * 8 - row_bytes
+    return int(torch.nn.functional.pad(raw, (0, pad)).view(torch.int64).sum())
+
+
+def _numpy_checksum(a: np.ndarray) -> int:
+    rows = a.reshape(a.shape[0], -1)
+    row_bytes = rows.shape[1] * rows.itemsize
+    raw = rows.view(np.uint8)
+    if row_bytes % 8:
+        raw = np.pad(raw, ((0, 0), (0, _words_per_row(row_bytes) * 8 - row_bytes)))
+    return int(np.ascontiguousarray(raw).view(np.int64).sum(dtype=np.int64))
 
 
 class _Stats:
@@ -187,7 +213,8 @@ class Recorder:
         self.in_memory = in_memory
         if in_memory or path is None:
             self.in_memory, self.tmp = True, None
-            self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False)
+            self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False,
+                               libver=LIBVER)
         else:
             if self.path.exists() and not force:
                 raise TraceExistsError(f"{self.path} exists; pass --force to overwrite it")
@@ -196,17 +223,18 @@ class Recorder:
             self.tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
             _PARTIAL.add(self.tmp)  # registered before it exists, so an interrupt at any moment can remove it
             try:
-                self.f = h5py.File(self.tmp, "w")
+                self.f = h5py.File(self.tmp, "w", libver=LIBVER)
             except OSError as e:
                 _PARTIAL.discard(self.tmp)
                 raise RecorderError(f"cannot write {self.path}: {e}") from None
-        self.f.attrs["format"] = FORMAT_NAME
-        self.f.attrs["format_version"] = FORMAT_VERSION
-        self.f.attrs["level"] = level
+        _text(self.f, "format", FORMAT_NAME)
+        _text(self.f, "format_version", FORMAT_VERSION)
+        _text(self.f, "level", level)
         self.f.attrs["complete"] = 0
         self._stats: dict[tuple[int, str], _Stats] = {}
         self._closed = False
         self.n_samples = None
+        self._ds = {}
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -218,6 +246,21 @@ class Recorder:
         else:
             self.abort()
         return False
+
+    def _write(self, ds, sel, x) -> None:
+        """ds[sel] = x. (A writer thread overlapping compute was measured and did not pay on a 2-core CPU:
+        torch already keeps both cores busy; see docs/performance.md.)"""
+        self._put(ds, sel, x)
+
+    def _put(self, ds, sel, x) -> None:
+        """Write; a selection that is exactly one uncompressed chunk goes straight to the file (twice as fast)."""
+        arr = to_numpy(x)
+        chunk = ds.chunks
+        if (not self.compression and chunk is not None and arr.shape == chunk[1:] and arr.dtype == ds.dtype
+                and all((s.start or 0) == 0 for s in sel[1:]) and chunk[0] == 1):
+            ds.id.write_direct_chunk((sel[0],) + (0,) * (len(chunk) - 1), np.ascontiguousarray(arr))
+        else:
+            ds[sel] = arr
 
     def _kw(self, chunks):
         kw = {"chunks": chunks}
@@ -247,6 +290,12 @@ class Recorder:
         self.meta = dict(meta)
         self._write_meta()
         self._sampled_toks = [select_tokens(int(n), self.sample_tokens) for n in self.lengths]
+        self._slot_of_tok = []  # per sample: token index -> sampled slot, -1 if not sampled
+        for n, toks in zip(self.lengths, self._sampled_toks):
+            m = np.full(int(n), -1, dtype=np.int64)
+            m[toks] = np.arange(len(toks))
+            self._slot_of_tok.append(m)
+        self._ds = {}
         if self.level == "sampled":
             P = max(len(t) for t in self._sampled_toks)
             st = np.full((S, P), -1, dtype=np.int64)
@@ -256,7 +305,7 @@ class Recorder:
             self.f["sampled"].attrs["seed"] = self.sample_seed
 
     def _write_meta(self):
-        self.f.attrs["meta"] = json.dumps(self.meta, sort_keys=True, default=str)
+        _text(self.f, "meta", json.dumps(self.meta, sort_keys=True, default=str))
 
     def _need_begin(self):
         if self.n_samples is None:
@@ -299,38 +348,49 @@ class Recorder:
             st.add(sample, slab_stats(x), padding=True)
         if self.level == "full":
             ds = self._state_ds(layer, name, x)
-            ds[sample, col:col + T] = to_numpy(x)
+            self._write(ds, np.s_[sample, col:col + T], x)
         elif self.level == "sampled":
-            toks = self.tok[sample, col:col + T]
-            want = self._sampled_toks[sample]
-            rows = [(j, want.index(int(t))) for j, t in enumerate(toks) if v[j] and int(t) in want]
-            if rows:
-                ds = self._sampled_ds(layer, name, x.shape[1], x)
-                ch = ds.attrs["channels"]
-                arr = to_numpy(x[[r for r, _ in rows]])[:, ch]
-                for (r, slot), vals in zip(rows, arr):
-                    ds[sample, slot] = vals
+            self._write_sampled(layer, name, sample, self.tok[sample, col:col + T], v, x)
+
+    def _write_sampled(self, layer, name, sample, toks, valid, x):
+        """The declared (token, channel) subset of one sample's rows (T, width)."""
+        m = self._slot_of_tok[sample]
+        ok = valid & (toks >= 0) & (toks < m.shape[0])
+        rows = np.flatnonzero(ok)
+        if rows.size == 0:
+            return
+        slots = m[toks[rows]]
+        keep = slots >= 0
+        rows, slots = rows[keep], slots[keep]
+        if rows.size == 0:
+            return
+        ds, ch = self._sampled_ds(layer, name, x.shape[1], x)
+        order = np.argsort(slots)
+        ds[sample, slots[order].tolist()] = to_numpy(x[rows[order]])[:, ch]
 
     def _state_ds(self, layer, name, x):
-        path = f"{layer_group(layer)}/{name}"
-        if path not in self.f:
+        key = (layer, name)
+        if key not in self._ds:
             dt = to_numpy(x[:0]).dtype
-            ds = self.f.create_dataset(path, shape=(self.n_samples, self.n_cols, x.shape[1]), dtype=dt,
-                                       **self._kw((1, self.n_cols, x.shape[1])))
-            ds.attrs["source_dtype"] = source_dtype(x)
-        return self.f[path]
+            ds = self.f.create_dataset(f"{layer_group(layer)}/{name}", shape=(self.n_samples, self.n_cols, x.shape[1]),
+                                       dtype=dt, **self._kw((1, self.n_cols, x.shape[1])))
+            _text(ds, "source_dtype", source_dtype(x))
+            self._ds[key] = ds
+        return self._ds[key]
 
     def _sampled_ds(self, layer, name, width, x):
-        path = f"{layer_group(layer)}/sampled/{name}"
-        if path not in self.f:
+        key = (layer, "sampled", name)
+        if key not in self._ds:
             P = self.f["sampled/token_index"].shape[1]
             ch = select_channels(width, self.sample_channels, self.sample_seed)
             dt = to_numpy(x[:0]).dtype
-            ds = self.f.create_dataset(path, shape=(self.n_samples, P, len(ch)), dtype=dt, fillvalue=np.nan)
+            ds = self.f.create_dataset(f"{layer_group(layer)}/sampled/{name}", shape=(self.n_samples, P, len(ch)),
+                                       dtype=dt, fillvalue=np.nan)
             ds.attrs["channels"] = ch
             ds.attrs["width"] = width
-            ds.attrs["source_dtype"] = source_dtype(x)
-        return self.f[path]
+            _text(ds, "source_dtype", source_dtype(x))
+            self._ds[key] = (ds, ch)
+        return self._ds[key]
 
     def cache(self, layer: int, sample: int, keys, values, positions) -> None:
         """One sample's logical cache at a layer: keys and values (H_kv, T, d_h), positions (T,)."""
@@ -360,20 +420,14 @@ class Recorder:
                     tmax = max(int(self.lengths.max()), T)
                     ds = self.f.create_dataset(path, shape=(self.n_samples, H, tmax, D), dtype=to_numpy(t[:0]).dtype,
                                                maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D)))
-                    ds.attrs["source_dtype"] = source_dtype(t)
+                    _text(ds, "source_dtype", source_dtype(t))
                 ds = self.f[path]
                 if T > ds.shape[2]:
                     ds.resize((self.n_samples, H, T, D))
                 if T:
-                    ds[sample, :, :T] = to_numpy(t)
+                    self._write(ds, np.s_[sample, :, :T], t)
             elif self.level == "sampled":
-                want = self._sampled_toks[sample]
-                rows = [(t_, want.index(t_)) for t_ in range(T) if t_ in want]
-                if rows:
-                    ds = self._sampled_ds(layer, f"cache_{name}", H * D, flat)
-                    arr = to_numpy(flat[[r for r, _ in rows]])[:, ds.attrs["channels"]]
-                    for (_, slot), vals in zip(rows, arr):
-                        ds[sample, slot] = vals
+                self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool), flat)
 
     def layer_done(self, layer: int) -> None:
         """Write the statistics of a completed layer (a reader streaming this file may then read it)."""
@@ -385,7 +439,7 @@ class Recorder:
                 del self.f[f"{base}/{name}"], self.f[f"{layer_group(layer)}/checksums/{name}"]
             self.f.create_dataset(f"{base}/{name}", data=st.table())
             self.f.create_dataset(f"{layer_group(layer)}/checksums/{name}", data=np.array(st.checksum, dtype=np.int64))
-            self.f[base].attrs["columns"] = json.dumps(STAT_COLUMNS)
+            _text(self.f[base], "columns", json.dumps(STAT_COLUMNS))
             del self._stats[(lay, name)]
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
@@ -402,8 +456,8 @@ class Recorder:
             self.f.create_dataset("final/gather_col", shape=(S,), dtype=np.int64, fillvalue=-1)
             self.f.create_dataset("final/gather_token", shape=(S,), dtype=np.int64, fillvalue=-1)
             self.f.create_dataset("final/written", shape=(S,), dtype=np.uint8)
-            self.f["final/logits"].attrs["source_dtype"] = source_dtype(logits)
-            self.f["final/norm_last"].attrs["source_dtype"] = source_dtype(norm_last)
+            _text(self.f["final/logits"], "source_dtype", source_dtype(logits))
+            _text(self.f["final/norm_last"], "source_dtype", source_dtype(norm_last))
         k = self.f["final/topk_ids"].shape[1]
         order = np.argsort(-z.astype(np.float64), kind="stable")[:k]  # ties: lower id first
         self.f["final/norm_last"][sample] = h
@@ -433,9 +487,7 @@ class Recorder:
             return
         self.f.close()
         self._closed = True
-        with open(self.tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.path)
+        os.replace(self.tmp, self.path)  # atomic: readers see the old state or the whole trace
         _PARTIAL.discard(self.tmp)
 
     def abort(self) -> None:

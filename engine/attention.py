@@ -31,6 +31,7 @@ class AttentionMask:
     q_seq: torch.Tensor  # (B, Sq) sequence of each query cell
     k_seq: torch.Tensor  # (B, Sk) sequence of each key
     sentinel: bool = True  # padding query rows see key 0, so no row is all -inf
+    causal: bool = False  # set when the mask is exactly lower-triangular on every row (no padding, one sequence)
     _visible: torch.Tensor | None = field(default=None, repr=False)
     _bias: dict = field(default_factory=dict, repr=False)
 
@@ -82,8 +83,8 @@ def eager_attention(q, k, v, mask: AttentionMask, shapes=None):
     compute = torch.promote_types(q.dtype, torch.float32)
     qg = q.view(B, n_kv, H // n_kv, S, D)  # (B, n_kv_heads, n_rep, S, head_dim)
     scores = qg @ k[:, :, None].transpose(-1, -2)  # (B, n_kv_heads, n_rep, S, Sk)
-    scores = scores.view(B, H, S, -1) / math.sqrt(D)  # (B, n_heads, S, Sk)
-    scores = scores + mask.bias(scores.dtype)
+    scores = scores.view(B, H, S, -1).mul_(D ** -0.5)  # (B, n_heads, S, Sk), in place: S is the big one
+    scores.add_(mask.bias(scores.dtype))
     if shapes is not None:
         shapes("scores", tuple(scores.shape))
     probs = torch.softmax(scores, dim=-1, dtype=compute).to(q.dtype)  # stable: subtracts the row max
@@ -92,7 +93,9 @@ def eager_attention(q, k, v, mask: AttentionMask, shapes=None):
 
 
 def sdpa_attention(q, k, v, mask: AttentionMask, shapes=None):
-    """torch's scaled_dot_product_attention with the same boolean visibility."""
+    """torch's scaled_dot_product_attention with the same boolean visibility (is_causal when that is all it is)."""
+    if mask.causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.visible[:, None], enable_gqa=True)
 
 

@@ -129,6 +129,8 @@ class ForwardStep:
             self.mask = AttentionMask(torch.where(q_tok >= 0, col, -1), col, row_seq, row_seq, sentinel)
         else:
             self.mask = AttentionMask(q_tok, q_tok, q_seq, q_seq, sentinel)
+            S = c1 - c0
+            self.mask.causal = bool((q_tok == torch.arange(S)).all()) and all(len(r) == 1 for r in cells.row_seqs)
         self.head_map = list(faults.head_map) if faults.head_map else engine.head_map
 
     def attend(self, layer: int, q_rot, k_rot, v, k_pre):
@@ -226,7 +228,7 @@ class Engine:
                 cache.write(layer, s, k, v, k, pos)
         if recorder is not None:
             recorder.inputs(input_ids, valid, cells.positions, cells.tok, cells.seq)
-        chunk = cache_config.chunk_size or n
+        chunk = min(cache_config.chunk_size or n, n)  # a chunk longer than the prompt is the whole prompt
         read_through = not layout.plain or bool(history) or chunk < n
         ids = torch.where(valid, input_ids, torch.zeros_like(input_ids))
         x_last = None

@@ -24,7 +24,8 @@ def test_trace_holds_what_the_engine_computed(left_trace):
     cap = Capture()
     prep.engine.prefill(call.ids, call.mask, call.positions, prep.side.run.cache, recorder=cap)
     with Trace(path) as t:
-        assert t.f.attrs["format"] == FORMAT_NAME and t.f.attrs["format_version"] == FORMAT_VERSION
+        assert t.f.attrs["format"].decode() == FORMAT_NAME and t.f.attrs["format_version"].decode() == FORMAT_VERSION
+        assert t.version == FORMAT_VERSION
         assert t.samples == [tuple(x) for x in prep.tokens]
         np.testing.assert_array_equal(t.inputs["valid_mask"], call.mask.numpy())
         np.testing.assert_array_equal(t.inputs["input_ids"], call.ids.numpy())

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..dumps.reader import LayerView, Trace
 from ..dumps.schema import STAT_COLUMNS
+from .metrics import Partial, slab
 from .policy_file import resolve_policy
 from .tolerance import Policy, Tolerance
 
@@ -186,113 +187,41 @@ class FinalResult:
 
 
 class _Acc:
-    """Streaming error metrics over slabs of aligned (ref, cand) rows."""
+    """Streaming error metrics of one tensor: merges the per-slab metrics of verify.metrics."""
 
     def __init__(self, tol: Tolerance, equal_nan: bool):
         self.tol, self.equal_nan = tol, equal_nan
-        self.n = 0
-        self.max_abs = self.max_rel = self.sum_abs = self.max_row_rel = 0.0
-        self.dots = np.zeros(3)  # <r,c>, <r,r>, <c,c>
-        self.n_bad = 0
-        self.min_atol = self.min_rtol = self.min_ntol = self.min_row_rtol = 0.0
-        self.rows_by_row_rule = 0
-        self.worst = self.worst_bound = None
-        self.worst_excess = -np.inf
-        self.fin = np.zeros(3, dtype=np.int64)  # ref-only finite, cand-only finite, both non-finite
-        self.bad_samples = {}
-        self.head_bad = None
+        self.p = Partial()
+
+    @property
+    def bad_samples(self) -> dict:
+        return self.p.bad_samples
 
     def add(self, r: np.ndarray, c: np.ndarray, sample: int, toks: np.ndarray, heads: int | None = None):
         """r, c: (T, W) aligned rows of one sample (one row per position); toks: their token indices."""
-        if r.size == 0:
-            return
-        dt = np.result_type(r.dtype, c.dtype, np.float32)
-        r = r.astype(dt, copy=False)
-        c = c.astype(dt, copy=False)
-        d = np.subtract(c, r)
-        np.abs(d, out=d)
-        if not np.isfinite(d.max()):
-            fr, fc = np.isfinite(r), np.isfinite(c)
-            self.fin += [int((fr & ~fc).sum()), int((~fr & fc).sum()), int((~fr & ~fc).sum())]
-            ok = fr & fc
-            if self.equal_nan:
-                same = ~fr & ~fc & ((np.isnan(r) & np.isnan(c)) | (r == c))
-                self.fin[2] -= int(same.sum())
-            if (~ok).any():
-                first = int(np.argmax((~ok).any(axis=1)))
-                self.bad_samples.setdefault(sample, int(toks[first]))
-            d, r, c = np.where(ok, d, 0), np.where(ok, r, 0), np.where(ok, c, 0)
-        a, rt, nt = self.tol.atol, self.tol.rtol, self.tol.ntol
-        ar = np.abs(r)
-        rr = np.einsum("ij,ij->i", r, r)  # squared row norms
-        dd = np.einsum("ij,ij->i", d, d)
-        rms = np.sqrt(rr / r.shape[1])[:, None]
-        self.n += d.size
-        self.sum_abs += float(d.sum(dtype=np.float64))
-        self.dots += [float(np.einsum("ij,ij->", r, c)), float(rr.sum()), float(np.einsum("ij,ij->", c, c))]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            row_rel = np.where(rr > 0, np.sqrt(dd / rr), np.where(dd > 0, np.inf, 0.0))
-        self.max_row_rel = max(self.max_row_rel, float(row_rel.max()))
-        self.max_abs = max(self.max_abs, float(d.max()))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self.max_rel = max(self.max_rel, _max_need(d / ar, d))
-        slack = d - rt * ar - nt * rms  # > atol: the element rule fails
-        elem_bad_rows = (slack > a).any(axis=1)
-        if elem_bad_rows.any():
-            self.min_row_rtol = max(self.min_row_rtol, float(row_rel[elem_bad_rows].max()))
-        if self.tol.row_rtol > 0:  # rows within row_rtol pass whole; the element rule judges the rest
-            whole = row_rel <= self.tol.row_rtol
-            self.rows_by_row_rule += int((whole & elem_bad_rows).sum())
-            if whole.all():
-                return
-            keep = ~whole
-            d, ar, rms, slack, toks = d[keep], ar[keep], rms[keep], slack[keep], toks[keep]
-        excess = slack - a
-        bad = excess > 0
-        nb = int(bad.sum())
-        self.n_bad += nb
-        i = int(np.argmax(excess))
-        e = float(excess.flat[i])
-        if e > self.worst_excess:
-            self.worst_excess = e
-            row, ch = divmod(i, d.shape[1])
-            self.worst = (sample, int(toks[row]), int(ch))
-            self.worst_bound = float(a + rt * ar.flat[i] + nt * rms[row, 0])
-        if nb:
-            first_row = int(np.argmax(bad.any(axis=1)))
-            self.bad_samples.setdefault(sample, int(toks[first_row]))
-            if heads:
-                per_head = bad.reshape(bad.shape[0], heads, -1).any(axis=(0, 2))
-                self.head_bad = per_head if self.head_bad is None else (self.head_bad | per_head)
-        self.min_atol = max(self.min_atol, float(slack.max()))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            need_r = (d - a - nt * rms) / ar
-            need_n = (d - a - rt * ar) / rms
-        self.min_rtol = max(self.min_rtol, _max_need(need_r, d - a - nt * rms))
-        self.min_ntol = max(self.min_ntol, _max_need(need_n, d - a - rt * ar))
+        self.p.merge(slab(r, c, self.tol, self.equal_nan, sample, toks, heads))
 
     def result(self, tensor: str, level: str, **kw) -> TensorResult:
-        rc, rr, cc = self.dots
-        cos = float(rc / np.sqrt(rr * cc)) if rr > 0 and cc > 0 else (1.0 if rr == cc == 0 and self.n else None)
-        heads = None if self.head_bad is None else tuple(int(h) for h in np.flatnonzero(self.head_bad))
-        return TensorResult(tensor, level, self.tol, compared=self.n, max_abs=self.max_abs, max_rel=self.max_rel,
-                            mean_abs=self.sum_abs / self.n if self.n else 0.0, cosine=cos, n_bad=self.n_bad,
-                            worst=self.worst, min_atol=max(self.min_atol, 0.0), min_rtol=max(self.min_rtol, 0.0),
-                            min_ntol=max(self.min_ntol, 0.0), min_row_rtol=self.min_row_rtol,
-                            max_row_rel=self.max_row_rel, rows_by_row_rule=self.rows_by_row_rule,
-                            worst_bound=self.worst_bound, finite_ref_only=int(self.fin[0]),
-                            finite_cand_only=int(self.fin[1]), nonfinite_both=int(self.fin[2]),
-                            bad_samples=tuple(sorted(self.bad_samples)), bad_positions=dict(self.bad_samples),
+        p = self.p
+        cos = float(p.rc / np.sqrt(p.rr * p.cc)) if p.rr > 0 and p.cc > 0 else (1.0 if p.rr == p.cc == 0 and p.n
+                                                                                   else None)
+        heads = None if p.head_bad is None else tuple(int(h) for h in np.flatnonzero(p.head_bad))
+        worst = None if p.worst is None else p.worst[1:4]
+        return TensorResult(tensor, level, self.tol, compared=p.n, max_abs=p.max_abs, max_rel=p.max_rel,
+                            mean_abs=p.sum_abs / p.n if p.n else 0.0, cosine=cos, n_bad=p.n_bad, worst=worst,
+                            min_atol=p.min_atol, min_rtol=p.min_rtol, min_ntol=p.min_ntol,
+                            min_row_rtol=p.min_row_rtol, max_row_rel=p.max_row_rel,
+                            rows_by_row_rule=p.rows_by_row_rule,
+                            worst_bound=None if p.worst is None else p.worst[4], finite_ref_only=p.fin[0],
+                            finite_cand_only=p.fin[1], nonfinite_both=p.fin[2],
+                            bad_samples=tuple(sorted(p.bad_samples)), bad_positions=dict(p.bad_samples),
                             heads=heads, equal_nan=self.equal_nan, **kw)
 
 
-def _max_need(ratio: np.ndarray, numerator: np.ndarray) -> float:
-    """Largest ratio where the numerator is positive; a positive numerator over zero is inf."""
-    pos = numerator > 0
-    if not pos.any():
-        return 0.0
-    vals = ratio[pos]
-    return float(np.nan_to_num(vals, nan=np.inf, posinf=np.inf).max())
+def _prefetched(read, work, pairs):
+    """work(pair, read(pair, slot)) for every pair, in order. (Reading on a second thread while
+    computing was measured and did not pay: both are memory-bound and share the bandwidth.)"""
+    return [work(p, read(p, 0)) for p in pairs]
 
 
 def match_samples(ref: Trace, cand: Trace):
@@ -436,15 +365,25 @@ class Comparator:
                                     shape_detail=f"{name} width {rd.shape[2]} vs {cd.shape[2]}")
             acc = _Acc(tol, self.policy.equal_nan)
             heads = self.ref.args.get("n_heads") if name == "attn_heads" else None
-            pad_r = pad_c = 0
-            for rs, cs in self.pairs:
+
+            def read(pair, slot):  # one sample row of each trace: one HDF5 chunk each, into reused buffers
+                rs, cs = pair
+                return self.ref.read_row(rd, rs, f"ref{slot}"), self.cand.read_row(cd, cs, f"cand{slot}")
+
+            def one(pair, rows):
+                rs, cs = pair
                 rsl, csl, toks, rpad, cpad = self._align[rs]
-                rrow, crow = self.ref.read(rd, (rs,)), self.cand.read(cd, (cs,))
-                acc.add(rrow[rsl], crow[csl], rs, toks, heads)
+                rrow, crow = rows
+                part = slab(rrow[rsl], crow[csl], tol, self.policy.equal_nan, rs, toks, heads)
                 nr = int((~np.isfinite(rrow[rpad])).sum()) if rpad.size else 0
                 nc = int((~np.isfinite(crow[cpad])).sum()) if cpad.size else 0
                 if nc != nr:
-                    acc.bad_samples.setdefault(rs, None)
+                    part.bad_samples.setdefault(rs, None)
+                return part, nr, nc
+
+            pad_r = pad_c = 0
+            for part, nr, nc in _prefetched(read, one, self.pairs):
+                acc.p.merge(part)
                 pad_r, pad_c = pad_r + nr, pad_c + nc
             return acc.result(name, "full", pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c)
         if name == "attn_heads":
@@ -515,7 +454,8 @@ class Comparator:
             n += 4
             with np.errstate(invalid="ignore"):
                 d = np.abs(ca - ra)
-            d = np.where(np.isfinite(d), d, 0.0)
+            same = (ra == ca) | (np.isnan(ra) & np.isnan(ca))  # equal infinities, or NaN on both sides
+            d = np.where(np.isfinite(d), d, np.where(same, 0.0, np.inf))  # a statistic finite on one side only
             scale = tol.ntol * ra[3] if np.isfinite(ra[3]) else 0.0  # ntol in units of the sample's RMS
             over = d > tol.atol + tol.rtol * np.abs(ra) + scale
             if over.any():
@@ -584,14 +524,24 @@ class Comparator:
                     f"cache {name}: n_kv_heads x head_dim {rd.shape[1]}x{rd.shape[3]} vs {cd.shape[1]}x{cd.shape[3]}"))
                 continue
             acc = _Acc(tol, self.policy.equal_nan)
-            for rs, cs in self.pairs:
+
+            def read(pair, slot, rd=rd, cd=cd):
+                rs, cs = pair
+                return self.ref.read_row(rd, rs, f"ref{slot}"), self.cand.read_row(cd, cs, f"cand{slot}")
+
+            def one(pair, rows, name=name, tol=tol):
+                rs, cs = pair
                 T = int(min(rl[rs], cl[cs]))
-                a = self.ref.read(rd, (rs, slice(None), slice(0, T)))
-                b = self.cand.read(cd, (cs, slice(None), slice(0, T)))
+                a, b = rows[0][:, :T], rows[1][:, :T]
                 if name == "keys":
                     a, b = self._post_rotation(a, rp[rs, :T], self.ref), self._post_rotation(b, cp[cs, :T], self.cand)
                 H = a.shape[0]
-                acc.add(a.swapaxes(0, 1).reshape(T, -1), b.swapaxes(0, 1).reshape(T, -1), rs, np.arange(T))
+                # one row per (KV head, slot): the d_h-vector attention reads
+                rows = lambda x: np.ascontiguousarray(x).reshape(H * T, x.shape[-1])
+                return slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, np.tile(np.arange(T), H))
+
+            for part in _prefetched(read, one, self.pairs):
+                acc.p.merge(part)
             tensors[tname] = acc.result(tname, "full")
         return res, tensors
 

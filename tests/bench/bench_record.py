@@ -1,0 +1,78 @@
+"""Benchmark 1: what recording costs. Prefill with a full, a sampled and a stats trace against the same
+prefill with no recorder, interleaved in one process; the ratio of best times is reported.
+
+    python tests/bench/run.py record [--smoke]
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from prefill_diff.dumps.recorder import Recorder
+from prefill_diff.engine.model import ModelArgs
+from prefill_diff.engine.prefill import Engine, NumericalConfig
+from prefill_diff.engine.runner import Placement
+from prefill_diff.engine.snapshot import Snapshot, synthetic_state
+
+FULL_SIZE = dict(args=ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, hidden_dim=2816,
+                                vocab_size=32000), batch=4, n=1024, repeats=5)
+SMOKE_SIZE = dict(args=ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256,
+                                 vocab_size=512), batch=2, n=64, repeats=2)
+
+
+def one(engine, ids, mask, pos, level, d, tag):
+    """Seconds for one prefill; with a trace at ``level`` (None: no recorder)."""
+    t0 = time.perf_counter()
+    if level is None:
+        engine.prefill(ids, mask, pos)
+        return time.perf_counter() - t0, 0
+    path = os.path.join(d, f"{tag}.h5")
+    B, n = ids.shape
+    with Recorder(path, level, force=True) as rec:
+        rec.begin([ids[b].tolist() for b in range(B)], n, {"bench": True})
+        place = Placement(rec, [(b, 0, n, b, 0) for b in range(B)], list(range(B)))
+        for layer in engine.steps(ids, mask, pos, recorder=place):
+            rec.layer_done(layer)
+    dt = time.perf_counter() - t0
+    size = os.path.getsize(path)
+    os.unlink(path)
+    return dt, size
+
+
+def run(smoke: bool = False, kernel: str = "eager") -> dict:
+    cfg = SMOKE_SIZE if smoke else FULL_SIZE
+    args, B, n = cfg["args"], cfg["batch"], cfg["n"]
+    snap = Snapshot("bench", args, synthetic_state(args, 0))
+    engine = Engine(snap, NumericalConfig(kernel=kernel))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, args.vocab_size, (B, n), generator=g)
+    mask = torch.ones(B, n, dtype=torch.long)
+    pos = torch.arange(n).expand(B, n)
+    engine.prefill(ids, mask, pos)  # warm up
+    levels = (None, "stats", "sampled", "full")
+    times = {lv: [] for lv in levels}
+    sizes = {}
+    out_dir = os.environ.get("PREFILL_DIFF_BENCH_DIR") or tempfile.gettempdir()
+    with tempfile.TemporaryDirectory(dir=out_dir) as d:
+        for r in range(cfg["repeats"]):  # interleaved, so drift on a shared machine hits every level alike
+            for lv in levels:
+                dt, size = one(engine, ids, mask, pos, lv, d, f"{lv}-{r}")
+                times[lv].append(dt)
+                sizes[lv] = size
+            os.sync()  # let the written traces reach the disk before the next round is timed
+    ratio = {lv: float(np.median([t / b for t, b in zip(times[lv], times[None])])) for lv in levels[1:]}
+    return {"config": f"d={args.dim} L={args.n_layers} H_q={args.n_heads} H_kv={args.n_kv_heads} B={B} n={n} "
+                      f"float32 kernel={kernel}, traces in {out_dir}",
+            "no recorder (s, best)": min(times[None]),
+            **{f"{lv} trace / none (median of rounds)": ratio[lv] for lv in levels[1:]},
+            **{f"{lv} trace size (MiB)": sizes[lv] / 2 ** 20 for lv in levels[1:]},
+            "targets": "full <= 1.20, stats <= 1.03"}
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(run(), indent=2))

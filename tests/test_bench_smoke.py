@@ -1,0 +1,18 @@
+"""The benchmarks keep working: each runs at its seconds-long smoke size (numbers are not asserted here;
+they live in docs/performance.md, measured side by side at full size)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def test_benchmarks_run_at_smoke_size():
+    sys.path.insert(0, str(Path(__file__).parent / "bench"))
+    import run
+    out = run.main(["--smoke"])
+    assert out["machine"]["cpus"] >= 1
+    assert out["record"]["stats trace / none (median of rounds)"] > 0
+    assert out["compare"]["verdict"] == "pass"
+    assert out["compare"]["peak RSS, 1x traces (MiB)"] > 0
+    assert out["engine"]["eager: logits max abs difference"] < 1e-4
+    assert out["failfast"]["first break layer, layers compared, stopped early"] == (0, 1, True)

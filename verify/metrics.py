@@ -1,0 +1,221 @@
+"""Error metrics of one slab of aligned rows, in few passes over reused buffers.
+
+A slab is (T, W): T rows (one per aligned position) of width W. Per slab, every element is
+touched about ten times (subtract, abs, row max, three row dot products, sum, |ref|, ratio,
+max) into preallocated buffers; the element-wise tolerance bound is only evaluated exactly on
+rows that a cheap screen cannot clear:
+
+    a row passes for sure when  max_i |d_i| <= atol + ntol·rms(ref row)   (rtol·|ref| >= 0)
+                          or when ||d|| <= row_rtol·||ref||                (the row rule)
+
+so a passing comparison costs little more than a bare ``abs(a - b).max()``. For rows cleared
+by the screen, ``min_atol`` and ``min_ntol`` are upper bounds (still passing values, maybe not
+the smallest); on rows checked exactly they are exact.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+_local = threading.local()
+
+
+def _buf(name: str, shape, dtype) -> np.ndarray:
+    """A per-thread scratch buffer, reused across slabs (no page faults per slab)."""
+    key = (name, np.dtype(dtype).str)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    b = bufs.get(key)
+    size = int(np.prod(shape))
+    if b is None or b.size < size:
+        b = bufs[key] = np.empty(max(size, 1), dtype=dtype)
+    return b[:size].reshape(shape)
+
+
+_ONES: dict = {}
+
+
+def _ones(n: int, dtype) -> np.ndarray:
+    key = (n, np.dtype(dtype).str)
+    if key not in _ONES:
+        _ONES[key] = np.ones(n, dtype=dtype)
+    return _ONES[key]
+
+
+def _row_dots(x: np.ndarray) -> np.ndarray:
+    """Squared norm of every row, as one batched BLAS call: (T, W) -> (T,)."""
+    return np.matmul(x[:, None, :], x[:, :, None]).reshape(-1)
+
+
+@dataclass
+class Partial:
+    """Mergeable metrics of one or more slabs."""
+    n: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    sum_abs: float = 0.0
+    rr: float = 0.0  # sum of squares of ref
+    cc: float = 0.0  # of cand
+    rc: float = 0.0  # sum of ref*cand
+    max_row_rel: float = 0.0
+    n_bad: int = 0
+    min_atol: float = 0.0
+    min_rtol: float = 0.0
+    min_ntol: float = 0.0
+    min_row_rtol: float = 0.0
+    rows_by_row_rule: int = 0
+    worst: tuple | None = None  # (excess, sample, token, channel, bound)
+    fin: list = field(default_factory=lambda: [0, 0, 0])  # ref-only finite, cand-only finite, both non-finite
+    bad_samples: dict = field(default_factory=dict)  # sample -> first bad token (None: padding)
+    head_bad: np.ndarray | None = None
+
+    def merge(self, o: "Partial") -> None:
+        self.n += o.n
+        for k in ("max_abs", "max_rel", "max_row_rel", "min_atol", "min_rtol", "min_ntol", "min_row_rtol"):
+            setattr(self, k, max(getattr(self, k), getattr(o, k)))
+        for k in ("sum_abs", "rr", "cc", "rc", "n_bad", "rows_by_row_rule"):
+            setattr(self, k, getattr(self, k) + getattr(o, k))
+        if o.worst is not None and (self.worst is None or o.worst[0] > self.worst[0]):
+            self.worst = o.worst
+        self.fin = [a + b for a, b in zip(self.fin, o.fin)]
+        for s, t in o.bad_samples.items():
+            self.bad_samples.setdefault(s, t)
+        if o.head_bad is not None:
+            self.head_bad = o.head_bad if self.head_bad is None else (self.head_bad | o.head_bad)
+
+
+def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: np.ndarray,
+         heads: int | None = None, _scaled: bool = False) -> Partial:
+    """Metrics of aligned rows r (reference) and c (candidate), (T, W)."""
+    p = Partial()
+    if r.size == 0:
+        return p
+    dt = np.result_type(r.dtype, c.dtype, np.float32)
+    if r.dtype != dt or c.dtype != dt:
+        r, c = r.astype(dt), c.astype(dt)
+    T, W = r.shape
+    d = _buf("d", (T, W), dt)
+    q = _buf("q", (T, W), dt)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        np.subtract(c, r, out=d)  # inf - inf -> nan, 3e38 - -3e38 -> inf: both handled below
+        np.divide(d, r, out=q)  # signed relative error; |q| = |d| / |r|; 0/0 -> nan, x/0 -> ±inf
+    np.abs(d, out=d)
+    gmax = float(d.max())
+    if not np.isfinite(gmax):
+        r, c, d = _finite_part(r, c, d, p, equal_nan, sample, toks)
+        gmax = float(d.max())
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            q = d / np.abs(r)  # on the finite elements only (the others were zeroed)
+    a, rt, nt = tol.atol, tol.rtol, tol.ntol
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below and handled
+        rr = _row_dots(r)  # (T,) squared row norms, one BLAS call
+        dd = _row_dots(d)
+        p.sum_abs = float(np.dot(d @ _ones(W, dt), _ones(T, dt)))
+        rr_sum, dd_sum = float(rr.sum(dtype=np.float64)), float(dd.sum(dtype=np.float64))
+        flat_c = c.reshape(-1)
+        p.rr, p.cc = rr_sum, float(np.dot(flat_c, flat_c))
+        p.rc = (p.rr + p.cc - dd_sum) / 2  # ||c - r||² = ||c||² + ||r||² - 2<r, c>
+    p.n = d.size
+    p.max_abs = gmax
+    if not _scaled and not all(np.isfinite((rr_sum, dd_sum, p.cc, p.sum_abs))):
+        return _rescaled(p, r, c, tol, equal_nan, sample, toks, heads)
+    if gmax == 0.0:
+        return p
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        row_rel = np.sqrt(dd) / np.sqrt(rr)  # 0/0 -> nan (an all-zero row equal on both sides), x/0 -> inf
+    p.max_row_rel = float(np.fmax.reduce(row_rel))
+    p.max_rel = max(float(np.fmax.reduce(q, axis=None)), -float(np.fmin.reduce(q, axis=None)))
+    rms = np.sqrt(rr / W)
+    rms_min = float(rms.min())
+    if gmax <= a + nt * rms_min:  # every row passes: the largest error is within the smallest row's bound
+        p.min_atol = max(0.0, gmax - nt * rms_min)
+        p.min_ntol = (gmax - a) / rms_min if gmax > a else 0.0
+        return p
+    # screen row by row: a row passes for sure if its largest error is within atol + ntol·rms
+    dmax = d.max(axis=1)
+    by_elem = dmax <= a + nt * rms
+    whole = row_rel <= tol.row_rtol if tol.row_rtol > 0 else np.zeros(T, dtype=bool)
+    if by_elem.any():
+        p.min_atol = max(0.0, float((dmax - nt * rms)[by_elem].max()))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            need_n = np.where(dmax > a, (dmax - a) / rms, 0.0)[by_elem]
+        p.min_ntol = float(np.fmax.reduce(np.where(np.isnan(need_n), np.inf, need_n)))
+    cleared = by_elem | whole
+    if not cleared.all():
+        _exact(p, np.flatnonzero(~cleared), d, np.abs(r), rms, row_rel, whole, tol, sample, toks, heads)
+    return p
+
+
+def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
+    """The slab again, in float64 and divided by its largest magnitude s, when a sum of squares overflowed.
+
+    Finite values whose squares overflow (|x| > 1.8e19 in float32, a flipped exponent bit) would
+    otherwise make a row's RMS infinite, and with it the ntol bound: a silent pass. Dividing by s
+    (and atol with it) leaves every pass/fail decision and every relative metric unchanged; the
+    absolute ones are multiplied back. (float64 magnitudes above 1e154 may still give infinite
+    sums of squares, hence an infinite or undefined cosine; the element rule stays exact.)
+    """
+    s = max(float(np.abs(r).max()), float(np.abs(c).max()))
+    q = slab(r.astype(np.float64) / s, c.astype(np.float64) / s, replace(tol, atol=tol.atol / s), equal_nan,
+             sample, toks, heads, _scaled=True)
+    with np.errstate(over="ignore"):
+        q.max_abs, q.sum_abs, q.min_atol = q.max_abs * s, q.sum_abs * s, q.min_atol * s
+        q.rr, q.cc, q.rc = q.rr * s * s, q.cc * s * s, q.rc * s * s
+    if q.worst is not None:
+        q.worst = (q.worst[0] * s, *q.worst[1:4], q.worst[4] * s)
+    q.fin = p.fin  # counted before the non-finite elements were zeroed
+    for k, t in p.bad_samples.items():
+        q.bad_samples.setdefault(k, t)
+    return q
+
+
+def _finite_part(r, c, d, p: Partial, equal_nan: bool, sample: int, toks):
+    """Count finite-mask differences; return the slab with non-finite elements zeroed."""
+    fr, fc = np.isfinite(r), np.isfinite(c)
+    both = ~fr & ~fc
+    n_both = int(both.sum())
+    if equal_nan:
+        same = both & ((np.isnan(r) & np.isnan(c)) | (r == c))
+        n_both -= int(same.sum())
+    p.fin = [int((fr & ~fc).sum()), int((~fr & fc).sum()), n_both]
+    ok = fr & fc
+    if (~ok).any():
+        p.bad_samples.setdefault(sample, int(toks[int(np.argmax((~ok).any(axis=1)))]))
+    return np.where(ok, r, 0), np.where(ok, c, 0), np.where(ok, d, 0)
+
+
+def _exact(p: Partial, rows, d, ar, rms, row_rel, whole, tol, sample, toks, heads):
+    """The element rule on the rows the screen could not clear (rows accepted by row_rtol are counted)."""
+    a, rt, nt = tol.atol, tol.rtol, tol.ntol
+    d, ar, rms_r = d[rows], ar[rows], rms[rows][:, None]
+    slack = d - rt * ar - nt * rms_r  # > atol: the element rule fails
+    elem_bad = (slack > a).any(axis=1)
+    if elem_bad.any():
+        p.min_row_rtol = max(p.min_row_rtol, float(row_rel[rows][elem_bad].max()))
+    keep = ~whole[rows]
+    p.rows_by_row_rule += int((elem_bad & ~keep).sum())
+    if not keep.any():
+        return
+    rows, d, ar, rms_r, slack = rows[keep], d[keep], ar[keep], rms_r[keep], slack[keep]
+    excess = slack - a
+    bad = excess > 0
+    p.n_bad += int(bad.sum())
+    i = int(np.argmax(excess))
+    row, ch = divmod(i, d.shape[1])
+    bound = float(a + rt * ar.flat[i] + nt * rms_r[row, 0])
+    p.worst = (float(excess.flat[i]), sample, int(toks[rows[row]]), int(ch), bound)
+    if bad.any():
+        p.bad_samples.setdefault(sample, int(toks[rows[int(np.argmax(bad.any(axis=1)))]]))
+        if heads:
+            p.head_bad = bad.reshape(bad.shape[0], heads, -1).any(axis=(0, 2))
+    p.min_atol = max(p.min_atol, float(slack.max()))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        num_r = d - a - nt * rms_r
+        num_n = d - a - rt * ar
+        need_r = np.where(num_r > 0, num_r / ar, 0.0)
+        need_n = np.where(num_n > 0, num_n / rms_r, 0.0)
+    p.min_rtol = max(p.min_rtol, float(np.nan_to_num(need_r, nan=np.inf, posinf=np.inf).max()))
+    p.min_ntol = max(p.min_ntol, float(np.nan_to_num(need_n, nan=np.inf, posinf=np.inf).max()))
