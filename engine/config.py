@@ -64,6 +64,7 @@ class Inputs:
     positions: tuple | None = None
     segments: tuple | None = None
     pad_id: int | None = None
+    attention_mask: tuple | None = None  # per sample, aligned with token_ids: 0 marks padding in the row
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v not in ((), None)}
@@ -280,7 +281,8 @@ def parse_inputs(section: dict, where: str) -> Inputs:
         for t in row:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise ConfigError(f"{where}: [inputs] token_ids must be integers (sample {b} has {t!r})")
-    return Inputs(ids, prompts, nested("positions", 2), nested("segments", 3), section.get("pad_id"))
+    return Inputs(ids, prompts, nested("positions", 2), nested("segments", 3), section.get("pad_id"),
+                  nested("attention_mask", 2))
 
 
 def load_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None = None) -> Side:

@@ -11,13 +11,14 @@ once every call has finished it; the generator's return value is the run's recor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import contract
 from .cache import PrefixKV
 from .config import Inputs, RunConfig, Side
-from .errors import ConfigError
+from .errors import ConfigError, PreconditionError
 from .prefill import Engine, Faults, NumericalConfig
 from .reuse import PrefixCache
 from .snapshot import Snapshot, load_snapshot, seeded_adapter
@@ -30,6 +31,30 @@ def default_token_ids(vocab_size: int, lengths=DEFAULT_LENGTHS) -> tuple:
     """Built-in prompts of unequal lengths for models without a tokenizer; seeded, never id 0 (the pad id)."""
     g = torch.Generator().manual_seed(2024)
     return tuple(tuple(torch.randint(1, vocab_size, (n,), generator=g).tolist()) for n in lengths)
+
+
+def apply_mask(inputs: Inputs) -> Inputs:
+    """Rows given with their padding ([inputs] attention_mask): check the mask (§2.1(2)), keep the valid tokens."""
+    if inputs.attention_mask is None:
+        return inputs
+    ids, masks = inputs.token_ids, inputs.attention_mask
+    if not ids or len(masks) != len(ids):
+        raise PreconditionError("2.1(2)", f"attention_mask must have one row per token_ids row "
+                                f"(got {len(masks)} rows for {len(ids)} samples)")
+    for b, (row, m) in enumerate(zip(ids, masks)):
+        if len(m) != len(row):
+            raise PreconditionError("2.1(2)", f"the validity mask must have the shape of input_ids (sample {b}: "
+                                    f"{len(m)} mask values for {len(row)} ids)")
+    n = max(len(r) for r in ids)
+    rect = torch.zeros((len(ids), n), dtype=torch.long)
+    mrect = torch.zeros((len(ids), n), dtype=torch.long)
+    for b, (row, m) in enumerate(zip(ids, masks)):
+        rect[b, :len(row)], mrect[b, :len(m)] = torch.tensor(row), torch.tensor(m)
+    valid = contract.check_mask(rect, mrect)
+    contract.check_contiguous(valid, torch.zeros_like(rect))
+    keep = [[i for i, v in enumerate(m) if v] for m in masks]
+    pick = lambda rows: None if rows is None else tuple(tuple(r[i] for i in k) for r, k in zip(rows, keep))
+    return replace(inputs, token_ids=pick(ids), positions=pick(inputs.positions), attention_mask=None)
 
 
 def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | None]:
@@ -218,18 +243,38 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
 
 
 def sample_positions(inputs: Inputs, tokens) -> list[list[int]]:
+    """The position descriptor per sample; §2.1(3): it must define every valid position."""
     if inputs.positions is None:
         return [list(range(len(t))) for t in tokens]
     if len(inputs.positions) != len(tokens):
-        raise ConfigError(f"[inputs] positions must have one row per sample "
-                          f"(got {len(inputs.positions)} rows for {len(tokens)} samples)")
+        raise PreconditionError("2.1(3)", "the position descriptor must define every valid position "
+                                f"(got {len(inputs.positions)} rows of positions for {len(tokens)} samples)")
     out = []
     for b, (p, t) in enumerate(zip(inputs.positions, tokens)):
-        if len(p) != len(t):
-            raise ConfigError(f"[inputs] positions row {b} must have one id per token "
-                              f"(got {len(p)} for {len(t)} tokens)")
+        if len(p) < len(t):
+            raise PreconditionError("2.1(3)", "the position descriptor must define every valid position "
+                                    f"(sample {b}, position {len(p)}: no position id; {len(p)} ids for "
+                                    f"{len(t)} tokens)")
+        if len(p) > len(t):
+            raise PreconditionError("2.1(3)", f"the position descriptor has more ids than the sample has tokens "
+                                    f"(sample {b}: {len(p)} ids for {len(t)} tokens)")
+        for i, x in enumerate(p):
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise PreconditionError("2.1(3)", f"position ids must be integers (sample {b}, position {i}: {x!r})")
         out.append(list(p))
     return out
+
+
+def check_request(tokens, positions, snapshot: Snapshot) -> None:
+    """§2.1 (1)-(3) on the logical request, before any prefill call, so errors name the request's samples."""
+    n = max(len(t) for t in tokens)
+    ids = torch.zeros((len(tokens), n), dtype=torch.long)
+    pos = torch.zeros((len(tokens), n), dtype=torch.long)
+    valid = torch.zeros((len(tokens), n), dtype=torch.bool)
+    for b, (t, p) in enumerate(zip(tokens, positions)):
+        ids[b, :len(t)], pos[b, :len(p)], valid[b, :len(t)] = torch.tensor(t), torch.tensor(p), True
+    contract.check_ids(ids, valid, snapshot.args.vocab_size)
+    contract.check_positions(pos, valid, torch.zeros_like(ids), snapshot.args.max_position)
 
 
 @dataclass
@@ -252,6 +297,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     """Load the model, tokenize, and plan the prefill calls (including any earlier prefix requests)."""
     snapshot = snapshot or load_snapshot(side.model)
     run = side.run
+    side = replace(side, inputs=apply_mask(side.inputs))
     tokens, texts = resolve_tokens(side.inputs, snapshot)
     prep = Prepared(side, snapshot, tokens, texts)
     note = fault_note(run, snapshot, tokens)
@@ -264,9 +310,13 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
         tok = snapshot.tokenizer
         pad = tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
     if run.engine == "transformers":  # transformers' own model runs these calls (engine/hf_engine.py)
+        check_request(tokens, positions, snapshot)
         prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
         return prep
+    check_request(tokens, positions, snapshot)
     engine = Engine(snapshot, run.numerical)
+    contract.check_vocab(engine.model, snapshot.args.tokenizer_vocab_size)
+    contract.check_inference_mode(engine.model, run.numerical.dropout_seed)
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
     rows, pos, history = [list(t) for t in tokens], positions, {}
