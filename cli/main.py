@@ -28,11 +28,19 @@ class Cli(click.Group):
             raise BadInput(str(e)) from None
         except KeyboardInterrupt:
             from ..dumps.recorder import remove_partial_files
-            remove_partial_files()
-            click.echo("interrupted; no trace was written and partial files were removed", err=True)
+            n = len(remove_partial_files())
+            click.echo(f"interrupted; the trace being written was not kept ({n} partial file"
+                       f"{'' if n == 1 else 's'} removed); traces completed earlier are kept", err=True)
             ctx.exit(130)
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except MemoryError:
+            raise BadInput("not enough memory for this model and input on this machine "
+                           "(a smaller model, fewer or shorter prompts, or a lower --level)") from None
+        except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as Unix tools do
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(141)
         except Exception as e:  # a bug, not bad input
             if os.environ.get("PREFILL_DIFF_DEBUG"):
                 raise
@@ -84,6 +92,8 @@ def _emit(report, json_path, junit_path, plot_path, quiet, token_text=None):
         from .render import report_renderable, verdict_text
         console = _console()
         console.print(verdict_text(report) if quiet else report_renderable(report, token_text))
+    if report.first_break is not None and report.first_break.stage == "metadata":
+        sys.exit(EXIT_BAD_INPUT)  # incomparable traces (SPEC §4): reported, but not a tolerance verdict
     sys.exit(EXIT_PASS if report else EXIT_FAIL)
 
 
@@ -119,7 +129,8 @@ def cli():
     KV cache lengths and positions and the first-step logits to HDF5, and names the
     first layer that breaks tolerance, and how.
 
-    Exit status: 0 within tolerance, 1 tolerance broken, 2 bad usage or bad input.
+    Exit status: 0 within tolerance, 1 tolerance broken, 2 bad usage or bad input
+    (including two traces that cannot be compared).
     """
 
 
@@ -301,8 +312,9 @@ def presets():
         prefill-diff presets
     """
     from ..engine.config import PRESETS
-    from .render import presets_table
-    _console().print(presets_table(PRESETS))
+    width = max(len(name) for name in PRESETS)
+    for name, (desc, _) in PRESETS.items():  # plain lines, never wrapped: easy to grep
+        click.echo(f"{name:<{width}}  {desc}")
 
 
 def main():

@@ -58,8 +58,9 @@ def verdict_text(report) -> Text:
 
 def report_renderable(report, token_text: dict | None = None):
     parts = []
-    parts.append(Text(f"reference: {report.ref.get('origin')} ({report.ref.get('file')}, {report.ref.get('level')})  "
-                      f"candidate: {report.cand.get('origin')} ({report.cand.get('file')}, "
+    parts.append(Text(f"reference: {report.ref.get('origin')} ({report.ref.get('file') or 'not kept'}, "
+                      f"{report.ref.get('level')})  "
+                      f"candidate: {report.cand.get('origin')} ({report.cand.get('file') or 'not kept'}, "
                       f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
     if report.layers:
         parts.append(layer_table(report))
@@ -125,15 +126,6 @@ def final_table(report, token_text: dict | None = None) -> Table:
     return t
 
 
-def presets_table(presets: dict) -> Table:
-    t = Table(title="presets (REF/CAND of `prefill-diff run`)", title_justify="left")
-    t.add_column("name", style="bold")
-    t.add_column("what it does")
-    for name, (desc, _) in presets.items():
-        t.add_row(name, desc)
-    return t
-
-
 def ledger_renderable(ledgers, model_name: str):
     parts = []
     for i, lg in enumerate(ledgers):
@@ -162,6 +154,20 @@ def inspect_renderable(s: dict):
                  + (f"  adapter {m['adapter']['id']}" if m.get("adapter") else "")),
             Text(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
                  f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache {run.get('layout')}")]
+    rec = s.get("record") or {}
+    facts = []
+    if run.get("fault") or rec.get("fault"):
+        facts.append(f"fault injected: {run.get('fault') or rec.get('fault')}")
+    for o in rec.get("reuse") or ():
+        what = "reused" if o.get("hit") else "not reused"
+        facts.append(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
+                     + (" (FORCED)" if o.get("forced") else "") + (f" ({o['reason']})" if o.get("reason") else ""))
+    if s.get("tolerance"):
+        facts.append(f"declared tolerance: {s['tolerance']}")
+    if rec.get("invariant_violations"):
+        facts.append("cache invariant violations: " + "; ".join(rec["invariant_violations"]))
+    head += [Text(f, style="red" if "violation" in f or "fault" in f or "FORCED" in f else "")
+             for f in facts]
     rep = s.get("repro") or {}
     if rep:
         head.append(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "

@@ -1,4 +1,4 @@
-"""llama.cpp GGUF files: dequantised with the gguf package, Q/K rows un-permuted, tokenizer from metadata.
+"""llama.cpp GGUF files: dequantised with the gguf package, Q/K rows un-permuted (llama), tokenizer from metadata.
 
 The file is memory-mapped; each tensor is dequantised once into the float32 snapshot, so loading holds
 one float32 copy of the weights plus the tensor being dequantised.
@@ -78,15 +78,18 @@ def load_gguf(path: str, source: str) -> Snapshot:
     dim = int(g("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
+    # llama.cpp permutes Q/K rows for its RoPE layout only when converting "llama" models (Llama, Mistral,
+    # SmolLM); qwen2 files keep Hugging Face's order (transformers reverses it for "llama" only, too)
+    permuted = arch == "llama"
     state = {}
     for t in reader.tensors:
         ours = _our_name(t.name)
         if ours is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if ours.endswith("wq.weight"):
+        if permuted and ours.endswith("wq.weight"):
             w = unpermute(w, n_heads)
-        elif ours.endswith("wk.weight"):
+        elif permuted and ours.endswith("wk.weight"):
             w = unpermute(w, n_kv)
         if not w.flags.writeable or not w.flags.c_contiguous:  # float32 tensors come straight from the mmap
             w = np.array(w, order="C")

@@ -65,8 +65,12 @@ def build_model(snapshot, dtype: str, attn: str):
     tdt = torch_dtype(dtype)
     src = snapshot.source
     if src.startswith("hf:"):
-        model = AutoModelForCausalLM.from_pretrained(src[3:], dtype=tdt, attn_implementation=attn,
-                                                     local_files_only=True)
+        try:  # safetensors only: transformers would otherwise fall back to a pickled pytorch_model.bin
+            model = AutoModelForCausalLM.from_pretrained(src[3:], dtype=tdt, attn_implementation=attn,
+                                                         local_files_only=True, use_safetensors=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{src}: transformers cannot load it from safetensors "
+                                 f"({str(e).splitlines()[0][:200]})") from None
     elif src.startswith("gguf:") or src == "smollm2":
         from .gguf_loader import smollm2_path
         path = smollm2_path() if src == "smollm2" else src[5:]

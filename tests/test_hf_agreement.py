@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers  # installed by the README's test line: a missing one fails, never skips
 
 from conftest import Capture, padded
 from prefill_diff.engine.hub import hf_state_dict
@@ -10,7 +11,6 @@ from prefill_diff.engine.model import ModelArgs
 from prefill_diff.engine.prefill import Engine, NumericalConfig
 from prefill_diff.engine.snapshot import Snapshot, synthetic_state
 
-transformers = pytest.importorskip("transformers")  # installed by the README's test line; never skipped in CI
 
 ARGS = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, hidden_dim=160, vocab_size=128,
                  rope_theta=10000.0, norm_eps=1e-5)

@@ -1,8 +1,11 @@
 """The README's examples stay true: the Commands block runs, in order, with the exit statuses it states."""
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,3 +43,15 @@ def test_readme_quick_start_has_two_lines_and_ci_runs_the_second():
     assert len(lines) == 2
     assert lines[0].startswith("pip install") and "prefill-diff run reference batched-left" in lines[0]
     assert lines[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_console_examples_are_what_the_tool_prints():
+    """Every ```console block's `$ prefill-diff ...` output is reproduced by the tool at 80 columns."""
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```console\n\$ (prefill-diff [^\n]*)\n(.*?)```", text, re.S)
+    assert blocks
+    for cmd, want in blocks:
+        out = subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", *shlex.split(cmd)[1:]],
+                             capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})
+        got = "\n".join(l.rstrip() for l in out.stdout.splitlines())
+        assert got == want.rstrip("\n"), cmd

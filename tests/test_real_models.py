@@ -14,8 +14,8 @@ from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
 from prefill_diff.verify.pipeline import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
-pytest.importorskip("transformers")
-pytest.importorskip("gguf")
+import gguf  # noqa: E402,F401  (the test extras install both; a missing one must fail, never skip)
+import transformers  # noqa: E402,F401
 
 SMOL = ModelSpec("smollm2")
 FRANCE = Inputs(prompts=("The capital of France is",))
@@ -89,6 +89,81 @@ def test_gguf_unpermutation_matches_transformers_own_gguf_load():
     w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)  # the permutation itself is a bijection
     assert sorted(unpermute(w, 2).ravel().tolist()) == sorted(w.ravel().tolist())
     assert not np.array_equal(unpermute(w, 2), w)
+
+
+def _write_gguf(path, model, arch: str):
+    """Write a Hugging Face model to GGUF as llama.cpp's converter does (Q/K rows permuted for "llama" only),
+    with SmolLM2's tokenizer metadata (the loader builds the GGUF's own tokenizer)."""
+    from prefill_diff.engine.gguf_loader import smollm2_path
+    cfg = model.config
+    smol = gguf.GGUFReader(smollm2_path())
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    for name, f in smol.fields.items():
+        if name.startswith("tokenizer."):
+            if f.types[0] == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
+            else:
+                w.add_key_value(name, f.contents(), f.types[0])
+
+    def permute(x, n_head):  # llama.cpp's LlamaModel.permute
+        return x.reshape(n_head, 2, x.shape[0] // n_head // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for k, v in model.state_dict().items():
+        v = v.detach().numpy().astype(np.float32)
+        if k in top:
+            w.add_tensor(top[k], v)
+            continue
+        _, _, i, *rest = k.split(".")
+        module, kind = ".".join(rest[:-1]), rest[-1]
+        if arch == "llama" and module == "self_attn.q_proj":
+            v = permute(v, cfg.num_attention_heads)
+        elif arch == "llama" and module == "self_attn.k_proj":
+            v = permute(v, cfg.num_key_value_heads)
+        w.add_tensor(f"blk.{i}.{per_layer[module]}.{kind}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_loads_the_same_weights_as_the_checkpoint_it_was_converted_from(arch, tmp_path):
+    """Q/K rows are un-permuted for llama files only: llama.cpp leaves qwen2's in Hugging Face's order."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    config, cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(1)
+    model = cls(config(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                       max_position_embeddings=512, rms_norm_eps=1e-6))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "hf")
+    _write_gguf(tmp_path / "m.gguf", model, arch)
+    hf, gg = load_snapshot(ModelSpec(f"hf:{tmp_path / 'hf'}")), load_snapshot(ModelSpec(f"gguf:{tmp_path / 'm.gguf'}"))
+    assert gg.args.arch == arch and set(gg.state) == set(hf.state)
+    for k in hf.state:
+        assert torch.equal(gg.state[k], hf.state[k]), k
+    inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11), (2, 3, 4)))
+    ref = record_side(prepare_side("reference", ModelSpec(f"hf:{tmp_path / 'hf'}"), inputs), tmp_path / "a.h5")
+    cand = record_side(prepare_side("reference", ModelSpec(f"gguf:{tmp_path / 'm.gguf'}"), inputs), tmp_path / "b.h5")
+    with Trace(ref) as a, Trace(cand) as b:
+        assert compare_traces(a, b), "same weights, same engine: must agree"
 
 
 def test_smollm2_bf16_error_growth_over_30_layers(run_cli, tmp_path):
@@ -226,3 +301,38 @@ def test_thirty_layer_run_reports_progress(smol_dir):
     out = run_pair("reference", "sdpa", SMOL, FRANCE, progress=progress)
     assert out.report
     assert seen == {"reference": list(range(30)), "candidate": list(range(30))}
+
+
+def test_reports_show_token_text_beside_ids(run_cli, tmp_path):
+    out, xml = tmp_path / "r.json", tmp_path / "r.xml"
+    res = run_cli("run", "reference", "fault:unmasked-padding", "--model", "smollm2", "--prompt",
+                  "The capital of France is", "--prompt", "Hi", "--json", out, "--junit", xml)
+    assert res.exit_code == 1
+    rep = json.loads(out.read_text())
+    fb = rep["first_break"]
+    assert (fb["sample"], fb["position"], fb["token_text"]) == (1, 0, "Hi") and fb["token_id"] == 26843
+    assert "sample 1 pos 0 'Hi'" in rep["verdict_line"] and "sample 1 pos 0 'Hi'" in xml.read_text()
+    top = rep["final"]["top"][0]
+    assert top["reference_text"][0] == " Paris" and len(top["reference_text"]) == len(top["reference"])
+    assert "' Paris'" in res.output
+
+
+def test_transformers_side_never_falls_back_to_a_pickled_bin(qwen_dir, tmp_path):
+    """A checkpoint holding both: the transformers engine must read the safetensors, as our loader does."""
+    import shutil
+    d = tmp_path / "both"
+    shutil.copytree(qwen_dir, d)
+    from safetensors.torch import load_file
+    st = next(d.glob("*.safetensors"))
+    other = {k: v + 1.0 for k, v in load_file(str(st)).items()}
+    torch.save(other, d / "pytorch_model.bin")  # different weights, pickled
+    spec, inputs = ModelSpec(f"hf:{d}"), Inputs(token_ids=((5, 17, 33, 250), (2, 3)))
+    ours = record_side(prepare_side("reference", spec, inputs), tmp_path / "o.h5")
+    theirs = record_side(prepare_side("transformers", spec, inputs), tmp_path / "t.h5")
+    with Trace(ours) as a, Trace(theirs) as b:
+        rep = compare_traces(a, b)
+        assert rep, rep.verdict_line()
+    st.rename(d / "weights-00001.safetensors")  # a name our loader reads and transformers does not look for
+    from prefill_diff.engine.errors import PrefillDiffError
+    with pytest.raises(PrefillDiffError, match="safetensors"):  # refused, never read from the .bin
+        record_side(prepare_side("transformers", spec, inputs), tmp_path / "t2.h5")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -41,6 +42,7 @@ def test_fault_localised_with_matching_diagnosis(reference, tmp_path, fault):
              "fault:masked-row-softmax": lambda: fb.padding,
              "fault:last-column": lambda: fb.tensor == "logits" and set(fb.samples) == {1, 2}}
     assert extra.get(fault, lambda: True)()
+    assert fb.sublayer == ("final" if stage == "final" else "attention")  # every §2.11 fault is in attention
     assert not rep
 
 
@@ -80,11 +82,48 @@ def test_junit_is_valid_and_carries_the_first_break(run_cli, tmp_path):
     assert all(not c.result for suite in JUnitXml.fromfile(str(out2)) for c in suite)
 
 
+def test_junit_fails_every_final_check_that_fails_not_only_the_first(run_cli, tmp_path):
+    """fault:last-column breaks norm_last, the logits and the top ids: three failed final cases."""
+    from junitparser import Failure, JUnitXml
+    xml_path, json_path = tmp_path / "r.xml", tmp_path / "r.json"
+    assert run_cli("run", "reference", "fault:last-column", "--junit", xml_path, "--json", json_path).exit_code == 1
+    rep = json.loads(json_path.read_text())
+    cases = {c.name: c for suite in JUnitXml.fromfile(str(xml_path)) for c in suite}
+    failed = {n for n, c in cases.items() if any(isinstance(r, Failure) for r in c.result)}
+    final = rep["final"]
+    want = {f"final {n}" for n, t in final["tensors"].items() if not t["passed"]}
+    if not final["top_ids_ok"]:
+        want.add("final top ids")
+    assert {"final norm_last", "final logits", "final top ids"} <= want
+    assert {n for n in failed if n.startswith("final")} == want
+    assert cases["final top ids"].result[0].message.startswith("final topk_ids top ids | sample")
+
+
 def test_plot_is_written(run_cli, tmp_path):
     png = tmp_path / "e.png"
     assert run_cli("run", "reference", "bf16", "--plot", png).exit_code == 0
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_plot_marks_exactly_the_points_that_broke_tolerance(reference, tmp_path):
+    """The picture agrees with the verdict: a passing run marks nothing, a fault marks its broken tensors."""
+    from prefill_diff.verify.plot import plot_data, plot_errors
+    for cand, first in (("bf16", None), ("fault:gqa-mapping", ("attn_update", 0))):
+        path = record_side(prepare_side(cand), tmp_path / f"{cand}.h5")
+        with Trace(reference) as r, Trace(path) as c:
+            rep = compare_traces(r, c)
+        data = plot_data(rep)
+        assert set(data) == {"attn_update", "mlp_update", "layer_output", "cache_keys", "cache_values"}
+        for name, s in data.items():
+            want = [lr.layer for lr in rep.layers if not lr.tensor(name)]
+            assert s["broken"] == want and s["layers"] == [lr.layer for lr in rep.layers]
+        if first is None:
+            assert rep and not any(s["broken"] for s in data.values())
+        else:
+            assert first[1] in data[first[0]]["broken"]
+        plot_errors(rep, tmp_path / f"{cand}.png")
+        assert (tmp_path / f"{cand}.png").stat().st_size > 5000
 
 
 def test_calibration_measures_noise(run_cli, tmp_path):
@@ -129,7 +168,7 @@ def test_metadata_break_for_different_architectures(run_cli, tmp_path):
     out = tmp_path / "r.json"
     res = run_cli("compare", a, b, "--json", out)
     rep = json.loads(out.read_text())
-    assert res.exit_code == 1 and rep["first_break"]["stage"] == "metadata"
+    assert res.exit_code == 2 and rep["first_break"]["stage"] == "metadata"  # incomparable: bad input
     assert rep["first_break"]["kind"] == "metadata" and "dim 64 vs 8" in rep["first_break"]["message"]
 
 
@@ -144,3 +183,29 @@ def test_samples_matched_by_token_ids_not_batch_index(run_cli, tmp_path):
     assert rep["samples"] == [{"reference": 0, "candidate": 1}, {"reference": 2, "candidate": 0}]
     assert any("reference samples [1] have no counterpart" in n for n in rep["notes"])
     assert any("candidate samples [2] have no counterpart" in n for n in rep["notes"])
+
+
+def test_reports_never_point_at_removed_temporary_traces(run_cli, tmp_path):
+    tmp_json, kept_json = tmp_path / "t.json", tmp_path / "k.json"
+    res = run_cli("run", "reference", "batched-left", "--json", tmp_json)
+    assert res.exit_code == 0 and "not kept" in " ".join(res.output.split())
+    rep = json.loads(tmp_json.read_text())
+    assert rep["reference"]["file"] is None and rep["candidate"]["file"] is None
+    assert run_cli("run", "reference", "batched-left", "--out", tmp_path / "keep", "--json", kept_json).exit_code == 0
+    rep = json.loads(kept_json.read_text())
+    assert os.path.isfile(rep["reference"]["file"]) and os.path.isfile(rep["candidate"]["file"])
+
+
+@pytest.mark.parametrize("level", ["sampled", "stats"])
+@pytest.mark.parametrize("cand", sorted(TABLE) + ["prefix-reuse", "chunked", "paged", "batched-left", "packed"])
+def test_lower_levels_localise_like_full(tmp_path, level, cand):
+    """A clean path passes and every fault breaks at the same stage, layer and kind at every level."""
+    ref = record_side(prepare_side("reference"), tmp_path / "r.h5", level)
+    c = record_side(prepare_side(cand), tmp_path / "c.h5", level)
+    with Trace(ref) as a, Trace(c) as b:
+        rep = compare_traces(a, b)
+    if cand not in TABLE:
+        assert rep, f"{level} {cand}: {rep.verdict_line()}"
+    else:
+        fb = rep.first_break
+        assert fb is not None and (fb.stage, fb.layer, fb.kind) == TABLE[cand][0], f"{level}: {rep.verdict_line()}"

@@ -3,25 +3,20 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .report import Report, break_line
+from .report import Report
 
 
 def to_junit(report: Report, suite: str = "prefill-diff") -> str:
     cases = []
     for lr in report.layers:
         fb = lr.first_break
-        cases.append((f"layer {lr.layer:03d}", None if fb is None else (break_line(fb), fb.message)))
+        cases.append((f"layer {lr.layer:03d}", None if fb is None else (report.line(fb), fb.message)))
     if report.first_break is not None and report.first_break.stage == "metadata":
         fb = report.first_break
-        cases.insert(0, ("metadata", (break_line(fb), fb.message)))
-    if report.final is not None:
-        for t in report.final.tensors:
-            fb = report.final.first_break
-            mine = fb is not None and fb.tensor == t.tensor
-            cases.append((f"final {t.tensor}", (break_line(fb), fb.message) if mine else None))
-        fb = report.final.first_break
-        cases.append(("final top ids", (break_line(fb), fb.message) if fb is not None and fb.kind == "top_ids"
-                      else None))
+        cases.insert(0, ("metadata", (report.line(fb), fb.message)))
+    if report.final is not None:  # each final check fails on its own result, not only the first break
+        for name, fb in report.final.breaks:
+            cases.append((f"final {name}", None if fb is None else (report.line(fb), fb.message)))
     failures = sum(1 for _, f in cases if f)
     root = ET.Element("testsuites", name=suite, tests=str(len(cases)), failures=str(failures))
     ts = ET.SubElement(root, "testsuite", name=f"{suite}: {report.ref.get('origin')} vs {report.cand.get('origin')}",

@@ -115,8 +115,9 @@ def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    if tmp is not None:
+    if tmp is not None:  # the traces are gone: reports must not point at them
         outcome.ref_path = outcome.cand_path = None
+        outcome.report.ref["file"] = outcome.report.cand["file"] = None
     return outcome
 
 
@@ -138,6 +139,7 @@ def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail
         path = record_side(prep, os.path.join(tmp, "cand.h5"), level)
         outcome = compare_files(baseline, path, policy_args, fail_fast)
         outcome.cand_path = None
+        outcome.report.cand["file"] = None  # recorded into a temporary file, removed below
         return outcome
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -30,6 +30,26 @@ class Report:
     pairs: tuple = ()
     stopped_early: bool = False
     diagnosis: str | None = None
+    token_text: dict | None = None  # str(token id) -> text, when the model has a tokenizer
+    sample_tokens: tuple = ()  # the reference's token ids per sample
+
+    def token_at(self, sample: int | None, position: int | None) -> tuple[int, str | None] | None:
+        """(id, text or None) of the reference's token at (sample, logical position), if known."""
+        if sample is None or position is None or not 0 <= sample < len(self.sample_tokens):
+            return None
+        toks = self.sample_tokens[sample]
+        if not 0 <= position < len(toks):
+            return None
+        i = int(toks[position])
+        return i, (self.token_text or {}).get(str(i))
+
+    def texts(self, ids) -> list | None:
+        return None if not self.token_text else [self.token_text.get(str(int(i))) for i in ids]
+
+    def line(self, b: Break) -> str:
+        """break_line, with the token's text beside its position when the model has a tokenizer."""
+        tok = self.token_at(b.sample, b.position)
+        return break_line(b, None if tok is None or tok[1] is None else tok[1])
 
     def __bool__(self) -> bool:
         return self.first_break is None
@@ -44,7 +64,7 @@ class Report:
             if self.inconclusive:
                 line += " | INCONCLUSIVE: the injected fault cannot show here"
             return line
-        return "FAILED | " + break_line(self.first_break)
+        return "FAILED | " + self.line(self.first_break)
 
     def as_dict(self) -> dict:
         fb = self.first_break
@@ -52,14 +72,16 @@ class Report:
             "report_version": REPORT_VERSION,
             "verdict": self.verdict,
             "verdict_line": self.verdict_line(),
-            "first_break": None if fb is None else fb.as_dict(),
+            "first_break": None if fb is None else {**fb.as_dict(), **self._token_fields(fb)},
             "diagnosis": self.diagnosis,
             "layers": [lr.as_dict() for lr in self.layers],
             "final": None if self.final is None else {
                 "passed": bool(self.final),
                 "tensors": {t.tensor: t.as_dict() for t in self.final.tensors},
                 "top_ids_ok": self.final.top_ids_ok, "top_ids_detail": self.final.top_detail,
-                "top": [{"sample": s, "reference": r, "candidate": c} for s, r, c in self.final.top],
+                "top": [{"sample": s, "reference": r, "candidate": c,
+                         **({"reference_text": self.texts(r), "candidate_text": self.texts(c)} if self.token_text
+                            else {})} for s, r, c in self.final.top],
                 "gathered_token": [{"sample": s, "reference": r, "candidate": c, "last_valid": last}
                                    for s, r, c, last in self.final.gather]},
             "policy": self.policy.as_dict(),
@@ -72,6 +94,10 @@ class Report:
             "candidate": self.cand,
         }
 
+    def _token_fields(self, b: Break) -> dict:
+        tok = self.token_at(b.sample, b.position)
+        return {"token_id": None if tok is None else tok[0], "token_text": None if tok is None else tok[1]}
+
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2, sort_keys=False, default=_jsonable)
 
@@ -83,10 +109,11 @@ def _jsonable(x):
         return str(x)
 
 
-def break_line(b: Break) -> str:
+def break_line(b: Break, token_text: str | None = None) -> str:
     """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > tol=1.0e-03'.
 
-    tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row).
+    tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row). With token_text
+    (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
     """
     if b.stage == "metadata":
         return f"metadata | {b.message}"
@@ -98,7 +125,8 @@ def break_line(b: Break) -> str:
     where = f"layer {b.layer} {what}" if b.stage == "layer" else f"final {what}"
     parts = [where]
     loc = " ".join(x for x in (f"sample {b.sample}" if b.sample is not None else "",
-                               f"pos {b.position}" if b.position is not None else "") if x)
+                               f"pos {b.position}" if b.position is not None else "",
+                               repr(token_text) if token_text is not None and b.position is not None else "") if x)
     if loc:
         parts.append(loc)
     if b.kind == "value":
@@ -180,7 +208,10 @@ class Session:
         from .diagnose import diagnose
         report = Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
                         tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
-                        trace_summary(self.ref), trace_summary(self.cand), tuple(self.cmp.pairs), stopped_early)
+                        trace_summary(self.ref), trace_summary(self.cand), tuple(self.cmp.pairs), stopped_early,
+                        token_text={**(self.cand.meta.get("token_text") or {}),
+                                    **(self.ref.meta.get("token_text") or {})} or None,
+                        sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples))
         return _with_diagnosis(report, diagnose(report, self.ref, self.cand))
 
 
