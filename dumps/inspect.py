@@ -55,6 +55,7 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
         "repro": m.get("repro"), "tolerance": m.get("tolerance"),
         "record": m.get("record"),
         "samples": [{"sample": s, "length": int(t.lengths[s]), "token_ids": list(t.samples[s]),
+                     "computed": int(t.cells(s)[0].size),  # also checks the sample's layout is consistent
                      "text": texts[s] if s < len(texts) else None} for s in samples],
         "rectangle": [t.n_samples, t.n_cols],
         "layers": [],

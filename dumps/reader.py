@@ -93,7 +93,18 @@ class LayerView:
     @_guarded
     def stats(self, name: str):
         ds = self.g.get(f"stats/{name}")
-        return None if ds is None else self.trace.read(ds)
+        if ds is None:
+            return None
+        st = self.trace.read(ds)
+        col = {k: i for i, k in enumerate(STAT_COLUMNS)}
+        limit = self.trace.n_cols * max(int(np.prod(self.g[name].shape[2:])) if name in self.g else 1, 1) * 2 ** 20
+        for c, f in (("count", "finite"), ("pad_count", "pad_finite")):
+            n, k = st[:, col[c]], st[:, col[f]]
+            if not (np.isfinite(n).all() and np.isfinite(k).all() and (n == np.round(n)).all()
+                    and (k == np.round(k)).all() and (0 <= k).all() and (k <= n).all() and (n <= limit).all()):
+                raise TraceError(f"{self.trace.name}: layer {self.layer} statistics of {name} are damaged "
+                                 f"({c}/{f} must be whole numbers with 0 <= {f} <= {c})")
+        return st
 
     @_guarded
     def checksum(self, name: str):
@@ -221,6 +232,13 @@ class Trace:
         self.meta = _json_attr(f, "meta", where) or {}
         if not isinstance(self.meta, dict):
             raise TraceError(f"{where}: attribute 'meta' must be a JSON object")
+        for key in ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text"):
+            if self.meta.get(key) is not None and not isinstance(self.meta[key], dict):
+                raise TraceError(f"{where}: meta.{key} must be a JSON object (got {type(self.meta[key]).__name__})")
+        model = self.meta["model"] = self.meta.get("model") or {}
+        if model.get("args") is not None and not isinstance(model["args"], dict):
+            raise TraceError(f"{where}: meta.model.args must be a JSON object (got {type(model['args']).__name__})")
+        model["args"] = model.get("args") or {}
 
     def _check_inputs(self):
         f, where = self.f, self.name
@@ -249,8 +267,17 @@ class Trace:
         for path in ("final/logits", "final/norm_last", "final/topk_ids", "final/gather_col", "final/gather_token"):
             if not isinstance(f.get(path), h5py.Dataset):
                 raise TraceError(f"{where}: missing required dataset /{path}")
-        if f["final/logits"].ndim != 2 or f["final/logits"].shape[0] != S:
-            raise TraceError(f"{where}: /final/logits must be [{S}, vocab] (got {f['final/logits'].shape})")
+        a = self.meta.get("model", {}).get("args", {}) if isinstance(self.meta.get("model"), dict) else {}
+        vocab, dim = a.get("vocab_size"), a.get("dim")
+        want = {"final/logits": (S, vocab), "final/norm_last": (S, dim), "final/topk_ids": (S, None),
+                "final/gather_col": (S,), "final/gather_token": (S,)}
+        for path, shape in want.items():
+            got = f[path].shape
+            if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+                raise TraceError(f"{where}: /{path} has shape {got}, expected "
+                                 f"{tuple('?' if w is None else w for w in shape)}")
+            if f[path].dtype.kind not in "fiu":
+                raise TraceError(f"{where}: /{path} holds {f[path].dtype}, not numbers")
 
     def _check_layers(self):
         f, where = self.f, self.name
@@ -258,10 +285,15 @@ class Trace:
         names = sorted(layers.keys()) if isinstance(layers, h5py.Group) else []
         self.n_layers = len(names)
         declared = self.meta.get("model", {}).get("args", {}).get("n_layers")
+        if declared is not None and (not isinstance(declared, int) or isinstance(declared, bool) or
+                                     not 0 < declared <= max(self.n_layers, 1000)):
+            raise TraceError(f"{where}: metadata declares n_layers={str(declared)[:40]}, the file holds "
+                             f"{len(names)} layer groups")
         expected = [f"{i:03d}" for i in range(max(self.n_layers, declared or 0))]
         if names != expected:
             missing = sorted(set(expected) - set(names))
-            raise TraceError(f"{where}: layer groups are incomplete (missing {', '.join(missing) or 'none'}; "
+            shown = ", ".join(missing[:8]) + (f", … ({len(missing)} in all)" if len(missing) > 8 else "")
+            raise TraceError(f"{where}: layer groups are incomplete (missing {shown or 'none'}; "
                              f"found {len(names)}, model has {declared})")
         for i in range(self.n_layers):
             self._check_layer(i)
@@ -276,6 +308,8 @@ class Trace:
         for name, want in widths.items():
             ds = g.get(name)
             if isinstance(ds, h5py.Dataset):
+                if ds.dtype.kind != "f":
+                    raise TraceError(f"{where}: layer {i} {name} holds {ds.dtype}, not floating-point values")
                 if ds.ndim != 3 or (want is not None and ds.shape[2] != want):
                     raise TraceError(f"{where}: layer {i} {name} has shape {ds.shape}, the model says width {want}")
                 if C * ds.shape[2] * ds.dtype.itemsize > ROW_LIMIT:
@@ -289,8 +323,8 @@ class Trace:
                 if ds.ndim != 3 or ds.shape[:2] != (S, C):
                     raise TraceError(f"{where}: layer {i} {name} has shape {ds.shape}, expected ({S}, {C}, width)")
             st = g.get(f"stats/{name}")
-            if not isinstance(st, h5py.Dataset) or st.shape != (S, len(STAT_COLUMNS)):
-                raise TraceError(f"{where}: layer {i} is missing statistics for {name}")
+            if not isinstance(st, h5py.Dataset) or st.shape != (S, len(STAT_COLUMNS)) or st.dtype.kind != "f":
+                raise TraceError(f"{where}: layer {i} is missing statistics for {name} (or they are not numbers)")
         for name in ("positions", "lengths"):
             if not isinstance(g.get(f"cache/{name}"), h5py.Dataset):
                 raise TraceError(f"{where}: layer {i} is missing cache {name}")
@@ -300,7 +334,8 @@ class Trace:
         if self.level == "full":
             for name in CACHE_TENSORS:
                 ds = g.get(f"cache/{name}")
-                if not isinstance(ds, h5py.Dataset) or ds.ndim != 4 or ds.shape[0] != S or ds.shape[2] != pos.shape[1]:
+                if not isinstance(ds, h5py.Dataset) or ds.ndim != 4 or ds.shape[0] != S or \
+                        ds.shape[2] != pos.shape[1] or ds.dtype.kind != "f":
                     raise TraceError(f"{where}: layer {i} cache {name} is missing or misshapen")
                 if (a.get("n_kv_heads") is not None and ds.shape[1] != a["n_kv_heads"]) or \
                         (a.get("head_dim") is not None and ds.shape[3] != a["head_dim"]):
@@ -322,15 +357,42 @@ class Trace:
         ids = self.read(self.f["samples/token_ids"])
         return [tuple(int(t) for t in ids[s, :self.lengths[s]]) for s in range(self.n_samples)]
 
-    @_guarded
     def cells(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
         """Columns holding the sample's valid, computed tokens, and their token indices, in token order."""
+        cache = self.__dict__.setdefault("_cells", {})
+        if sample not in cache:
+            cache[sample] = self._cells_of(sample)
+        return cache[sample]
+
+    @_guarded
+    def _cells_of(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
         inp = self.inputs
         ok = (inp["valid_mask"][sample] == 1) & (inp["computed"][sample] == 1) & (inp["token_index"][sample] >= 0)
         cols = np.flatnonzero(ok)
         toks = inp["token_index"][sample, cols]
         order = np.argsort(toks, kind="stable")
-        return cols[order], toks[order]
+        cols, toks = cols[order], toks[order]
+        n = int(self.lengths[sample])
+        if toks.size and (toks[-1] >= n or (toks[1:] == toks[:-1]).any()):
+            raise TraceError(f"{self.name}: /inputs/token_index of sample {sample} is inconsistent (indices must be "
+                             f"distinct and below the sample's length {n}; got {toks.tolist()[:16]})")
+        # the computed tokens are the prompt's suffix after the reused prefix (if any): never none, never holes
+        if toks.size == 0 or toks[0] != n - toks.size or toks[-1] != n - 1:
+            raise TraceError(f"{self.name}: sample {sample} does not compute a suffix of its {n} tokens "
+                             f"(/inputs computed, valid_mask and token_index give {toks.tolist()[:16]})")
+        rec = self.meta.get("record")
+        if isinstance(rec, dict):  # a finished trace says which prefixes were reused
+            reused = {o.get("sample"): o.get("prefix_len") for o in rec.get("reuse") or () if isinstance(o, dict)
+                      and o.get("hit")}
+            start = reused.get(sample, 0)
+            if toks[0] != start:
+                said = f"a prefix of {start} was reused" if start else "nothing was reused"
+                raise TraceError(f"{self.name}: sample {sample} computes tokens from {int(toks[0])}, but its record "
+                                 f"says {said}")
+        ids = np.asarray(self.samples[sample], dtype=np.int64)[toks]
+        if not np.array_equal(inp["input_ids"][sample, cols].astype(np.int64), ids):
+            raise TraceError(f"{self.name}: /inputs/input_ids of sample {sample} disagree with /samples/token_ids")
+        return cols, toks
 
     @_guarded
     def pad_cols(self, sample: int) -> np.ndarray:

@@ -214,6 +214,7 @@ class KVCache:
         self.store = _PagedStore(layout.page_size, n_layers, seed) if layout.kind == "paged" else _ContiguousStore()
         self.rotate = rotate  # (keys (H, T, d), positions (T,)) -> rotated keys; needed for key_rotation="pre"
         self.metadata: dict = {"layout": layout.as_dict()}
+        self.reads: list = []  # (layer, seq, positions) of every read by attention, for invariant 3
 
     def write(self, layer: int, seq: int, k_rot, v, k_pre, positions) -> None:
         """Append one sequence's new tokens (H_kv, T, d_h) in logical order."""
@@ -239,6 +240,7 @@ class KVCache:
         if got is None:
             return None
         k, v, pos = got
+        self.reads.append((layer, seq, pos.clone()))
         if self.layout.key_rotation == "pre":
             k = self.rotate(k, pos)
         return k, v, pos
@@ -282,28 +284,45 @@ def check_invariants(cache: KVCache, n_kv_heads: int, head_dim: int,
         lengths = [cache.length(layer, s) for layer in range(L)]
         if len(set(lengths)) > 1:
             out.append(f"invariant 1 (equal lengths across layers): sequence {s} has lengths {lengths} by layer")
+    stored = {s for (layer, s) in _stored_keys(cache)}
+    if stored - set(range(n)):
+        out.append(f"invariant 2 (batch matches): the cache holds sequences {sorted(stored - set(range(n)))} "
+                   f"beyond the {n} of this call")
     for layer in range(L):
         for s in range(n):
             for kshape, vshape in cache.store.shapes(layer, s):
                 if kshape[0] != n_kv_heads or kshape[2] != head_dim or vshape[0] != n_kv_heads or vshape[2] != head_dim:
                     out.append(f"invariant 2 (KV heads and head dim match the model): layer {layer} sequence {s} "
                                f"has keys {kshape}, values {vshape}, model has n_kv_heads={n_kv_heads}, head_dim={head_dim}")
+    moved = set()
+    for layer, s, seen in cache.reads:  # every slot attention read still maps to the position it had then
+        now = cache.positions(layer, s).cpu()
+        if (layer, s) not in moved and (now.shape[0] < seen.shape[0] or not torch.equal(now[:seen.shape[0]],
+                                                                                         seen.cpu())):
+            moved.add((layer, s))
+            out.append(f"invariant 3 (stable slot mapping): layer {layer} sequence {s} was read with positions "
+                       f"{_short(seen.cpu())}, its slots now hold {_short(now)}")
     for s in range(n):
         want = expected_positions[s].cpu()
         for layer in range(L):
             first = cache.positions(layer, s).cpu()
-            again = cache.positions(layer, s).cpu()
-            if not torch.equal(first, again):
-                out.append(f"invariant 3 (stable slot mapping): layer {layer} sequence {s} changed between reads")
             if first.shape != want.shape or not torch.equal(first, want):
                 out.append(f"invariant 4 (only valid tokens as history): layer {layer} sequence {s} holds positions "
                            f"{_short(first)}, its valid tokens have {_short(want)}")
                 break
     for key, value in identity.items():
-        if cache.metadata.get(key) != value:
+        if key not in cache.metadata:
+            out.append(f"invariant 5 (identity recorded and matching): the cache does not record {key}")
+        elif cache.metadata.get(key) != value:
             out.append(f"invariant 5 (identity recorded and matching): cache {key}={cache.metadata.get(key)!r}, "
                        f"this call has {value!r}")
     return out
+
+
+def _stored_keys(cache: KVCache):
+    """(layer, seq) pairs the store holds anything for."""
+    store = cache.store
+    return list(store.chunks if isinstance(store, _ContiguousStore) else store.lengths)
 
 
 def _short(t: torch.Tensor, k: int = 8) -> str:

@@ -186,6 +186,37 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _check_types(section: str, got: dict, cls, where: str, skip=()) -> None:
+    """Each value must have the type its dataclass field declares (TOML gives int, float, bool, str, list, table)."""
+    import typing
+    hints = typing.get_type_hints(cls)
+    for key, value in got.items():
+        if key in skip or key not in hints:
+            continue
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        ok = False
+        for t in allowed:
+            t = typing.get_origin(t) or t
+            if t is type(None):
+                ok = ok or value is None
+            elif t is bool:
+                ok = ok or isinstance(value, bool)
+            elif t is int:
+                ok = ok or (isinstance(value, int) and not isinstance(value, bool))
+            elif t is float:
+                ok = ok or (isinstance(value, (int, float)) and not isinstance(value, bool))
+            elif t in (tuple, list):
+                ok = ok or isinstance(value, (list, tuple))
+            elif isinstance(t, type):
+                ok = ok or isinstance(value, t)
+            else:
+                ok = True  # a type this check does not know: the constructor validates it
+        if not ok:
+            names = " or ".join(getattr(typing.get_origin(t) or t, "__name__", str(t)).replace("NoneType", "none")
+                                for t in allowed)
+            raise ConfigError(f"{where}: [{section}] {key} must be {names} (got {value!r})")
+
+
 def _check_keys(section: str, got: dict, known: set, where: str) -> None:
     unknown = sorted(set(got) - known)
     if unknown:
@@ -214,6 +245,16 @@ def resolve_source(source: str) -> tuple[str, dict]:
                           f"(presets: {', '.join(PRESETS)})")
     raw = read_toml(source)
     _check_keys("top level", raw, _SECTIONS, source)
+    for key, value in raw.items():
+        if key != "preset" and not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a [{key}] table (got {key} = {value!r})")
+    if "preset" in raw and not isinstance(raw["preset"], str):
+        raise ConfigError(f"{source}: preset must be a preset name (got {raw['preset']!r})")
+    for key in ("reuse", "fault"):
+        if isinstance(raw.get(key), dict):
+            for k, v in raw[key].items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"{source}: [{key}] {k} must be a value, not a table")
     preset = raw.get("preset")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"{source}: preset must be one of {', '.join(PRESETS)} (got {preset!r})")
@@ -226,14 +267,22 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
     _check_keys("run", run, _RUN_KEYS, where)
     _check_keys("cache", cache, _CACHE_KEYS, where)
     num = {k: run.pop(k) for k in list(run) if k in {f.name for f in fields(NumericalConfig)}}
+    _check_types("run", num, NumericalConfig, where)
+    _check_types("run", run, RunConfig, where)
+    _check_types("run", {k: run[k] for k in ("chunk_size",) if k in run}, CacheConfig, where)
+    if "invariants" in run and not isinstance(run["invariants"], str):
+        raise ConfigError(f"{where}: [run] invariants must be str (got {run['invariants']!r})")
+    _check_types("cache", cache, CacheLayout, where)
     try:
         reuse = conf.get("reuse")
         if reuse is not None:
             _check_keys("reuse", reuse, {f.name for f in fields(ReuseConfig)}, where)
+            _check_types("reuse", reuse, ReuseConfig, where)
             reuse = ReuseConfig(**reuse)
         fault = conf.get("fault")
         if fault is not None:
             _check_keys("fault", fault, {f.name for f in fields(FaultConfig)}, where)
+            _check_types("fault", fault, FaultConfig, where)
             fault = FaultConfig(**fault)
         cache_cfg = CacheConfig(CacheLayout(**cache), run.pop("chunk_size", 0), run.pop("invariants", "record"))
         return RunConfig(name=name, numerical=NumericalConfig(**num), cache=cache_cfg, reuse=reuse, fault=fault, **run)
@@ -246,13 +295,28 @@ def parse_model(section: dict, where: str) -> ModelSpec:
     known = _MODEL_KEYS | set(ModelArgs.__dataclass_fields__)
     _check_keys("model", section, known, where)
     source = section.get("source", "synthetic")
+    if not isinstance(source, str):
+        raise ConfigError(f"{where}: [model] source must be str (got {source!r})")
+    seed = section.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"{where}: [model] seed must be int (got {seed!r})")
     overrides = {k: v for k, v in section.items() if k not in _MODEL_KEYS}
+    _check_types("model", overrides, ModelArgs, where, skip=("rope_scaling",))
     adapter = section.get("adapter") or {}
     if not isinstance(adapter, dict):
         raise ConfigError(f"{where}: [model.adapter] must be a table (got {adapter!r})")
+    kinds = {"id": (str,), "rank": (int,), "seed": (int,), "scale": (int, float)}
+    _check_keys("model.adapter", adapter, set(kinds), where)
+    for k, v in adapter.items():
+        if isinstance(v, bool) or not isinstance(v, kinds[k]):
+            raise ConfigError(f"{where}: [model.adapter] {k} must be {' or '.join(t.__name__ for t in kinds[k])} "
+                              f"(got {v!r})")
     if overrides.get("rope_scaling") is not None:
+        if not isinstance(overrides["rope_scaling"], dict):
+            raise ConfigError(f"{where}: [model] rope_scaling must be a table, e.g. "
+                              f"{{ rope_type = \"llama3\", factor = 8.0 }} (got {overrides['rope_scaling']!r})")
         overrides["rope_scaling"] = tuple(sorted(overrides["rope_scaling"].items()))
-    return ModelSpec(str(source), int(section.get("seed", 0)), tuple(sorted(overrides.items())),
+    return ModelSpec(source, seed, tuple(sorted(overrides.items())),
                      tuple(sorted(adapter.items())))
 
 
@@ -271,8 +335,17 @@ def parse_inputs(section: dict, where: str) -> Inputs:
             return tuple(freeze(x, d - 1) for x in v)
         return freeze(val, depth)
 
-    ids = nested("token_ids", 2) or ()
-    prompts = tuple(section.get("prompts", ()))
+    ids = nested("token_ids", 2)
+    if ids is not None and not ids:
+        raise ConfigError(f"{where}: [inputs] token_ids is empty (give at least one sample, or leave it out)")
+    ids = ids or ()
+    prompts = section.get("prompts", ())
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+        raise ConfigError(f"{where}: [inputs] prompts must be a list of strings (got {prompts!r})")
+    prompts = tuple(prompts)
+    pad_id = section.get("pad_id")
+    if pad_id is not None and (not isinstance(pad_id, int) or isinstance(pad_id, bool)):
+        raise ConfigError(f"{where}: [inputs] pad_id must be int (got {pad_id!r})")
     if ids and prompts:
         raise ConfigError(f"{where}: [inputs] sets both token_ids and prompts; use one")
     for b, row in enumerate(ids):
@@ -281,7 +354,7 @@ def parse_inputs(section: dict, where: str) -> Inputs:
         for t in row:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise ConfigError(f"{where}: [inputs] token_ids must be integers (sample {b} has {t!r})")
-    return Inputs(ids, prompts, nested("positions", 2), nested("segments", 3), section.get("pad_id"),
+    return Inputs(ids, prompts, nested("positions", 2), nested("segments", 3), pad_id,
                   nested("attention_mask", 2))
 
 

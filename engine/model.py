@@ -61,6 +61,13 @@ class ModelArgs:
             raise ConfigError(f"head_dim must be even for RoPE (got head_dim={self.head_dim})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1) (got dropout={self.dropout})")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive (got rope_theta={self.rope_theta})")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be positive (got norm_eps={self.norm_eps})")
+        if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size < 1:
+            raise ConfigError(f"tokenizer_vocab_size must be a positive integer "
+                              f"(got tokenizer_vocab_size={self.tokenizer_vocab_size})")
         if self.attention_rule != "causal":
             raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
 

@@ -54,6 +54,8 @@ class CacheConfig:
     def __post_init__(self):
         if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
             raise ConfigError(f"chunk_size must be a non-negative integer (got {self.chunk_size!r})")
+        if self.invariants not in ("raise", "record"):
+            raise ConfigError(f"invariants must be 'raise' or 'record' (got {self.invariants!r})")
 
 
 @dataclass(frozen=True)
@@ -277,8 +279,8 @@ class Engine:
         h = self.model.norm(x_last[rows, cols])  # (n_seqs, dim)
         logits = self.model.unembed(h)  # (n_seqs, vocab)
         hist_pos = {s: prefix.layers[0][2] for s, prefix in history.items()}
-        violations = check_invariants(cache, self.args.n_kv_heads, self.args.head_dim,
-                                      cells.expected_positions(hist_pos), identity)
+        violations = check_invariants(cache, self.args.n_kv_heads, self.args.head_dim,  # identity recomputed now
+                                      cells.expected_positions(hist_pos), self.identity(cache.layout))
         for s, prefix in history.items():
             ident = prefix.identity
             diff = sorted(k for k in identity if ident.get(k) != identity[k])

@@ -45,6 +45,11 @@ def apply_mask(inputs: Inputs) -> Inputs:
         if len(m) != len(row):
             raise PreconditionError("2.1(2)", f"the validity mask must have the shape of input_ids (sample {b}: "
                                     f"{len(m)} mask values for {len(row)} ids)")
+    for b, m in enumerate(masks):
+        for i, v in enumerate(m):
+            if isinstance(v, bool) or v not in (0, 1):
+                raise PreconditionError("2.1(2)", f"the validity mask must hold only 0 and 1 "
+                                        f"(sample {b}, position {i}: {v!r})")
     n = max(len(r) for r in ids)
     rect = torch.zeros((len(ids), n), dtype=torch.long)
     mrect = torch.zeros((len(ids), n), dtype=torch.long)

@@ -229,6 +229,8 @@ def _load(spec: ModelSpec) -> Snapshot:
         unknown = sorted(set(a) - {"id", "rank", "seed", "scale"})
         if unknown:
             raise ConfigError(f"unknown adapter keys {unknown} (known: id, rank, seed, scale)")
+        if int(a.get("rank", 4)) < 1:
+            raise ConfigError(f"adapter rank must be a positive integer (got rank={a.get('rank')})")
         snap = snap.with_adapter(seeded_adapter(snap.args, str(a.get("id", "lora")), int(a.get("rank", 4)),
                                                 int(a.get("seed", 1)), float(a.get("scale", 1.0))))
     return snap

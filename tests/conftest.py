@@ -1,8 +1,22 @@
 """Shared helpers: an engine-side capture recorder and padded-batch builders."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# CI is a gate, not a lottery: the same hypothesis examples on every machine. To search for new failures,
+# run with HYPOTHESIS_PROFILE=explore (random examples) and EXAMPLES_SCALE=10 (ten times as many).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def examples(n: int) -> int:
+    """A test's hypothesis example count, times EXAMPLES_SCALE."""
+    return n * int(os.environ.get("EXAMPLES_SCALE", "1"))
 
 
 class Capture:

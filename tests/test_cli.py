@@ -120,8 +120,10 @@ def test_presets_lists_every_preset(run_cli):
     from prefill_diff.engine.config import PRESETS
     res = run_cli("presets")
     assert res.exit_code == 0
-    for name in PRESETS:
-        assert name in res.output
+    lines = res.output.splitlines()
+    assert len(lines) == len(PRESETS)  # one line each, never wrapped
+    for line, (name, (desc, _)) in zip(lines, PRESETS.items()):
+        assert line.split()[0] == name and line.endswith(desc)
 
 
 def test_every_command_has_help_and_is_in_the_readme(run_cli):
@@ -131,3 +133,38 @@ def test_every_command_has_help_and_is_in_the_readme(run_cli):
         assert res.exit_code == 0
         assert "Example:" in res.output, name
         assert f"prefill-diff {name}" in readme, f"README lacks an example of {name}"
+
+
+WRONG_TYPES = {
+    '[model]\nseed = "abc"': "[model] seed must be int",
+    "run = 3": "run must be a [run] table",
+    "[model]\nrope_scaling = 3": "[model] rope_scaling must be a table",
+    "[inputs]\nprompts = 3": "[inputs] prompts must be a list of strings",
+    '[inputs]\ntoken_ids = [[1, 2]]\npad_id = "x"': "[inputs] pad_id must be int",
+    '[run]\ndeterministic = "yes"': "[run] deterministic must be bool",
+    '[model]\nnorm_eps = "x"': "[model] norm_eps must be float",
+    "preset = 3": "preset must be a preset name",
+    '[run]\nchunk_size = "4"': "[run] chunk_size must be int",
+    "[cache]\npage_size = 2.5": "[cache] page_size must be int",
+    '[reuse]\nprefix_len = "2"': "[reuse] prefix_len must be int",
+    "[fault]\nname = 3": "[fault] name must be str",
+    "[model]\nn_layers = 2.0": "[model] n_layers must be int",
+    '[model.adapter]\nid = "a"\nrank = "x"': "[model.adapter] rank must be int",
+    "[model.adapter]\nrank = 0": "adapter rank must be a positive integer",
+    "[model]\nrope_theta = -1.0": "rope_theta must be positive",
+    "[model]\nnorm_eps = -1e-5": "norm_eps must be positive",
+    "[model]\ntokenizer_vocab_size = 0": "tokenizer_vocab_size must be a positive integer",
+    '[run]\ninvariants = "maybe"': "invariants must be 'raise' or 'record'",
+    "[inputs]\ntoken_ids = []": "[inputs] token_ids is empty",
+}
+
+
+@pytest.mark.parametrize("body", sorted(WRONG_TYPES))
+def test_config_value_of_wrong_type_exits_2_naming_key_and_value(run_cli, tmp_path, body):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(body + "\n")
+    res = run_cli("record", cfg, "-o", tmp_path / "t.h5")
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert WRONG_TYPES[body] in out and "internal error" not in out and "Traceback" not in out
+    assert not (tmp_path / "t.h5").exists()

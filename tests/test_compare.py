@@ -99,3 +99,36 @@ def test_smallest_passing_tolerance_is_reported(traces, tmp_path):
     assert t.min_rtol == pytest.approx((0.01 - t.atol - t.ntol * rms) / ref, rel=1e-3)
     assert t.min_ntol == pytest.approx((0.01 - t.atol - t.rtol * ref) / rms, rel=1e-3)
     assert t.worst_bound == pytest.approx(t.atol + t.rtol * ref + t.ntol * rms, rel=1e-5)
+
+
+def test_swapped_top_ids_are_a_top_ids_break(traces, tmp_path):
+    def swap(f):
+        ids = f["final/topk_ids"][0]
+        ids[[0, 1]] = ids[[1, 0]]
+        f["final/topk_ids"][0] = ids
+    rep = compare(traces["reference"], edited(traces["reference"], tmp_path, swap))
+    fb = rep.first_break
+    assert (fb.stage, fb.kind, fb.sample) == ("final", "top_ids", 0) and not rep.final.top_ids_ok
+    assert rep.final.tensor("logits").n_bad == 0  # the logits themselves agree
+
+
+def test_top1_agreement_alone_is_never_a_pass(traces, tmp_path):
+    with Trace(traces["reference"]) as t:
+        top = t.final["topk_ids"][0]
+        low = int(np.argsort(t.final["logits"][0])[0])  # the least likely id: far from the top ranks
+    assert low not in top.tolist()
+
+    def bump(f):
+        f["final/logits"][0, low] += 0.5
+    rep = compare(traces["reference"], edited(traces["reference"], tmp_path, bump))
+    assert rep.final.top_ids_ok and not rep
+    assert (rep.first_break.stage, rep.first_break.tensor, rep.first_break.kind) == ("final", "logits", "value")
+
+
+def test_differing_checksums_alone_are_never_a_failure(tmp_path):
+    """At the stats level only statistics and checksums exist: different bits within tolerance still pass."""
+    a = record_side(prepare_side("reference"), tmp_path / "a.h5", "stats")
+    b = record_side(prepare_side("batched-left"), tmp_path / "b.h5", "stats")
+    rep = compare(a, b)
+    assert rep  # passes within tolerance ...
+    assert any(t.bit_identical is False for lr in rep.layers for t in lr.tensors)  # ... though bits differ

@@ -195,6 +195,43 @@ def test_skip_kv_breaks_invariant_1(snap, prompts):
     assert any("invariant 1" in v for v in res.cache_metadata["invariant_violations"])
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_cache_invariants_2_3_and_5_can_fail(snap, prompts, kind):
+    """Tampering after a chunked prefill (attention read through the cache) breaks each invariant by name."""
+    from prefill_diff.engine.cache import CacheLayout, check_invariants
+    ids, mask, pos = padded(prompts, "left")
+    eng = Engine(snap)
+    res = eng.prefill(ids, mask, pos, CacheConfig(CacheLayout(kind=kind, page_size=4), chunk_size=4))
+    cache = res.kv_cache
+    assert {(layer, s) for layer, s, _ in cache.reads} == {(l, s) for l in range(snap.args.n_layers)
+                                                          for s in range(len(prompts))}
+    ident = eng.identity(cache.layout)
+    expected = [torch.arange(len(p)) for p in prompts]
+
+    def violations(identity=ident, n_seqs=None):
+        saved, cache.n_seqs = cache.n_seqs, n_seqs or cache.n_seqs
+        try:
+            return " ".join(check_invariants(cache, snap.args.n_kv_heads, snap.args.head_dim,
+                                             expected[:cache.n_seqs], identity))
+        finally:
+            cache.n_seqs = saved
+
+    assert violations() == ""
+    assert "invariant 2 (batch matches)" in violations(n_seqs=2)
+    assert "invariant 5" in violations({**ident, "precision": "bfloat16"})
+    rope = cache.metadata.pop("rope")
+    assert "does not record rope" in violations()
+    cache.metadata["rope"] = rope
+    # a slot that attention read now maps to another position: swap sequence 0's first two slots
+    if kind == "contiguous":
+        kd, ks, vd, vs, p = cache.store.chunks[(0, 0)][0]
+        cache.store.chunks[(0, 0)][0] = (kd, ks, vd, vs, p[[1, 0, *range(2, p.shape[0])]])
+    else:
+        table = cache.store.tables[0]
+        table[0], table[1] = table[1], table[0]
+    assert "invariant 3 (stable slot mapping): layer 0 sequence 0" in violations()
+
+
 def test_gqa_head_map_matters_only_with_two_kv_heads(snap):
     p = torch.tensor([[1, 2, 3, 4, 5]])
     ones, pos = torch.ones(1, 5), torch.arange(5)[None]

@@ -5,6 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from prefill_diff.verify import metrics
 from prefill_diff.verify.tolerance import Tolerance
 
@@ -81,7 +82,7 @@ def slabs(draw):
     return r, c, tol, draw(st.booleans())
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(slabs())
 def test_slab_metrics_equal_the_naive_rule(case):
     r, c, tol, equal_nan = case

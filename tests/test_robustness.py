@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import examples
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine.errors import PrefillDiffError
 from prefill_diff.verify.pipeline import prepare_side, record_side
@@ -41,6 +42,8 @@ BAD_REQUESTS = {
                           r"2\.1\(3\).*sample 1, position 1: -1"),
     "vocabularies incompatible": ('[model]\ntokenizer_vocab_size = 500\n',
                                   r"2\.1\(4\).*tokenizer size=500, vocab_size=96"),
+    "fractional mask value": ('[inputs]\ntoken_ids = [[1, 2, 3]]\nattention_mask = [[1, 1, 0.5]]\n',
+                              r"2\.1\(2\).*only 0 and 1.*sample 0, position 2: 0\.5"),
     "dropout in training mode": ('[model]\ndropout = 0.1\n[run]\ntraining = true\n',
                                  r"2\.1\(5\).*dropout=0.1"),
 }
@@ -71,6 +74,12 @@ def small_trace(tmp_path_factory):
     return Path(path)
 
 
+@pytest.fixture(scope="module")
+def lower_level_traces(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz-levels")
+    return {lv: Path(record_side(prepare_side("batched-left"), d / f"{lv}.h5", lv)) for lv in ("sampled", "stats")}
+
+
 def _exercise(good: Path, bad: Path):
     """Open, inspect and compare a possibly damaged trace; only PrefillDiffError may come out."""
     from prefill_diff.dumps.inspect import summarize
@@ -84,9 +93,19 @@ def _exercise(good: Path, bad: Path):
         pass
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_files_fail_loudly_or_compare_never_crash(small_trace, tmp_path, data):
+    _fuzz(small_trace, tmp_path, data)
+
+
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_sampled_and_stats_traces_fail_loudly_or_compare_never_crash(lower_level_traces, tmp_path, data):
+    _fuzz(lower_level_traces[data.draw(st.sampled_from(["sampled", "stats"]))], tmp_path, data)
+
+
+def _fuzz(small_trace, tmp_path, data):
     raw = bytearray(small_trace.read_bytes())
     mode = data.draw(st.sampled_from(["truncate", "flip", "zero-run"]))
     at = data.draw(st.integers(0, len(raw) - 1))
@@ -102,6 +121,35 @@ def test_fuzzed_files_fail_loudly_or_compare_never_crash(small_trace, tmp_path, 
     bad = tmp_path / "bad.h5"
     bad.write_bytes(bytes(raw))
     _exercise(small_trace, bad)
+
+
+@pytest.mark.parametrize("damage", ["duplicate", "out of range", "ids disagree", "nothing computed",
+                                    "computed with a hole", "valid mask zeroed"])
+def test_inconsistent_input_layout_is_refused_by_compare_and_inspect(run_cli, small_trace, tmp_path, damage):
+    """Found by the fuzzer in a fresh environment: zeroed /inputs/token_index crashed compare (exit 3)."""
+    bad = tmp_path / "bad.h5"
+    shutil.copy(small_trace, bad)
+    with h5py.File(bad, "a") as f:
+        if damage == "duplicate":
+            f["inputs/token_index"][0, 1] = f["inputs/token_index"][0, 0]
+        elif damage == "out of range":
+            f["inputs/token_index"][0, 0] = 40
+        elif damage == "ids disagree":
+            f["inputs/input_ids"][0, 0] = f["inputs/input_ids"][0, 0] + 1
+        elif damage == "nothing computed":  # with every residual garbage: must never pass with 0 values compared
+            f["inputs/computed"][...] = 0
+            for i in range(4):
+                f[f"layers/{i:03d}/layer_output"][...] = 1e6
+        elif damage == "computed with a hole":
+            f["inputs/computed"][0, 5] = 0
+        else:
+            f["inputs/valid_mask"][...] = 0
+    for args in (("compare", small_trace, bad), ("compare", bad, small_trace), ("inspect", bad)):
+        res = run_cli(*args)
+        assert res.exit_code == 2, (args, res.output)
+        out = " ".join(res.output.split())
+        assert any(w in out for w in ("inconsistent", "disagree", "does not compute a suffix")), out
+        assert "internal error" not in out
 
 
 def test_truncations_are_refused_in_one_line(run_cli, small_trace, tmp_path):
@@ -164,7 +212,7 @@ def test_different_vocabularies_are_a_metadata_break(run_cli, tmp_path):
     assert run_cli("record", vocab, "-o", b).exit_code == 0
     res = run_cli("compare", a, b, "-q")
     out = " ".join(res.output.split())  # rich wraps long lines
-    assert res.exit_code == 1 and "metadata | traces are not comparable" in out and "vocab_size 96 vs 128" in out
+    assert res.exit_code == 2 and "metadata | traces are not comparable" in out and "vocab_size 96 vs 128" in out
 
 
 # -- interruptions ---------------------------------------------------------------------------------
@@ -227,7 +275,7 @@ models = st.tuples(st.integers(1, 2), st.sampled_from([1, 2, 3]), st.sampled_fro
 lengths = st.lists(st.integers(1, 10), min_size=1, max_size=3)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(model=models, lens=lengths, batching=st.sampled_from(["left", "right", "packed", "unbatched"]),
        kernel=st.sampled_from(["eager", "sdpa", "tiled"]), chunk=st.integers(0, 4), page=st.integers(1, 5),
        prefix=st.integers(0, 4), paged=st.booleans())
@@ -249,7 +297,7 @@ FAULTS = ["last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked
           "masked-row-softmax"]
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(model=models, lens=lengths, fault=st.sampled_from(FAULTS))
 def test_property_every_fault_is_caught_or_declared_unshowable(tmp_path, model, lens, fault):
     ref = _model_toml(*model) + _inputs_toml(lens, model[4])
@@ -302,3 +350,42 @@ def test_trace_attributes_are_json_not_pickles(small_trace):
         check("/", f)
         f.visititems(check)
         json.loads(f.attrs["meta"])
+
+
+@pytest.mark.parametrize("damage", ["meta.tolerance is a list", "meta.layout is a list", "declared n_layers huge",
+                                    "logits wider than the vocabulary",
+                                    "topk_ids 1-D", "a state of strings", "statistics out of range"])
+def test_structurally_inconsistent_traces_exit_2(run_cli, small_trace, tmp_path, damage):
+    """Found by hand in review: each of these reached numpy and ended as an internal error (exit 3)."""
+    bad = tmp_path / "bad.h5"
+    shutil.copy(small_trace, bad)
+    with h5py.File(bad, "a") as f:
+        meta = json.loads(f.attrs["meta"])
+        if damage.startswith("meta.") or damage.startswith("declared"):
+            if damage == "meta.tolerance is a list":
+                meta["tolerance"] = [1, 2]
+            elif damage == "meta.layout is a list":
+                meta["layout"] = ["contiguous"]
+            else:
+                meta["model"]["args"]["n_layers"] = 10 ** 7
+            del f.attrs["meta"]
+            f.attrs["meta"] = np.bytes_(json.dumps(meta))
+        elif damage == "logits wider than the vocabulary":
+            del f["final/logits"]
+            f["final/logits"] = np.zeros((3, 200), np.float32)
+        elif damage == "topk_ids 1-D":
+            del f["final/topk_ids"]
+            f["final/topk_ids"] = np.zeros(3, np.int64)
+        elif damage == "a state of strings":
+            shape = f["layers/001/mid"].shape
+            del f["layers/001/mid"]
+            f["layers/001/mid"] = np.full(shape, b"x", dtype="S1")
+        else:
+            f["layers/001/stats/mid"][0, 0] = 1e30
+    # a full-level compare reads the values, not the (redundant) statistics: there only inspect must refuse
+    runs = (("inspect", bad),) if damage == "statistics out of range" else (("compare", small_trace, bad),
+                                                                             ("inspect", bad))
+    for args in runs:
+        res = run_cli(*args)
+        out = " ".join(res.output.split())
+        assert res.exit_code == 2 and "internal error" not in out and len(out) < 400, (args, out[:400])

@@ -22,7 +22,8 @@ VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn
                "layer_output")
 SUBLAYER = {"layer_input": "residual", "cache_keys": "attention", "cache_values": "attention",
             "attn_heads": "attention", "attn_update": "attention", "mid": "attention", "mlp_update": "mlp",
-            "layer_output": "mlp", "logits": "final", "norm_last": "final"}
+            "layer_output": "mlp", "logits": "final", "norm_last": "final", "topk_ids": "final",
+            "cache_lengths": "attention", "cache_positions": "attention"}
 ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
 KIND_ORDER = ("shape", "finite_mask", "cache_length", "cache_positions", "value", "top_ids")
 
@@ -178,6 +179,7 @@ class FinalResult:
     top: tuple = ()  # per matched sample: (ref sample, ref top ids, cand top ids)
     sample_max_abs: tuple = ()  # per matched sample: (ref sample, logits max abs error)
     gather: tuple = ()  # per matched sample: (ref sample, ref token, cand token, last token)
+    breaks: tuple = ()  # (check name, its own first Break or None) per final tensor, then "top ids"
 
     def __bool__(self) -> bool:
         return self.first_break is None
@@ -403,7 +405,10 @@ class Comparator:
         channels = np.asarray(ds_s.attrs["channels"])
         tok_source = self.ref if pick["r"][0] is not None else self.cand
         tok_index = tok_source.read(tok_source.f["sampled/token_index"])
+        is_cache = name.startswith("cache_")
         for rs, cs in self.pairs:
+            if is_cache and int(r.cache_lengths[rs]) != int(c.cache_lengths[cs]):
+                continue  # the cache-length check reports this sample; its sampled slots do not line up
             s_side = rs if tok_source is self.ref else cs
             toks = tok_index[s_side]
             toks = toks[toks >= 0]
@@ -412,7 +417,9 @@ class Comparator:
                 samp, full, trace = pick[side]
                 if samp is not None:
                     own = trace.read(trace.f["sampled/token_index"], (s,))
-                    slot = {int(t): j for j, t in enumerate(own) if t >= 0}
+                    # residuals exist only for tokens this side computed (a reused prefix was not)
+                    done = None if is_cache else set(trace.cells(s)[1].tolist())
+                    slot = {int(t): j for j, t in enumerate(own) if t >= 0 and (done is None or int(t) in done)}
                     data = trace.read(samp, (s,))
                     rows.append({int(t): data[slot[int(t)]] for t in toks if int(t) in slot})
                 elif full is not None:
@@ -427,7 +434,16 @@ class Comparator:
                 a = np.stack([rows[0][int(t)] for t in common])
                 b = np.stack([rows[1][int(t)] for t in common])
                 acc.add(a, b, rs, np.asarray(common))
-        return acc.result(name, "sampled")
+        return acc.result(name, "sampled", **self._pad_counts(r, c, name))
+
+    def _pad_counts(self, r: LayerView, c: LayerView, name: str) -> dict:
+        """Non-finite counts in padding rows, from the statistics every level records."""
+        rs_t, cs_t = r.stats(name), c.stats(name)
+        if rs_t is None or cs_t is None:
+            return {}
+        cnt, fin = STAT_COLUMNS.index("pad_count"), STAT_COLUMNS.index("pad_finite")
+        return {"pad_nonfinite_ref": int(sum(rs_t[a][cnt] - rs_t[a][fin] for a, _ in self.pairs)),
+                "pad_nonfinite_cand": int(sum(cs_t[b][cnt] - cs_t[b][fin] for _, b in self.pairs))}
 
     def _stats(self, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:
         """Statistics only: finite counts exactly, min/max/mean/rms within tolerance, checksums."""
@@ -446,7 +462,7 @@ class Comparator:
                 continue
             nf_r, nf_c = a[col["count"]] - a[col["finite"]], b[col["count"]] - b[col["finite"]]
             if nf_r != nf_c:
-                fin += [max(nf_c - nf_r, 0), max(nf_r - nf_c, 0)]
+                fin += [int(max(nf_c - nf_r, 0)), int(max(nf_r - nf_c, 0))]  # statistics are float64
                 bad.setdefault(rs, None)
             cnt = max(a[col["count"]], 1)
             ra = np.array([a[col["min"]], a[col["max"]], a[col["mean"]], a[col["l2"]] / np.sqrt(cnt)])
@@ -610,10 +626,20 @@ class Comparator:
                 if t.n_bad:
                     fb = self._value_break("final", None, t)
                     break
-        if fb is None and not top_ok:
-            fb = Break("final", "top_ids", top_detail, tensor="topk_ids", sample=top_samples[0],
-                       samples=tuple(top_samples))
-        return FinalResult(tuple(tensors), top_ok, top_detail, fb, tuple(tops), per_sample, tuple(gathers))
+        top_break = None if top_ok else Break("final", "top_ids", top_detail, tensor="topk_ids",
+                                              sample=top_samples[0], samples=tuple(top_samples))
+        if fb is None:
+            fb = top_break
+        breaks = tuple((t.tensor, self._tensor_break("final", None, t)) for t in tensors) + (("top ids", top_break),)
+        return FinalResult(tuple(tensors), top_ok, top_detail, fb, tuple(tops), per_sample, tuple(gathers), breaks)
+
+    def _tensor_break(self, stage, layer, t: TensorResult) -> Break | None:
+        """This tensor's own first problem (shape, then finite mask, then value), or None."""
+        if t.shape_detail:
+            return Break(stage, "shape", t.shape_detail, layer, t.tensor)
+        if not t.finite_ok:
+            return self._finite_break(stage, layer, t)
+        return self._value_break(stage, layer, t) if t.n_bad else None
 
 
 def _as_slice(idx: np.ndarray):

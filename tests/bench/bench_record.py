@@ -1,5 +1,5 @@
 """Benchmark 1: what recording costs. Prefill with a full, a sampled and a stats trace against the same
-prefill with no recorder, interleaved in one process; the ratio of best times is reported.
+prefill with no recorder, interleaved in one process; the median of per-round ratios is reported.
 
     python tests/bench/run.py record [--smoke]
 """

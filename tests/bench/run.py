@@ -48,6 +48,7 @@ def main(argv=None) -> dict:
     names = list(BENCHES) if not args.names or "all" in args.names else args.names
     smoke = args.smoke
     out = {"machine": machine(), "smoke": smoke}
+    print(json.dumps({"machine": out["machine"], "smoke": smoke}, indent=2), flush=True)
     for n in names:
         out[n] = BENCHES[n](smoke=smoke)
         print(json.dumps({n: out[n]}, indent=2), flush=True)
