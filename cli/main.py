@@ -23,7 +23,11 @@ class Cli(click.Group):
     def invoke(self, ctx):
         from ..engine.errors import PrefillDiffError
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            from ..engine.errors import INTERRUPT
+            if INTERRUPT["seen"]:  # the KeyboardInterrupt was swallowed (a GC callback) after the work was done
+                raise KeyboardInterrupt
+            return result
         except PrefillDiffError as e:
             raise BadInput(str(e)) from None
         except KeyboardInterrupt:
@@ -317,7 +321,15 @@ def presets():
         click.echo(f"{name:<{width}}  {desc}")
 
 
+def _on_sigint(signum, frame):
+    from ..engine.errors import INTERRUPT  # light: no torch, no h5py
+    INTERRUPT["seen"] = True
+    raise KeyboardInterrupt
+
+
 def main():
+    import signal
+    signal.signal(signal.SIGINT, _on_sigint)
     cli(prog_name="prefill-diff")
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..engine.errors import PrefillDiffError
+from ..engine.errors import INTERRUPT, PrefillDiffError
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, STAT_COLUMNS, layer_group
 
 _MASK64 = (1 << 64) - 1
@@ -42,6 +42,14 @@ _MASK64 = (1 << 64) - 1
 # corrupted file); "v110" as the newest keeps files readable by HDF5 1.10 tools such as Debian's h5dump.
 LIBVER = ("v108", "v110")
 _PARTIAL: set = set()  # temporary files of this process not yet renamed into place
+
+
+def _check_interrupt() -> None:
+    """Python may deliver a Ctrl-C's KeyboardInterrupt inside a garbage-collector callback, where it is
+    printed and dropped; the CLI's handler also sets a flag, checked at every layer and before a trace is
+    moved into place, so an interrupted recording is never completed."""
+    if INTERRUPT["seen"]:
+        raise KeyboardInterrupt
 
 
 def _text(obj, key: str, value: str) -> None:
@@ -431,6 +439,7 @@ class Recorder:
 
     def layer_done(self, layer: int) -> None:
         """Write the statistics of a completed layer (a reader streaming this file may then read it)."""
+        _check_interrupt()
         for (lay, name), st in list(self._stats.items()):
             if lay != layer:
                 continue
@@ -487,6 +496,7 @@ class Recorder:
             return
         self.f.close()
         self._closed = True
+        _check_interrupt()  # the interrupt may have been swallowed: never move an interrupted trace into place
         os.replace(self.tmp, self.path)  # atomic: readers see the old state or the whole trace
         _PARTIAL.discard(self.tmp)
 

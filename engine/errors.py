@@ -30,3 +30,6 @@ class CacheInvariantError(PrefillDiffError):
 
 class ModelLoadError(PrefillDiffError):
     """A model source cannot be loaded (missing file, unsupported architecture)."""
+
+
+INTERRUPT = {"seen": False}  # set by the CLI's SIGINT handler (see dumps.recorder._check_interrupt)
