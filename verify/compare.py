@@ -486,11 +486,9 @@ class Comparator:
             if pr != pc:
                 bad.setdefault(rs, None)
         self.skipped.add("values compared as statistics only (stats level): max_abs is the largest statistic error")
-        pad_r = int(sum(rs_t[rs][col["pad_count"]] - rs_t[rs][col["pad_finite"]] for rs, _ in self.pairs))
-        pad_c = int(sum(cs_t[cs][col["pad_count"]] - cs_t[cs][col["pad_finite"]] for _, cs in self.pairs))
         return TensorResult(name, "stats", tol, compared=n, max_abs=max_abs, n_bad=n_bad,
                             worst=worst, min_atol=max(min_atol, 0.0), finite_ref_only=int(fin[1]),
-                            finite_cand_only=int(fin[0]), pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c,
+                            finite_cand_only=int(fin[0]), **self._pad_counts(r, c, name),
                             bad_samples=tuple(sorted(bad)), bad_positions=dict(bad),
                             bit_identical=identical if rchk is not None else None, equal_nan=self.policy.equal_nan)
 
