@@ -96,7 +96,7 @@ def _emit(report, json_path, junit_path, plot_path, quiet, token_text=None):
         from .render import report_renderable, verdict_text
         console = _console()
         console.print(verdict_text(report) if quiet else report_renderable(report, token_text))
-    if report.first_break is not None and report.first_break.stage == "metadata":
+    if report.incomparable:
         sys.exit(EXIT_BAD_INPUT)  # incomparable traces (SPEC §4): reported, but not a tolerance verdict
     sys.exit(EXIT_PASS if report else EXIT_FAIL)
 
@@ -121,7 +121,8 @@ def _progress(console, total_layers_hint=None):
         _t, completed=layer + 1))
 
 
-from .options import LEVEL_CHOICE, model_options, report_options, tolerance_options  # noqa: E402
+from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options,  # noqa: E402
+                      tolerance_options)
 
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -150,11 +151,9 @@ def cli():
 @click.option("--force", is_flag=True, help="Overwrite traces already in --out.")
 @click.option("--fail-fast", is_flag=True,
               help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
-@click.option("--calibrate", "calibrate", type=float, default=None, metavar="K", is_flag=False, flag_value=10.0,
-              help="Also run REF in float64 and allow CAND K times REF's own error per layer and tensor "
-                   "(default K=10): measured noise instead of a guessed tolerance.")
+@calibration_options
 def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path, quiet, out_dir, level, force,
-        fail_fast, calibrate):
+        fail_fast, calibrate, factor, allow_subset):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -165,18 +164,20 @@ def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path
         prefill-diff run reference batched-left
         prefill-diff run reference fault:unmasked-padding --json report.json
         prefill-diff run reference sdpa --calibrate
+        prefill-diff run reference bf16
         prefill-diff run reference fault:gqa-mapping --fail-fast
     """
     from ..verify.pipeline import run_lockstep, run_pair
     spec, inputs = _shared(model, prompts, tokens)
     console = _console()
+    cal = dict(calibrate=calibrate, factor=factor, allow_subset=allow_subset)
     if fail_fast:
-        if out_dir or calibrate:
-            raise BadInput("--fail-fast keeps no traces and does not calibrate; drop --out/--calibrate")
-        outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=tol)
+        if out_dir:
+            raise BadInput("--fail-fast keeps no traces; drop --out")
+        outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=tol, **cal)
         _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
     prog, progress = _progress(console)
-    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=tol, calibrate=calibrate)
+    kw = dict(out_dir=out_dir, level=level, force=force, policy_args=tol, **cal)
     if prog is not None:
         with prog:
             outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)
@@ -195,9 +196,13 @@ def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path
 @click.option("--compression", type=click.Choice(["none", "gzip"]), default="none", show_default=True,
               help="gzip (with shuffle) makes smaller files that every HDF5 tool reads.")
 @click.option("--force", is_flag=True, help="Overwrite an existing trace.")
+@click.option("--twin-of", "twin_of", default=None, metavar="PRECISION",
+              help="Also record this trace's float64 golden (OUTPUT's stem + .golden.h5) and its twin at the "
+                   "precisions of PRECISION, a preset or config (stem + .twin-KEY.h5), so that `compare` of this "
+                   "baseline against a candidate of those precisions is calibrated.")
 @model_options
 @tolerance_options
-def record(config, output, level, compression, force, model, prompts, tokens, tol):
+def record(config, output, level, compression, force, twin_of, model, prompts, tokens, tol):
     """Prefill CONFIG (a preset or TOML file) and write its trace to OUTPUT.
 
     The file appears only when complete: it is written under a temporary name and
@@ -209,12 +214,15 @@ def record(config, output, level, compression, force, model, prompts, tokens, to
     Example:
         prefill-diff record reference -o ref.h5
         prefill-diff record batched-left -o cand.h5 --level stats --compression gzip
+        prefill-diff record reference -o base.h5 --twin-of bf16
     """
     from ..verify.pipeline import prepare_side, record_side
     from ..verify.policy_file import policy_spec
     tol = policy_spec(**tol)
     spec, inputs = _shared(model, prompts, tokens)
     prep = prepare_side(config, spec, inputs)
+    if twin_of is not None and level != "full":
+        raise BadInput(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
     console = _console()
     prog, progress = _progress(console, prep.snapshot.args.n_layers)
     if prog is not None:
@@ -223,6 +231,18 @@ def record(config, output, level, compression, force, model, prompts, tokens, to
     else:
         record_side(prep, output, level, force, compression, tolerance=tol)
     console.print(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} samples)")
+    if twin_of is not None:
+        from ..engine.config import load_side, precision_of
+        from ..verify.calibrate import precision_key, precision_label, same_precisions, sibling_paths
+        from ..verify.pipeline import record_calibration
+        prec = precision_of(load_side(twin_of, spec, inputs).run)
+        same = same_precisions(prec, precision_of(prep.side.run))
+        golden, twin = sibling_paths(str(output))
+        twin = twin.format(key=precision_key(prec))
+        got = record_calibration(prep.side, prec, os.path.dirname(str(output)) or ".", twin_is_ref=same,
+                                 force=force, snapshot=prep.snapshot, golden_path=golden, twin_path=twin)
+        console.print(f"wrote {got[0]} (float64 golden)" + ("" if got[1] is None else
+                                                            f" and {got[1]} (twin in {precision_label(prec)})"))
 
 
 @cli.command()
@@ -232,8 +252,9 @@ def record(config, output, level, compression, force, model, prompts, tokens, to
 @report_options
 @model_options
 @click.option("--fail-fast", is_flag=True, help="Stop at the first layer that breaks.")
+@calibration_options
 def compare(baseline, candidate, tol, json_path, junit_path, plot_path, quiet,
-            model, prompts, tokens, fail_fast):
+            model, prompts, tokens, fail_fast, calibrate, factor, allow_subset):
     """Compare BASELINE.h5 with CANDIDATE (a trace, or a preset/config that is recorded first).
 
     \b
@@ -244,7 +265,7 @@ def compare(baseline, candidate, tol, json_path, junit_path, plot_path, quiet,
     from ..verify.pipeline import compare_with
     spec, inputs = _shared(model, prompts, tokens)
     outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast,
-                           policy_args=tol)
+                           policy_args=tol, calibrate=calibrate, factor=factor, allow_subset=allow_subset)
     _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
 
 

@@ -62,8 +62,12 @@ def report_renderable(report, token_text: dict | None = None):
                       f"{report.ref.get('level')})  "
                       f"candidate: {report.cand.get('origin')} ({report.cand.get('file') or 'not kept'}, "
                       f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
+    if report.calibration:
+        parts.append(Text(f"rule: {report.calibration}", style="dim"))
     if report.layers:
         parts.append(layer_table(report))
+        if report.policy.calibration:
+            parts.append(calibration_table(report))
         spark = sparkline([layer_max(lr) for lr in report.layers])
         parts.append(Text(f"error growth (max abs per layer, log scale): {spark}"))
     if report.final is not None:
@@ -103,6 +107,26 @@ def layer_table(report) -> Table:
             cell = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
             row.append(f"[red]{cell}[/]" if not tr else cell)
         t.add_row(*row)
+    return t
+
+
+def calibration_table(report) -> Table:
+    """Per layer: the candidate's row error against the float64 golden, the twin's noise, what was allowed."""
+    cal = report.policy.calibration or {}
+    t = Table(title=f"calibrated: row error vs float64 golden (relative L2), worst tensor per layer; twin: "
+                    f"{cal.get('twin')}", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for c in ("layer", "tensor", "candidate", "twin noise", "allowed", "ratio", "numerics"):
+        t.add_column(c, justify="left" if c == "tensor" else "right", no_wrap=True)
+    for lr in report.layers:
+        cands = [x for x in lr.tensors if x.calib is not None and x.calib.rows]
+        if not cands:
+            continue
+        w = max(cands, key=lambda x: x.calib.cand_error / x.calib.allowed if x.calib.allowed else float("inf"))
+        k = w.calib
+        num = "-" if lr.numerics is None else ("ok" if lr.numerics else "[red]broken[/]")
+        ratio = f"{k.max_ratio:.2g}x"
+        t.add_row(str(lr.layer), w.tensor, _fmt(k.cand_error), _fmt(k.noise), _fmt(k.allowed),
+                  f"[red]{ratio}[/]" if not k else ratio, num)
     return t
 
 

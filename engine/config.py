@@ -125,6 +125,52 @@ class RunConfig:
         return d
 
 
+# Precisions: what a calibrated comparison holds apart from the execution path (kernels, batching, reuse,
+# chunking, paging). A twin is the reference's own path at the candidate's precisions; a golden is the
+# reference's path in float64 with nothing quantised.
+PRECISION_KEYS = ("dtype", "weight_quant", "cache_dtype", "int8_scales")
+
+
+def precision_of(run: RunConfig) -> dict:
+    """The precisions of a run: activation/weight dtype, weight quantisation, KV-cache dtype (and int8 scales)."""
+    cache = run.cache.layout.dtype or run.numerical.dtype
+    return {"dtype": run.numerical.dtype, "weight_quant": run.numerical.weight_quant, "cache_dtype": cache,
+            "int8_scales": run.cache.layout.int8_scales if cache == "int8" else None}
+
+
+def at_precision(run: RunConfig, prec: dict, name: str) -> RunConfig:
+    """``run``'s execution path with another run's precisions (the twin of a calibrated comparison)."""
+    layout = run.cache.layout
+    cache_dtype = None if prec["cache_dtype"] == prec["dtype"] else prec["cache_dtype"]
+    layout = replace(layout, dtype=cache_dtype, int8_scales=prec.get("int8_scales") or layout.int8_scales)
+    return replace(run, name=name, numerical=replace(run.numerical, dtype=prec["dtype"],
+                                                     weight_quant=prec["weight_quant"]),
+                   cache=replace(run.cache, layout=layout))
+
+
+def in_float64(run: RunConfig, name: str) -> RunConfig:
+    """``run``'s execution path in float64, nothing quantised (the golden of a calibrated comparison)."""
+    return at_precision(run, {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}, name)
+
+
+def run_from_dict(d: dict, where: str) -> RunConfig:
+    """A RunConfig from its ``as_dict()`` form (a trace's meta.side.run), validated like a config file."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: the recorded run configuration must be a table (got {type(d).__name__})")
+    cache = d.get("cache") if isinstance(d.get("cache"), dict) else {}
+    run = {k: d[k] for k in ("engine", "batching", "attn_implementation") if k in d}
+    run.update(d.get("numerical") or {})
+    for k in ("chunk_size", "invariants"):
+        if k in cache:
+            run[k] = cache[k]
+    conf = {"run": run, "cache": {k: v for k, v in (cache.get("layout") or {}).items() if k != "version"}}
+    for k in ("reuse", "fault"):
+        if d.get(k) is not None:
+            conf[k] = d[k]
+    name = d.get("name") if isinstance(d.get("name"), str) else "recorded"
+    return parse_run(conf, where, name)
+
+
 @dataclass(frozen=True)
 class Side:
     """One side of a comparison, fully resolved: model, inputs, run."""

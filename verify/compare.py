@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..dumps.reader import LayerView, Trace
+from ..dumps.reader import LayerView, Trace, TraceError
 from ..dumps.schema import STAT_COLUMNS
+from .calibrate import CalibAcc, Calibration, CalibResult
 from .metrics import Partial, slab
 from .policy_file import resolve_policy
-from .tolerance import Policy, Tolerance
+from .tolerance import TOL_FIELDS, Policy, Tolerance
 
 VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn_heads", "mid", "mlp_update",
                "layer_output")
@@ -25,7 +26,10 @@ SUBLAYER = {"layer_input": "residual", "cache_keys": "attention", "cache_values"
             "layer_output": "mlp", "logits": "final", "norm_last": "final", "topk_ids": "final",
             "cache_lengths": "attention", "cache_positions": "attention"}
 ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
-KIND_ORDER = ("shape", "finite_mask", "cache_length", "cache_positions", "value", "top_ids")
+KIND_ORDER = ("coverage", "shape", "finite_mask", "cache_length", "cache_positions", "value", "top_ids")
+# In a calibrated comparison the values are judged by the candidate's row error against the float64 golden,
+# relative to the twin's; this tolerance only gathers the candidate-vs-reference metrics for the report.
+METRICS_ONLY = Tolerance(float("inf"), 0.0)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,10 @@ class Break:
     padding: bool = False  # a finite-mask break in padding rows
     heads: tuple | None = None  # attention: query heads that differ
     samples: tuple = ()  # every reference sample that breaks here
+    check: str | None = None  # calibrated comparisons: "change" (check 1) or "numerics" (check 2)
+    noise_ratio: float | None = None  # check 1: the candidate's row error / the twin's measured noise
+    noise_factor: float | None = None  # check 1: the allowed ratio K
+    noise_of: str | None = None  # check 1: the twin's precisions, in words
 
     @property
     def sublayer(self) -> str | None:
@@ -93,6 +101,11 @@ class TensorResult:
     bit_identical: bool | None = None
     note: str | None = None
     equal_nan: bool = False
+    calib: CalibResult | None = None  # check (1) of a calibrated comparison
+
+    @property
+    def values_ok(self) -> bool:
+        return bool(self.calib) if self.calib is not None else self.n_bad == 0
 
     @property
     def atol(self) -> float:
@@ -117,10 +130,12 @@ class TensorResult:
                     self.pad_nonfinite_cand > self.pad_nonfinite_ref or self.pad_nonfinite_ref > self.pad_nonfinite_cand)
 
     def __bool__(self) -> bool:
-        return self.shape_detail is None and self.finite_ok and self.n_bad == 0
+        return self.shape_detail is None and self.finite_ok and self.values_ok
 
     def as_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("bad_positions", "tol")}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("bad_positions", "tol", "calib")}
+        if self.calib is not None:
+            d["calibrated"] = self.calib.as_dict()
         d.update(atol=self.atol, rtol=self.rtol, ntol=self.ntol, row_rtol=self.row_rtol)
         d["passed"] = bool(self)
         d["worst"] = list(self.worst) if self.worst else None
@@ -155,6 +170,7 @@ class LayerResult:
     tensors: tuple
     cache: CacheResult
     first_break: Break | None
+    numerics: "LayerResult | None" = None  # calibrated: the twin against the reference (check 2)
 
     def __bool__(self) -> bool:
         return self.first_break is None
@@ -163,11 +179,16 @@ class LayerResult:
         return next((t for t in self.tensors if t.tensor == name), None)
 
     def as_dict(self) -> dict:
-        return {"layer": self.layer, "passed": bool(self),
-                "first_break": None if self.first_break is None else self.first_break.as_dict(),
-                "cache": {"lengths_ok": self.cache.lengths_ok, "positions_ok": self.cache.positions_ok,
-                          "detail": self.cache.detail},
-                "tensors": {t.tensor: t.as_dict() for t in self.tensors}}
+        d = {"layer": self.layer, "passed": bool(self),
+             "first_break": None if self.first_break is None else self.first_break.as_dict(),
+             "cache": {"lengths_ok": self.cache.lengths_ok, "positions_ok": self.cache.positions_ok,
+                       "detail": self.cache.detail},
+             "tensors": {t.tensor: t.as_dict() for t in self.tensors}}
+        if self.numerics is not None:
+            d["numerics"] = {"passed": bool(self.numerics), "tensors": {
+                t.tensor: {"passed": bool(t), "max_abs": _num(t.max_abs), "max_row_rel": _num(t.max_row_rel),
+                           "n_bad": t.n_bad} for t in self.numerics.tensors}}
+        return d
 
 
 @dataclass(frozen=True)
@@ -180,6 +201,7 @@ class FinalResult:
     sample_max_abs: tuple = ()  # per matched sample: (ref sample, logits max abs error)
     gather: tuple = ()  # per matched sample: (ref sample, ref token, cand token, last token)
     breaks: tuple = ()  # (check name, its own first Break or None) per final tensor, then "top ids"
+    numerics: "FinalResult | None" = None  # calibrated: the twin against the reference (check 2)
 
     def __bool__(self) -> bool:
         return self.first_break is None
@@ -255,11 +277,28 @@ def rotate_keys(keys: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -
 class Comparator:
     """Compares a reference trace with a candidate, layer by layer."""
 
-    def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None):
+    def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib: Calibration | None = None,
+                 allow_subset: bool = False):
         self.ref, self.cand = ref, cand
         # no policy given: the tolerance the reference declares, else the dtype defaults
-        self.policy = policy or resolve_policy(ref.meta.get("tolerance"), ref.meta, cand.meta)
+        if policy is None:  # the baseline's declared tolerance, else the dtype defaults
+            declared = ref.meta.get("tolerance")
+            policy = resolve_policy(declared, ref.meta, cand.meta,
+                                    {k: "baseline trace" for k in ("base", *TOL_FIELDS)} if declared else None)
+        if calib is not None:
+            from dataclasses import replace
+            policy = replace(policy, calibration=calib.describe())
+        self.policy = policy
         self.pairs, self.ref_only, self.cand_only = match_samples(ref, cand)
+        self.allow_subset = allow_subset
+        self.calib = calib
+        self.numerics = None  # calibrated, twin apart from the reference: check (2), the twin against it
+        if calib is not None:
+            for t in (calib.golden, calib.twin):
+                if t is not None:
+                    _same_layout(ref, t)
+            if calib.twin is not None:
+                self.numerics = Comparator(ref, calib.twin, self.policy)
         self.notes: list[str] = []
         self.skipped: set[str] = set()
         self._align = {}
@@ -287,12 +326,25 @@ class Comparator:
                          + "; ".join(diffs) + ")")
         if not self.pairs:
             return Break("metadata", "metadata", "traces are not comparable: no sample has the same token ids "
-                         f"(reference {len(self.ref.samples)} samples, candidate {len(self.cand.samples)})")
-        if self.ref_only:
-            self.notes.append(f"reference samples {self.ref_only} have no counterpart in the candidate (not compared)")
+                         f"(reference {len(self.ref.samples)} samples, candidate {len(self.cand.samples)})"
+                         + _near_misses(self.ref, self.cand, self.ref_only, self.cand_only))
         if self.cand_only:
             self.notes.append(f"candidate samples {self.cand_only} have no counterpart in the reference (not compared)")
+        if self.ref_only and self.allow_subset:
+            self.notes.append(f"{len(self.ref_only)} of {len(self.ref.samples)} reference samples skipped "
+                              f"(--allow-subset): samples {self.ref_only} have no counterpart in the candidate")
+        elif self.ref_only:
+            return self.coverage_break()
         return None
+
+    def coverage_break(self) -> Break:
+        """Reference requests the candidate never produced: a failure, never a silent pass."""
+        n, total = len(self.ref_only), len(self.ref.samples)
+        msg = (f"{n} of {total} reference sample{'s' if total > 1 else ''} "
+               f"{'have' if n > 1 else 'has'} no counterpart in the candidate (not compared): samples "
+               f"{self.ref_only}" + _near_misses(self.ref, self.cand, self.ref_only, self.cand_only)
+               + "; pass --allow-subset to compare against a subset on purpose")
+        return Break("metadata", "coverage", msg, sample=self.ref_only[0], samples=tuple(self.ref_only))
 
     # -- one layer ----------------------------------------------------------------------------------
     def layer(self, r: LayerView, c: LayerView) -> LayerResult:
@@ -305,36 +357,55 @@ class Comparator:
         cache, cache_tensors = self._cache(r, c)
         results.update(cache_tensors)
         tensors = tuple(results[n] for n in VALUE_ORDER if n in results)
-        return LayerResult(i, tensors, cache, self._first_break(i, tensors, cache))
+        numerics = None
+        if self.numerics is not None:
+            numerics = self.numerics.layer(r, self.calib.twin.layer(i))
+        return LayerResult(i, tensors, cache, self._first_break(i, tensors, cache, numerics), numerics)
 
-    def _first_break(self, layer, tensors, cache: CacheResult) -> Break | None:
+    def _first_break(self, layer, tensors, cache: CacheResult, numerics: LayerResult | None = None) -> Break | None:
+        """The check order of a layer: shape, finite mask, cache length, cache positions, values."""
         for t in tensors:
             if t.shape_detail:
                 return Break("layer", "shape", t.shape_detail, layer, t.tensor)
         for t in tensors:
             if not t.finite_ok:
-                return self._finite_break("layer", layer, t)
+                return self._finite_break("layer", layer, t, numerics)
         if not cache.lengths_ok:
             return Break("layer", "cache_length", cache.detail, layer, "cache_lengths", cache.sample, cache.position,
                          samples=cache.samples)
         if not cache.positions_ok:
             return Break("layer", "cache_positions", cache.detail, layer, "cache_positions", cache.sample,
                          cache.position, samples=cache.samples)
-        for t in tensors:
-            if t.tensor == "attn_heads":
+        nb = None if numerics is None else numerics.first_break
+        if nb is not None and nb.kind != "value":  # the twin itself broke structurally: the precision's fault
+            return self._numerics_break(nb)
+        ordered = [t for t in tensors if t.tensor != "attn_heads"] + [t for t in tensors if t.tensor == "attn_heads"]
+        for t in ordered:
+            nt = None if numerics is None else numerics.tensor(t.tensor)
+            if nt is not None and not nt:
+                return self._numerics_break(self.numerics._tensor_break("layer", layer, nt))
+            if t.values_ok:
                 continue
-            if t.n_bad:
-                heads = None
-                if t.tensor == "attn_update":
-                    h = next((x for x in tensors if x.tensor == "attn_heads"), None)
-                    heads = h.heads if h is not None and h.heads is not None else None
-                return self._value_break("layer", layer, t, heads)
-        heads_t = next((x for x in tensors if x.tensor == "attn_heads" and x.n_bad), None)
-        if heads_t is not None:
-            return self._value_break("layer", layer, heads_t, heads_t.heads)
+            heads = t.heads if t.calib is None else t.calib.heads
+            if t.tensor == "attn_update":
+                h = next((x for x in tensors if x.tensor == "attn_heads"), None)
+                if h is not None:
+                    heads = h.heads if h.calib is None else h.calib.heads
+            return self._value_break("layer", layer, t, heads)
         return None
 
-    def _finite_break(self, stage, layer, t: TensorResult) -> Break:
+    def _numerics_break(self, b: Break) -> Break:
+        """A break of the twin against the reference: check (2), the candidate's precision itself."""
+        from dataclasses import replace
+        label = self.calib.label
+        return replace(b, check="numerics", message=(
+            f"the {label} numerics themselves break here (check 2): the twin, the reference's own path in {label}, "
+            f"differs from the reference beyond the fixed {self.policy.name} envelope: {b.message}"))
+
+    def _finite_break(self, stage, layer, t: TensorResult, numerics=None) -> Break:
+        nt = None if numerics is None else numerics.tensor(t.tensor)
+        if nt is not None and not nt.finite_ok:  # the twin is non-finite there too: the precision overflows
+            return self._numerics_break(self._finite_break(stage, layer, nt))
         if t.finite_ref_only or t.finite_cand_only or (t.nonfinite_both and not t.equal_nan):
             where = (f"{t.finite_cand_only} valid values finite only in the candidate, "
                      f"{t.finite_ref_only} finite only in the reference, {t.nonfinite_both} non-finite in both")
@@ -348,6 +419,8 @@ class Comparator:
                      sample=t.bad_samples[0] if t.bad_samples else None, samples=t.bad_samples)
 
     def _value_break(self, stage, layer, t: TensorResult, heads=None) -> Break:
+        if t.calib is not None:
+            return self._calib_break(stage, layer, t, heads)
         s, pos, ch = t.worst if t.worst else (None, None, None)
         msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
                f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
@@ -358,8 +431,22 @@ class Comparator:
         return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, t.max_rel, t.atol, t.rtol, t.ntol,
                      t.worst_bound, heads=heads, samples=t.bad_samples)
 
+    def _calib_break(self, stage, layer, t: TensorResult, heads=None) -> Break:
+        k = t.calib
+        s, pos = k.worst
+        msg = (f"row error {k.max_ratio:.3g}x the measured {self.calib.label} noise (allowed {k.factor:g}x): "
+               f"{k.bad_rows} of {k.rows} rows of {t.tensor} out; at the worst row the candidate is {k.cand_error:.3g} "
+               f"of the row norm from the float64 golden, the twin {k.noise:.3g}, allowed {k.allowed:.3g} "
+               f"(K x noise + floor {k.floor:.2g}); would pass with --noise-factor {k.min_factor:.3g}")
+        return Break(stage, "value", msg, layer, t.tensor, s, pos, None, t.max_abs, t.max_rel, heads=heads,
+                     samples=k.bad_samples, check="change", noise_ratio=k.max_ratio, noise_factor=k.factor,
+                     noise_of=self.calib.label)
+
+    def _value_tol(self, name: str, layer: int | None = None) -> Tolerance:
+        return METRICS_ONLY if self.calib is not None else self.policy.tol(name, layer)
+
     def _state(self, r: LayerView, c: LayerView, name: str) -> TensorResult | None:
-        tol = self.policy.tol(name, r.layer)
+        tol = self._value_tol(name, r.layer)
         rd, cd = r.state(name), c.state(name)
         if rd is not None and cd is not None:
             if rd.shape[2] != cd.shape[2]:
@@ -367,6 +454,8 @@ class Comparator:
                                     shape_detail=f"{name} width {rd.shape[2]} vs {cd.shape[2]}")
             acc = _Acc(tol, self.policy.equal_nan)
             heads = self.ref.args.get("n_heads") if name == "attn_heads" else None
+            cal = self._calib_acc(heads)
+            gd, td = self._calib_datasets(r.layer, name)
 
             def read(pair, slot):  # one sample row of each trace: one HDF5 chunk each, into reused buffers
                 rs, cs = pair
@@ -376,6 +465,10 @@ class Comparator:
                 rs, cs = pair
                 rsl, csl, toks, rpad, cpad = self._align[rs]
                 rrow, crow = rows
+                if cal is not None:
+                    g = self.calib.golden.read(gd, (rs,))[rsl]
+                    t = rrow[rsl] if td is None else self.calib.twin.read(td, (rs,))[rsl]
+                    cal.add(crow[csl], t, g, rs, toks)
                 part = slab(rrow[rsl], crow[csl], tol, self.policy.equal_nan, rs, toks, heads)
                 nr = int((~np.isfinite(rrow[rpad])).sum()) if rpad.size else 0
                 nc = int((~np.isfinite(crow[cpad])).sum()) if cpad.size else 0
@@ -387,7 +480,8 @@ class Comparator:
             for part, nr, nc in _prefetched(read, one, self.pairs):
                 acc.p.merge(part)
                 pad_r, pad_c = pad_r + nr, pad_c + nc
-            return acc.result(name, "full", pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c)
+            return acc.result(name, "full", pad_nonfinite_ref=pad_r, pad_nonfinite_cand=pad_c,
+                              calib=None if cal is None else cal.result())
         if name == "attn_heads":
             return None
         if r.sampled(name) is not None or c.sampled(name) is not None:
@@ -435,6 +529,22 @@ class Comparator:
                 b = np.stack([rows[1][int(t)] for t in common])
                 acc.add(a, b, rs, np.asarray(common))
         return acc.result(name, "sampled", **self._pad_counts(r, c, name))
+
+    def _calib_acc(self, heads=None) -> CalibAcc | None:
+        return None if self.calib is None else CalibAcc(self.calib.factor, self.calib.floor, heads)
+
+    def _calib_datasets(self, layer: int, name: str):
+        """The golden's and the twin's dataset of one tensor (twin None: the reference is the twin)."""
+        if self.calib is None:
+            return None, None
+        def get(t):
+            v = t.layer(layer)
+            ds = v.cache(name[len("cache_"):]) if name.startswith("cache_") else v.state(name)
+            if ds is None:
+                raise TraceError(f"{t.name}: layer {layer} has no full {name} (a calibrated comparison needs full "
+                                 "golden and twin traces)")
+            return ds
+        return get(self.calib.golden), None if self.calib.twin is None else get(self.calib.twin)
 
     def _pad_counts(self, r: LayerView, c: LayerView, name: str) -> dict:
         """Non-finite counts in padding rows, from the statistics every level records."""
@@ -525,7 +635,7 @@ class Comparator:
         tensors = {}
         for name in ("keys", "values"):
             tname = f"cache_{name}"
-            tol = self.policy.tol(tname, r.layer)
+            tol = self._value_tol(tname, r.layer)
             rd, cd = r.cache(name), c.cache(name)
             if rd is None or cd is None:
                 if r.sampled(tname) is not None or c.sampled(tname) is not None:
@@ -538,12 +648,14 @@ class Comparator:
                     f"cache {name}: n_kv_heads x head_dim {rd.shape[1]}x{rd.shape[3]} vs {cd.shape[1]}x{cd.shape[3]}"))
                 continue
             acc = _Acc(tol, self.policy.equal_nan)
+            cal = self._calib_acc()
+            gd, td = self._calib_datasets(r.layer, tname)
 
             def read(pair, slot, rd=rd, cd=cd):
                 rs, cs = pair
                 return self.ref.read_row(rd, rs, f"ref{slot}"), self.cand.read_row(cd, cs, f"cand{slot}")
 
-            def one(pair, rows, name=name, tol=tol):
+            def one(pair, rows, name=name, tol=tol, cal=cal, gd=gd, td=td):
                 rs, cs = pair
                 T = int(min(rl[rs], cl[cs]))
                 a, b = rows[0][:, :T], rows[1][:, :T]
@@ -552,11 +664,20 @@ class Comparator:
                 H = a.shape[0]
                 # one row per (KV head, slot): the d_h-vector attention reads
                 rows = lambda x: np.ascontiguousarray(x).reshape(H * T, x.shape[-1])
-                return slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, np.tile(np.arange(T), H))
+                toks = np.tile(np.arange(T), H)
+                if cal is not None:
+                    g = self.calib.golden.read(gd, (rs,))[:, :T]
+                    t = a if td is None else self.calib.twin.read(td, (rs,))[:, :T]
+                    if name == "keys":  # golden and twin keep the reference's layout
+                        g = self._post_rotation(g, rp[rs, :T], self.ref)
+                        if td is not None:
+                            t = self._post_rotation(t, rp[rs, :T], self.ref)
+                    cal.add(rows(b), rows(t), rows(g), rs, toks)
+                return slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, toks)
 
             for part in _prefetched(read, one, self.pairs):
                 acc.p.merge(part)
-            tensors[tname] = acc.result(tname, "full")
+            tensors[tname] = acc.result(tname, "full", calib=None if cal is None else cal.result())
         return res, tensors
 
     def _sampled_cache(self, r, c, tname, tol):
@@ -576,16 +697,23 @@ class Comparator:
     def final(self) -> FinalResult:
         rf, cf = self.ref.final, self.cand.final
         tensors = []
+        calib = self.calib
+        gf = None if calib is None else calib.golden.final
+        tf = None if calib is None else (rf if calib.twin is None else calib.twin.final)
         for name in ("logits", "norm_last"):
-            tol = self.policy.tol(name)
+            tol = self._value_tol(name)
             if rf[name].shape[1] != cf[name].shape[1]:
                 tensors.append(TensorResult(name, "full", tol,
                                             shape_detail=f"{name} width {rf[name].shape[1]} vs {cf[name].shape[1]}"))
                 continue
             acc = _Acc(tol, self.policy.equal_nan)
+            cal = self._calib_acc()
             for rs, cs in self.pairs:
-                acc.add(rf[name][rs:rs + 1], cf[name][cs:cs + 1], rs, np.array([int(self.ref.lengths[rs]) - 1]))
-            tensors.append(acc.result(name, "full"))
+                last = np.array([int(self.ref.lengths[rs]) - 1])
+                acc.add(rf[name][rs:rs + 1], cf[name][cs:cs + 1], rs, last)
+                if cal is not None:
+                    cal.add(cf[name][cs:cs + 1], tf[name][rs:rs + 1], gf[name][rs:rs + 1], rs, last)
+            tensors.append(acc.result(name, "full", calib=None if cal is None else cal.result()))
         per_sample = tuple((rs, float(np.abs(cf["logits"][cs].astype(np.float64) - rf["logits"][rs]).max()))
                            for rs, cs in self.pairs)
         top_ok, top_detail, tops, gathers, top_samples = True, None, [], [], []
@@ -609,6 +737,7 @@ class Comparator:
                                       f"id {int(order[rank])} in the reference (reference logits {got:.4g} vs "
                                       f"{want:.4g}, beyond tolerance)")
                     break
+        numerics = None if self.numerics is None else self.numerics.final()
         fb = None
         for t in tensors:
             if t.shape_detail:
@@ -617,11 +746,13 @@ class Comparator:
         if fb is None:
             for t in tensors:
                 if not t.finite_ok:
-                    fb = self._finite_break("final", None, t)
+                    fb = self._finite_break("final", None, t, numerics)
                     break
+        if fb is None and numerics is not None and numerics.first_break is not None:
+            fb = self._numerics_break(numerics.first_break)
         if fb is None:
             for t in tensors:
-                if t.n_bad:
+                if not t.values_ok:
                     fb = self._value_break("final", None, t)
                     break
         top_break = None if top_ok else Break("final", "top_ids", top_detail, tensor="topk_ids",
@@ -629,7 +760,8 @@ class Comparator:
         if fb is None:
             fb = top_break
         breaks = tuple((t.tensor, self._tensor_break("final", None, t)) for t in tensors) + (("top ids", top_break),)
-        return FinalResult(tuple(tensors), top_ok, top_detail, fb, tuple(tops), per_sample, tuple(gathers), breaks)
+        return FinalResult(tuple(tensors), top_ok, top_detail, fb, tuple(tops), per_sample, tuple(gathers), breaks,
+                           numerics)
 
     def _tensor_break(self, stage, layer, t: TensorResult) -> Break | None:
         """This tensor's own first problem (shape, then finite mask, then value), or None."""
@@ -637,7 +769,7 @@ class Comparator:
             return Break(stage, "shape", t.shape_detail, layer, t.tensor)
         if not t.finite_ok:
             return self._finite_break(stage, layer, t)
-        return self._value_break(stage, layer, t) if t.n_bad else None
+        return None if t.values_ok else self._value_break(stage, layer, t)
 
 
 def _as_slice(idx: np.ndarray):
@@ -652,3 +784,54 @@ def _span(toks: np.ndarray) -> str:
     if toks == list(range(toks[0], toks[-1] + 1)):
         return f"{toks[0]}..{toks[-1]}" if len(toks) > 1 else str(toks[0])
     return str(toks[:8])[:-1] + (", ...]" if len(toks) > 8 else "]")
+
+
+def _same_layout(ref: Trace, other: Trace) -> None:
+    """A golden or twin must be the reference's own path: the same samples, in the same cells."""
+    if other.samples != ref.samples:
+        raise TraceError(f"{other.name}: not a golden or twin of {ref.name} (its samples' token ids differ)")
+    for s in range(ref.n_samples):
+        a, b = ref.cells(s), other.cells(s)
+        if not (np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])):
+            raise TraceError(f"{other.name}: not a golden or twin of {ref.name} (sample {s} is laid out in other "
+                             "cells: another batching, reuse or chunking)")
+
+
+def _near_misses(ref: Trace, cand: Trace, ref_only, cand_only) -> str:
+    """How each unmatched reference sample differs from the closest unmatched candidate sample, if any is close."""
+    out = []
+    for i in ref_only[:4]:
+        r = ref.samples[i]
+        best = None
+        for j in cand_only:
+            c = cand.samples[j]
+            p = _common_prefix(r, c)
+            q = _common_prefix(r[::-1], c[::-1])
+            score = min(p + q, min(len(r), len(c)))
+            if best is None or score > best[0]:
+                best = (score, j, p, q)
+        if best is None or best[0] == 0:
+            continue
+        _, j, p, q = best
+        c = cand.samples[j]
+        if len(c) == len(r) + 1 and c[1:] == r:
+            out.append(f"candidate sample {j} equals reference sample {i} with one extra leading token {c[0]}")
+        elif len(c) == len(r) + 1 and c[:-1] == r:
+            out.append(f"candidate sample {j} equals reference sample {i} with one extra trailing token {c[-1]}")
+        elif len(r) == len(c) + 1 and r[1:] == c:
+            out.append(f"candidate sample {j} equals reference sample {i} without its leading token {r[0]}")
+        elif len(r) == len(c) + 1 and r[:-1] == c:
+            out.append(f"candidate sample {j} equals reference sample {i} without its trailing token {r[-1]}")
+        else:
+            out.append(f"reference sample {i} ({len(r)} tokens) and candidate sample {j} ({len(c)} tokens) share "
+                       f"a prefix of {p} and a suffix of {q} tokens")
+    return ("; " + "; ".join(out)) if out else ""
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -34,6 +34,10 @@ def diagnose(report, ref, cand) -> str | None:
         return None
     pairs = report.pairs
     rec = cand.meta.get("record") or {}
+    if fb.kind == "coverage":
+        return ("The candidate did not prefill every request of the reference: a request dropped by the candidate "
+                "engine, or the same prompt tokenised differently (an extra BOS?). A gate that compared only the "
+                "rest would pass without ever seeing them.")
     if fb.stage == "metadata":
         return "The traces are not of the same model architecture or prompts, so no layer can be compared."
     if fb.kind == "shape":

@@ -62,12 +62,51 @@ def policy_spec(policy: str | None = None, tolerance_file=None, **fields) -> dic
     return spec or None
 
 
-def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: dict | None = None) -> Policy:
-    """A Policy from a declared spec; what the spec leaves open follows the traces' dtypes."""
+def spec_sources(policy: str | None = None, tolerance_file=None, **fields) -> dict:
+    """Where each declared term came from: 'flag' or 'file PATH' (for the report's header)."""
+    out = {}
+    if tolerance_file:
+        raw = read_policy_file(tolerance_file)
+        for k in TOL_FIELDS:
+            if k in raw or any(k in raw.get(kind, {}) for kind in KINDS):
+                out[k] = f"file {tolerance_file}"
+        if "base" in raw:
+            out["base"] = f"file {tolerance_file}"
+    if policy:
+        out["base"] = "flag"
+    out.update({k: "flag" for k, v in fields.items() if v is not None})
+    return out
+
+
+def _exact_rule(tols: dict) -> dict:
+    """torch.testing.assert_close's rule: explicit atol/rtol switch off the ntol and row_rtol terms not given."""
+    if "atol" in tols or "rtol" in tols:
+        return {"ntol": 0.0, "row_rtol": 0.0, **tols}
+    return tols
+
+
+def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: dict | None = None,
+                   sources: dict | None = None) -> Policy:
+    """A Policy from a declared spec; what the spec leaves open follows the traces' dtypes.
+
+    Explicit atol/rtol (top level or per kind) define the element rule exactly as torch.testing.assert_close
+    does: the ntol and row_rtol terms are off unless given too. ``sources`` says where the declared terms
+    came from (default: 'declared').
+    """
     spec = dict(spec or {})
     base = spec.get("base")
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"tolerance base must be a dtype name (got {base!r})")
     p = dtype_policy(base) if base else default_policy(ref_meta or {}, cand_meta or {})
-    kinds = {k: spec[k] for k in KINDS if k in spec}
+    src = dict(p.sources)
+    given = dict(sources or {})
+    if base:
+        src = {k: f"{p.name} default" + (f", base from {given['base']}" if given.get("base") else "")
+               for k in TOL_FIELDS}
+    for k in KINDS:
+        if k in spec and not isinstance(spec[k], dict):
+            raise ConfigError(f"tolerance [{k}] must be a table with atol, rtol, ntol or row_rtol (got {spec[k]!r})")
+    kinds = {k: _exact_rule(dict(spec[k])) for k in KINDS if k in spec}
     extra = {}
     if "equal_nan" in spec:
         if not isinstance(spec["equal_nan"], bool):
@@ -79,9 +118,17 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
         extra["topk"] = spec["topk"]
     if kinds or extra:
         p = p.with_overrides(kinds=kinds, **extra)
-    if any(spec.get(k) is not None for k in TOL_FIELDS):
-        p = p.with_overrides(**{k: spec.get(k) for k in TOL_FIELDS})
+    top = _exact_rule({k: spec[k] for k in TOL_FIELDS if spec.get(k) is not None})
+    if top:
+        p = p.with_overrides(**top)
+    for k in TOL_FIELDS:
+        if spec.get(k) is not None or any(k in spec.get(kind, {}) for kind in KINDS if isinstance(spec.get(kind),
+                                                                                                   dict)):
+            src[k] = given.get(k, "declared")
+        elif k in top or any(k in v for v in kinds.values()):
+            src[k] = "off: explicit atol/rtol"
     if spec.get("name"):
         from dataclasses import replace
         p = replace(p, name=str(spec["name"]))
-    return p
+    from dataclasses import replace
+    return replace(p, sources=src)

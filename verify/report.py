@@ -32,6 +32,7 @@ class Report:
     diagnosis: str | None = None
     token_text: dict | None = None  # str(token id) -> text, when the model has a tokenizer
     sample_tokens: tuple = ()  # the reference's token ids per sample
+    calibration: str | None = None  # how values were judged, in words (the header's "rule")
 
     def token_at(self, sample: int | None, position: int | None) -> tuple[int, str | None] | None:
         """(id, text or None) of the reference's token at (sample, logical position), if known."""
@@ -53,6 +54,11 @@ class Report:
 
     def __bool__(self) -> bool:
         return self.first_break is None
+
+    @property
+    def incomparable(self) -> bool:
+        """Two traces that cannot be compared at all (exit status 2), as opposed to a failed comparison."""
+        return self.first_break is not None and self.first_break.kind == "metadata"
 
     @property
     def verdict(self) -> str:
@@ -85,6 +91,7 @@ class Report:
                 "gathered_token": [{"sample": s, "reference": r, "candidate": c, "last_valid": last}
                                    for s, r, c, last in self.final.gather]},
             "policy": self.policy.as_dict(),
+            "rule": self.calibration,
             "notes": list(self.notes),
             "checks_not_done": list(self.skipped),
             "inconclusive": list(self.inconclusive),
@@ -115,6 +122,8 @@ def break_line(b: Break, token_text: str | None = None) -> str:
     tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row). With token_text
     (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
     """
+    if b.kind == "coverage":
+        return f"coverage | {b.message.split(': samples ', 1)[0]}: samples {list(b.samples)}"
     if b.stage == "metadata":
         return f"metadata | {b.message}"
     if b.kind in ("cache_length", "cache_positions"):
@@ -129,7 +138,13 @@ def break_line(b: Break, token_text: str | None = None) -> str:
                                repr(token_text) if token_text is not None and b.position is not None else "") if x)
     if loc:
         parts.append(loc)
-    if b.kind == "value":
+    if b.kind == "value" and b.check == "change":
+        parts.append(f"row error {b.noise_ratio:.3g}x the measured {b.noise_of} noise > allowed {b.noise_factor:g}x")
+        if b.heads:
+            parts.append("query heads " + ",".join(map(str, b.heads)))
+    elif b.kind == "value":
+        if b.check == "numerics":
+            parts.append("numerics (twin vs reference)")
         if b.max_abs_error is not None and b.bound is not None:
             parts.append(f"max_abs={b.max_abs_error:.1e} > tol={b.bound:.1e}")
         else:
@@ -173,12 +188,15 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
 class Session:
     """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
 
-    def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None):
+    def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
+                 allow_subset: bool = False, rule_note: str | None = None):
         self.ref, self.cand = ref, cand
-        self.cmp = Comparator(ref, cand, policy)
+        self.cmp = Comparator(ref, cand, policy, calib, allow_subset)
         self.layers: list[LayerResult] = []
         self.first_break = self.cmp.metadata_break()
-        self.metadata_failed = self.first_break is not None
+        # a coverage break is a failure but the matched samples are still compared
+        self.metadata_failed = self.first_break is not None and self.first_break.kind == "metadata"
+        self.rule = rule_note or describe_rule(self.cmp)
 
     def add_layer(self, i: int) -> LayerResult:
         lr = self.cmp.layer(self.ref.layer(i), self.cand.layer(i))
@@ -211,7 +229,8 @@ class Session:
                         trace_summary(self.ref), trace_summary(self.cand), tuple(self.cmp.pairs), stopped_early,
                         token_text={**(self.cand.meta.get("token_text") or {}),
                                     **(self.ref.meta.get("token_text") or {})} or None,
-                        sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples))
+                        sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
+                        calibration=self.rule)
         return _with_diagnosis(report, diagnose(report, self.ref, self.cand))
 
 
@@ -220,9 +239,28 @@ def _with_diagnosis(report: Report, text: str | None) -> Report:
     return replace(report, diagnosis=text)
 
 
-def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False) -> Report:
+def describe_rule(cmp: Comparator) -> str:
+    """How values are judged, in words: the calibrated rule, or the fixed rule and where its terms came from."""
+    from .calibrate import precisions, same_precisions
+    p = cmp.policy
+    if cmp.calib is not None:
+        c = cmp.calib
+        twin = "the reference itself" if c.twin is None else f"the reference's path in {c.label}"
+        return (f"calibrated: each row within {c.factor:g}x the noise of {twin} against a float64 golden "
+                f"(+ floor {c.floor:.2g})" + ("" if c.twin is None else f"; numerics: twin vs reference within "
+                                                                        f"the fixed {p.name} envelope"))
+    declared = any(not str(v).endswith("default") for v in p.sources.values())
+    if declared:
+        return f"declared rule, not calibrated: {p.rule()}"
+    if not same_precisions(precisions(cmp.ref.meta), precisions(cmp.cand.meta)):
+        return f"uncalibrated: fixed {p.name} envelope ({p.rule()})"
+    return f"fixed {p.name} rule ({p.rule()})"
+
+
+def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False, calib=None,
+                   allow_subset: bool = False, rule_note: str | None = None) -> Report:
     """Compare two traces; with fail_fast, stop at the first layer that breaks."""
-    s = Session(ref, cand, policy)
+    s = Session(ref, cand, policy, calib, allow_subset, rule_note)
     if s.metadata_failed:
         return s.finish()
     for i in range(ref.n_layers):

@@ -63,21 +63,27 @@ class Policy:
     kinds: dict = field(default_factory=dict)  # kind -> Tolerance
     equal_nan: bool = False  # NaN == NaN at the same place counts as agreement
     topk: int = 5
-    per_layer: dict = field(default_factory=dict)  # (layer, tensor) -> Tolerance, from --calibrate
-    calibration: dict | None = None  # how per_layer was measured
+    calibration: dict | None = None  # a calibrated comparison's rule (verify/calibrate.py), None: fixed rule
+    sources: dict = field(default_factory=dict)  # term (atol, rtol, ntol, row_rtol) -> where its value came from
 
     def tol(self, tensor: str, layer: int | None = None) -> Tolerance:
-        return self.per_layer.get((layer, tensor)) or self.kinds[KIND_OF.get(tensor, "residual")]
+        return self.kinds[KIND_OF.get(tensor, "residual")]
 
     def as_dict(self) -> dict:
         d = {"name": self.name, "equal_nan": self.equal_nan, "topk": self.topk,
-             "kinds": {k: asdict(v) for k, v in self.kinds.items()}}
-        if self.calibration:
-            d["calibration"] = {**self.calibration, "per_layer": [
-                {"layer": layer, "tensor": t, **asdict(v)}
-                for (layer, t), v in sorted(self.per_layer.items(),
-                                            key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1]))]}
+             "kinds": {k: asdict(v) for k, v in self.kinds.items()}, "sources": dict(self.sources),
+             "calibration": self.calibration}
         return d
+
+    def rule(self) -> str:
+        """The effective element rule in words, each term with where it came from (the report's header)."""
+        t = self.kinds["residual"]
+        src = lambda k: f" ({self.sources[k]})" if self.sources.get(k) else ""
+        parts = [f"atol {t.atol:g}{src('atol')}", f"rtol {t.rtol:g}{src('rtol')}"]
+        parts.append(f"ntol {t.ntol:g}{src('ntol')}" if t.ntol else f"ntol off{src('ntol')}")
+        parts.append(f"row_rtol {t.row_rtol:g}{src('row_rtol')}" if t.row_rtol else f"row_rtol off{src('row_rtol')}")
+        same = all(v == t for v in self.kinds.values())
+        return ", ".join(parts) + ("" if same else " (residual; other kinds differ, see the JSON report)")
 
     def with_overrides(self, kinds: dict | None = None, **kw) -> "Policy":
         """Override fields (atol=, rtol=, ntol=, row_rtol=) for every kind, then per kind; other kw: Policy fields."""
@@ -93,9 +99,16 @@ class Policy:
         return replace(self, kinds=new, name=self.name + "+overrides" if changed else self.name, **kw)
 
 
+# Preset names accepted as policy names (`--policy bf16` while the preset is `bf16`).
+POLICY_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64", "w8": "int8",
+                  "kv-int8": "int8"}
+
+
 def dtype_policy(dtype: str) -> Policy:
+    dtype = POLICY_ALIASES.get(dtype, dtype)
     if dtype not in DTYPE_DEFAULTS:
-        raise ConfigError(f"policy must be one of {', '.join(DTYPE_DEFAULTS)} (got {dtype!r})")
+        raise ConfigError(f"policy must be one of {', '.join(DTYPE_DEFAULTS)} or an alias "
+                          f"{', '.join(POLICY_ALIASES)} (got {dtype!r})")
     return Policy(dtype, {k: Tolerance(*DTYPE_DEFAULTS[dtype]) for k in KINDS})
 
 
@@ -122,4 +135,4 @@ def default_policy(ref_meta: dict, cand_meta: dict) -> Policy:
         # attention reads the coarser cache, so everything downstream of it inherits its error
         kinds = dict(cache.kinds)
     name = act.name if cache.name == act.name else f"{act.name} (cache {cache.name})"
-    return Policy(name, kinds)
+    return Policy(name, kinds, sources={k: f"{name} default" for k in TOL_FIELDS})
