@@ -22,7 +22,7 @@ def to_junit(report: Report, suite: str = "prefill-diff") -> str:
     ts = ET.SubElement(root, "testsuite", name=f"{suite}: {report.ref.get('origin')} vs {report.cand.get('origin')}",
                        tests=str(len(cases)), failures=str(failures), errors="0", skipped="0")
     props = ET.SubElement(ts, "properties")
-    for k, v in (("verdict", report.verdict), ("policy", report.policy.name),
+    for k, v in (("verdict", report.verdict), ("policy", report.policy.name), ("rule", report.calibration),
                  ("reference", report.ref.get("file")), ("candidate", report.cand.get("file"))):
         ET.SubElement(props, "property", name=k, value=str(v))
     for name, failure in cases:
