@@ -131,7 +131,7 @@ def test_explicit_atol_rtol_are_torch_testing_rule_and_fail_bf16(run_cli, tmp_pa
     assert res.exit_code == 1, rep["verdict_line"]
     kinds = rep["policy"]["kinds"]
     assert all(k == {"atol": 1e-5, "rtol": 1.3e-6, "ntol": 0.0, "row_rtol": 0.0} for k in kinds.values())
-    assert rep["policy"]["sources"]["atol"] == "flag" and rep["policy"]["sources"]["ntol"].startswith("off")
+    assert rep["policy"]["sources"]["atol"] == "flag" and rep["policy"]["sources"]["ntol"] == "explicit atol/rtol"
     assert rep["rule"].startswith("declared rule") and "atol 1e-05 (flag)" in rep["rule"]
     res = run_cli("run", "reference", "bf16", "--atol", "1e-5", "--rtol", "1.3e-6")
     assert "atol 1e-05 (flag), rtol 1.3e-06 (flag), ntol off" in " ".join(res.output.split())
@@ -244,3 +244,16 @@ def test_run_refuses_sides_with_different_prompts_before_running(run_cli, tmp_pa
     res = run_cli("run", "reference", cand, "--out", tmp_path / "o")
     assert res.exit_code == 2 and "prefill different prompts" in res.output and len(res.output.splitlines()) == 1
     assert not (tmp_path / "o").exists()  # nothing ran, nothing written
+
+
+def test_smollm2_bf16_batch_is_calibrated_and_passes(run_cli, tmp_path):
+    """A real model with massive activations: a left-padded bf16 batch is judged against measured bf16 noise."""
+    out = tmp_path / "r.json"
+    res = run_cli("run", "reference", _bf16(tmp_path, "batched-left"), "--model", "smollm2",
+                  "--prompt", "The capital of France is", "--prompt", "Hi there", "--json", out)
+    rep = json.loads(out.read_text())
+    assert res.exit_code == 0, rep["verdict_line"]
+    assert rep["rule"].startswith("calibrated") and len(rep["layers"]) == 30
+    ratios = [t["calibrated"]["max_ratio"] for lr in rep["layers"] for t in lr["tensors"].values()
+              if "calibrated" in t]
+    assert ratios and max(ratios) <= 4

@@ -126,7 +126,7 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
                                                                                                    dict)):
             src[k] = given.get(k, "declared")
         elif k in top or any(k in v for v in kinds.values()):
-            src[k] = "off: explicit atol/rtol"
+            src[k] = "explicit atol/rtol"
     if spec.get("name"):
         from dataclasses import replace
         p = replace(p, name=str(spec["name"]))

@@ -78,12 +78,15 @@ class Policy:
     def rule(self) -> str:
         """The effective element rule in words, each term with where it came from (the report's header)."""
         t = self.kinds["residual"]
-        src = lambda k: f" ({self.sources[k]})" if self.sources.get(k) else ""
+        one = {self.sources.get(k) for k in TOL_FIELDS}
+        shared = one.pop() if len(one) == 1 else None
+        src = lambda k: f" ({self.sources[k]})" if self.sources.get(k) and shared is None else ""
         parts = [f"atol {t.atol:g}{src('atol')}", f"rtol {t.rtol:g}{src('rtol')}"]
         parts.append(f"ntol {t.ntol:g}{src('ntol')}" if t.ntol else f"ntol off{src('ntol')}")
         parts.append(f"row_rtol {t.row_rtol:g}{src('row_rtol')}" if t.row_rtol else f"row_rtol off{src('row_rtol')}")
         same = all(v == t for v in self.kinds.values())
-        return ", ".join(parts) + ("" if same else " (residual; other kinds differ, see the JSON report)")
+        return (", ".join(parts) + (f", all {shared}" if shared else "")
+                + ("" if same else "; residual shown, other kinds differ (JSON report)"))
 
     def with_overrides(self, kinds: dict | None = None, **kw) -> "Policy":
         """Override fields (atol=, rtol=, ntol=, row_rtol=) for every kind, then per kind; other kw: Policy fields."""
