@@ -203,6 +203,10 @@ def test_record_twin_of_makes_compare_of_two_files_calibrated(run_cli, tmp_path)
     res = run_cli("compare", base, bug, "--json", out)
     rep = json.loads(out.read_text())
     assert res.exit_code == 1 and rep["first_break"]["check"] == "change" and rep["first_break"]["layer"] == 0
+    stats = tmp_path / "bug-stats.h5"  # a lower level has no rows to calibrate: the envelope, and it says so
+    assert run_cli("record", rope, "-o", stats, "--level", "stats").exit_code == 0
+    run_cli("compare", base, stats, "--json", out)
+    assert json.loads(out.read_text())["rule"].startswith("uncalibrated (--level stats")
 
 
 def test_compare_baseline_against_a_preset_records_golden_and_twin(run_cli, tmp_path):

@@ -294,6 +294,10 @@ class Comparator:
         self.calib = calib
         self.numerics = None  # calibrated, twin apart from the reference: check (2), the twin against it
         if calib is not None:
+            levels = {t.level for t in (ref, cand, calib.golden, calib.twin) if t is not None}
+            if levels != {"full"}:  # check (1) reads whole rows; a lower level would compare nothing and pass
+                raise TraceError(f"a calibrated comparison needs full traces on every side (got levels "
+                                 f"{sorted(levels)})")
             for t in (calib.golden, calib.twin):
                 if t is not None:
                     _same_layout(ref, t)

@@ -155,7 +155,8 @@ def compare_files(ref_path, cand_path, policy_args=None, fail_fast: bool = False
     with Trace(ref_path) as ref, Trace(cand_path) as cand:
         ref_prec, cand_prec = precisions(ref.meta), precisions(cand.meta)
         plan = plan_calibration(ref_prec, cand_prec, calibrate=calibrate, explicit=_explicit(policy_args),
-                                level="full" if ref.level == cand.level == "full" else ref.level, factor=factor)
+                                level="full" if ref.level == cand.level == "full" else
+                                ({ref.level, cand.level} - {"full"}).pop(), factor=factor)
         if calibrate is None and ref.meta.get("tolerance") is not None:
             plan = CalibPlan(False, factor, cand_prec)  # the baseline declares its tolerance
         paths = _sibling_calibration(str(ref_path), cand_prec, plan.twin_is_ref) if plan.use else None
