@@ -62,6 +62,9 @@ def report_renderable(report, token_text: dict | None = None):
                       f"{report.ref.get('level')})  "
                       f"candidate: {report.cand.get('origin')} ({report.cand.get('file') or 'not kept'}, "
                       f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
+    for n in report.notes:
+        if n.startswith("MODEL IDENTITY DIFFERS"):
+            parts.append(Text(n, style="bold yellow"))
     if report.layers:
         parts.append(layer_table(report))
         spark = sparkline([layer_max(lr) for lr in report.layers])
@@ -80,7 +83,8 @@ def report_renderable(report, token_text: dict | None = None):
     for n in report.inconclusive:
         parts.append(Text("INCONCLUSIVE: " + n, style="bold yellow"))
     for n in report.notes:
-        parts.append(Text("note: " + n, style="yellow"))
+        if not n.startswith("MODEL IDENTITY DIFFERS"):
+            parts.append(Text("note: " + n, style="yellow"))
     for n in report.skipped:
         parts.append(Text("not checked: " + n, style="dim"))
     parts.append(verdict_text(report))

@@ -28,6 +28,11 @@ def _restarted(cand, pairs, layer0) -> list:
     return out
 
 
+def _identity_hint(report, ref, cand) -> str | None:
+    from .identity import differences, hint
+    return hint(differences(ref.meta, cand.meta), report.first_break)
+
+
 def diagnose(report, ref, cand) -> str | None:
     fb = report.first_break
     if fb is None:
@@ -60,6 +65,9 @@ def diagnose(report, ref, cand) -> str | None:
                     "valid rows in later layers.")
         return (f"Non-finite values appear in valid rows at {fb.tensor}: overflow in low precision, or NaN "
                 "spreading from padding rows at an earlier layer?")
+    identity = _identity_hint(report, ref, cand)  # a different model explains a value break before numerics
+    if identity:
+        return identity
     if fb.kind == "top_ids":
         return ("Logits agree within tolerance but the top-ranked ids differ beyond it: check the logits' "
                 "tolerance; a top-k difference alone changes greedy decoding.")

@@ -63,6 +63,8 @@ class Report:
             line = f"PASSED | {len(self.layers)}/{self.n_layers} layers, logits and cache within tolerance"
             if self.inconclusive:
                 line += " | INCONCLUSIVE: the injected fault cannot show here"
+            if any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes):
+                line += " | the model identity differs (see notes)"
             return line
         return "FAILED | " + self.line(self.first_break)
 
@@ -193,7 +195,9 @@ class Session:
             final = self.cmp.final()
             if self.first_break is None and final.first_break is not None:
                 self.first_break = final.first_break
-        notes, inconclusive = list(self.cmp.notes), []
+        from .identity import differences, note
+        identity = differences(self.ref.meta, self.cand.meta)
+        notes, inconclusive = [note(d) for d in identity] + list(self.cmp.notes), []
         for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
             n, i = record_notes(t, side)
             notes += n
