@@ -76,7 +76,8 @@ def report_renderable(report, token_text: dict | None = None):
         body = [Text(report.verdict_line(), style="bold red"), Text(fb.message)]
         if fb.sublayer:
             body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
-                             + (f", query heads {list(fb.heads)}" if fb.heads else "")))
+                             + (f", query heads {list(fb.heads)}" if fb.heads else "")
+                             + (f", KV heads {list(fb.kv_heads)}" if fb.kv_heads else "")))
         if report.diagnosis:
             body.append(Text("hint: " + report.diagnosis, style="yellow"))
         parts.append(Panel(Group(*body), title="first break", border_style="red"))

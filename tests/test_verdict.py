@@ -209,3 +209,43 @@ def test_lower_levels_localise_like_full(tmp_path, level, cand):
     else:
         fb = rep.first_break
         assert fb is not None and (fb.stage, fb.layer, fb.kind) == TABLE[cand][0], f"{level}: {rep.verdict_line()}"
+
+
+def test_gqa_break_names_the_kv_head_the_query_head_reads(reference, tmp_path, run_cli):
+    cand = record_side(prepare_side("fault:gqa-mapping"), tmp_path / "c.h5")
+    with Trace(reference) as r, Trace(cand) as c:
+        rep = compare_traces(r, c)
+    fb = rep.first_break
+    assert fb.tensor == "attn_update" and fb.heads == (0,) and fb.kv_heads == (0,)  # g(0) = 0·2 // 4
+    assert "query heads 0 (reading KV heads 0)" in rep.verdict_line()
+    assert rep.as_dict()["first_break"]["kv_heads"] == [0]
+
+
+def test_cache_break_names_the_kv_heads_that_differ(reference, tmp_path):
+    """One KV head's values changed at one slot: the break names that head only, at the right slot."""
+    import shutil
+    import h5py
+    cand = tmp_path / "c.h5"
+    shutil.copy(reference, cand)
+    with h5py.File(cand, "a") as f:
+        ds = f["layers/001/cache/values"]
+        v = ds[2]
+        v[1, 3] += 1.0  # sample 2, KV head 1, slot 3
+        ds[2] = v
+    with Trace(reference) as r, Trace(cand) as c:
+        rep = compare_traces(r, c)
+    fb = rep.first_break
+    assert (fb.layer, fb.tensor, fb.sample, fb.position) == (1, "cache_values", 2, 3), rep.verdict_line()
+    assert fb.kv_heads == (1,) and fb.heads is None
+    assert "KV heads 1" in rep.verdict_line()
+    assert rep.layers[1].tensor("cache_values").kv_heads == (1,)
+    assert rep.layers[1].tensor("cache_keys").kv_heads == ()
+
+
+def test_adapter_mismatch_cache_break_names_kv_heads(reference, tmp_path):
+    cand = record_side(prepare_side("fault:adapter-mismatch"), tmp_path / "c.h5")
+    with Trace(reference) as r, Trace(cand) as c:
+        rep = compare_traces(r, c)
+    fb = rep.first_break
+    assert fb.tensor == "cache_keys" and fb.kv_heads and set(fb.kv_heads) <= {0, 1}, rep.verdict_line()
+    assert "KV heads" in rep.verdict_line()

@@ -48,6 +48,7 @@ class Break:
     padding: bool = False  # a finite-mask break in padding rows
     heads: tuple | None = None  # attention: query heads that differ
     samples: tuple = ()  # every reference sample that breaks here
+    kv_heads: tuple | None = None  # cache: KV heads that differ; attention: the KV heads the query heads read
 
     @property
     def sublayer(self) -> str | None:
@@ -56,6 +57,7 @@ class Break:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["heads"] = list(self.heads) if self.heads is not None else None
+        d["kv_heads"] = list(self.kv_heads) if self.kv_heads is not None else None
         d["samples"] = list(self.samples)
         d["sublayer"] = self.sublayer
         return d
@@ -90,6 +92,7 @@ class TensorResult:
     bad_samples: tuple = ()
     bad_positions: dict = field(default_factory=dict)  # sample -> first bad position
     heads: tuple | None = None
+    kv_heads: tuple | None = None  # cache tensors (full level): the KV heads with values out of tolerance
     bit_identical: bool | None = None
     note: str | None = None
     equal_nan: bool = False
@@ -125,6 +128,7 @@ class TensorResult:
         d["passed"] = bool(self)
         d["worst"] = list(self.worst) if self.worst else None
         d["heads"] = list(self.heads) if self.heads is not None else None
+        d["kv_heads"] = list(self.kv_heads) if self.kv_heads is not None else None
         d["bad_samples"] = list(self.bad_samples)
         for k in ("max_abs", "max_rel", "mean_abs", "min_atol", "min_rtol", "min_ntol", "min_row_rtol", "max_row_rel",
                   "worst_bound"):
@@ -334,6 +338,13 @@ class Comparator:
             return self._value_break("layer", layer, heads_t, heads_t.heads)
         return None
 
+    def _kv_heads_read(self, heads) -> tuple | None:
+        """The KV heads g(h) = ⌊h·H_kv/H_q⌋ that query heads ``heads`` read, by the reference's model."""
+        hq, hkv = self.ref.args.get("n_heads"), self.ref.args.get("n_kv_heads")
+        if not heads or not isinstance(hq, int) or not isinstance(hkv, int) or hq < 1:
+            return None
+        return tuple(sorted({h * hkv // hq for h in heads}))
+
     def _finite_break(self, stage, layer, t: TensorResult) -> Break:
         if t.finite_ref_only or t.finite_cand_only or (t.nonfinite_both and not t.equal_nan):
             where = (f"{t.finite_cand_only} valid values finite only in the candidate, "
@@ -355,8 +366,9 @@ class Comparator:
                f"rtol>={t.min_rtol:.3g}, ntol>={t.min_ntol:.3g} or row_rtol>={t.min_row_rtol:.3g}")
         if t.level != "full":
             msg += f" [{t.level} level]"
+        kv = t.kv_heads if t.kv_heads is not None else self._kv_heads_read(heads)
         return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, t.max_rel, t.atol, t.rtol, t.ntol,
-                     t.worst_bound, heads=heads, samples=t.bad_samples)
+                     t.worst_bound, heads=heads, samples=t.bad_samples, kv_heads=kv)
 
     def _state(self, r: LayerView, c: LayerView, name: str) -> TensorResult | None:
         tol = self.policy.tol(name, r.layer)
@@ -538,6 +550,7 @@ class Comparator:
                     f"cache {name}: n_kv_heads x head_dim {rd.shape[1]}x{rd.shape[3]} vs {cd.shape[1]}x{cd.shape[3]}"))
                 continue
             acc = _Acc(tol, self.policy.equal_nan)
+            kv_bad = set()  # KV heads with values out of tolerance
 
             def read(pair, slot, rd=rd, cd=cd):
                 rs, cs = pair
@@ -552,11 +565,15 @@ class Comparator:
                 H = a.shape[0]
                 # one row per (KV head, slot): the d_h-vector attention reads
                 rows = lambda x: np.ascontiguousarray(x).reshape(H * T, x.shape[-1])
-                return slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, np.tile(np.arange(T), H))
+                part = slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, np.tile(np.arange(T), H))
+                if part.n_bad:  # rows are (KV head, slot), head-major: which heads hold the bad values
+                    kv_bad.update(h for h in range(H) if slab(a[h], b[h], tol, self.policy.equal_nan, rs,
+                                                              np.arange(T)).n_bad)
+                return part
 
             for part in _prefetched(read, one, self.pairs):
                 acc.p.merge(part)
-            tensors[tname] = acc.result(tname, "full")
+            tensors[tname] = acc.result(tname, "full", kv_heads=tuple(sorted(kv_bad)))
         return res, tensors
 
     def _sampled_cache(self, r, c, tname, tol):

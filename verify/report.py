@@ -137,7 +137,10 @@ def break_line(b: Break, token_text: str | None = None) -> str:
         else:
             parts.append(b.message)
         if b.heads:
-            parts.append("query heads " + ",".join(map(str, b.heads)))
+            parts.append("query heads " + ",".join(map(str, b.heads)) +
+                         (" (reading KV heads " + ",".join(map(str, b.kv_heads)) + ")" if b.kv_heads else ""))
+        elif b.kv_heads:
+            parts.append("KV heads " + ",".join(map(str, b.kv_heads)))
     elif b.kind == "finite_mask":
         parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
     else:
