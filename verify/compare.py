@@ -360,6 +360,13 @@ class Comparator:
 
     def _value_break(self, stage, layer, t: TensorResult, heads=None) -> Break:
         s, pos, ch = t.worst if t.worst else (None, None, None)
+        if t.level == "stats":  # per-sample min, max, mean and rms: no element, row or relative error exists
+            msg = (f"{t.n_bad} of {t.compared} statistics of {t.tensor} (min, max, mean, rms per sample) out of "
+                   f"tolerance; largest statistic error {t.max_abs:.3g} (atol={t.atol:g}, rtol={t.rtol:g}, "
+                   f"ntol={t.ntol:g} of the sample's rms); would pass with atol>={t.min_atol:.3g} [stats level: "
+                   "no element, row or relative error is recorded]")
+            return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, None, t.atol, t.rtol, t.ntol,
+                         t.worst_bound, heads=heads, samples=t.bad_samples)
         msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
                f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
                f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={t.min_atol:.3g}, "

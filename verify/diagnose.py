@@ -74,10 +74,22 @@ def diagnose(report, ref, cand) -> str | None:
     if fb.stage == "final":
         gathers = [g for g in (report.final.gather if report.final is not None else ()) if g[2] != g[3]]
         if gathers:
-            s, _, got, last = gathers[0]
-            return (f"All layers agree, but the final logits of sample {s} were gathered at token {got}, "
-                    f"not at its last valid token {last}: the gather took the rectangle's last column? — "
-                    "§2.11 row 1, 'first-step condition prefix'.")
+            cand_of = dict(pairs)
+            cols = cand.final["gather_col"]
+            each = []
+            for s, _, got, last in gathers:
+                col = int(cols[cand_of[s]])
+                read = "a padding cell" if got < 0 else f"token {got}"
+                each.append(f"sample {s} from stored column {col} ({read}; its last valid token is {last})")
+            width = cand.n_cols
+            last_col = all(int(cols[cand_of[g[0]]]) == width - 1 for g in gathers)
+            return (f"All layers agree, but the final logits of sample{'s' if len(gathers) > 1 else ''} "
+                    f"{', '.join(str(g[0]) for g in gathers)} were not gathered at the last valid token: "
+                    + "; ".join(each) + ". " +
+                    (f"Every one was read from column {width - 1}, the rectangle's last: the gather took the last "
+                     "column instead of each sample's last valid token" if last_col else
+                     "The gather did not use each sample's last valid token") +
+                    " — §2.11 row 1, 'first-step condition prefix'.")
         return ("All layers agree but the final logits do not: the final norm, the unembedding or its bias differs?")
     # value breaks inside a layer
     forced = [o for o in rec.get("reuse") or () if o.get("forced")]

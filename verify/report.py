@@ -207,8 +207,8 @@ class Session:
             inconclusive += i
         rd, cd = self.ref.meta.get("model", {}), self.cand.meta.get("model", {})
         if rd.get("weights_digest") != cd.get("weights_digest"):
-            notes.append(f"weights differ: reference {rd.get('weights_digest', '?')[:19]}…, "
-                         f"candidate {cd.get('weights_digest', '?')[:19]}…")
+            notes.append(f"weights differ: reference {str(rd.get('weights_digest') or '?')[:19]}…, "
+                         f"candidate {str(cd.get('weights_digest') or '?')[:19]}…")
         if self.ref.level != self.cand.level:
             notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
                          "checks use what both traces have")
