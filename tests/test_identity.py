@@ -21,7 +21,7 @@ def test_rope_theta_difference_is_a_note_and_the_hint_cites_it(run_cli, tmp_path
     assert (fb["layer"], fb["tensor"]) == (0, "cache_keys")
     assert any("rope_theta" in n and "10000.0" in n and "20000.0" in n for n in rep["notes"]), rep["notes"]
     assert rep["notes"][0].startswith("MODEL IDENTITY DIFFERS: rope_theta")
-    assert "rope_theta differs (10000.0 vs 20000.0): consistent with the layer-0 cache_keys break" \
+    assert "rope_theta differs (reference 10000.0 vs candidate 20000.0): consistent with the layer-0 cache_keys break" \
         in rep["diagnosis"], rep["diagnosis"]
     assert "numeric drift" not in rep["diagnosis"]
     assert "MODEL IDENTITY DIFFERS: rope_theta" in res.output
@@ -33,7 +33,7 @@ def test_adapter_difference_is_a_note_and_the_hint_does_not_blame_numerics(run_c
     assert res.exit_code == 1
     notes = [n for n in rep["notes"] if n.startswith("MODEL IDENTITY DIFFERS: adapter")]
     assert notes and "'customer-7'" in notes[0] and "none in the reference" in notes[0], rep["notes"]
-    assert "adapter differs (none vs 'customer-7'" in rep["diagnosis"], rep["diagnosis"]
+    assert "adapter differs (reference none vs candidate 'customer-7'" in rep["diagnosis"], rep["diagnosis"]
     assert "numeric drift" not in rep["diagnosis"]
     assert rep["first_break"]["layer"] == 0
 

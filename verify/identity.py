@@ -74,7 +74,7 @@ def hint(diffs: list[dict], fb) -> str | None:
         first = d["first"]
         fits = (fb.stage == "final") if first == "final" else (fb.stage == "layer" and fb.layer == 0 and
                                                                 fb.tensor in first)
-        says = f"{d['key']} differs ({d['reference']} vs {d['candidate']})"
+        says = f"{d['key']} differs (reference {d['reference']} vs candidate {d['candidate']})"
         parts.append(f"{says}: consistent with the {where}" if fits else
                      f"{says}: it would first show at " +
                      ("the final logits" if first == "final" else f"layer 0 {'/'.join(first)}") +
