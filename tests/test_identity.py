@@ -69,3 +69,15 @@ def test_hint_says_when_the_break_is_not_where_the_difference_first_shows(key, f
     text = hint(diffs, fb)
     assert "it would first show at" in text and "the first break is the layer-2 attn_update break" in text
     assert "\x1b" not in text  # foreign text is escaped
+
+
+def test_the_activation_is_recorded_and_only_silu_is_accepted(run_cli, tmp_path):
+    out = tmp_path / "t.h5"
+    assert run_cli("record", "reference", "-o", out).exit_code == 0
+    from prefill_diff.dumps.reader import Trace
+    with Trace(out) as t:
+        assert t.args["hidden_act"] == "silu"
+    cfg = tmp_path / "gelu.toml"
+    cfg.write_text('preset = "reference"\n[model]\nhidden_act = "gelu"\n')
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2 and "hidden_act must be 'silu'" in res.output and "'gelu'" in res.output
