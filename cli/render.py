@@ -64,6 +64,9 @@ def report_renderable(report, token_text: dict | None = None):
                       f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
     if report.calibration:
         parts.append(Text(f"rule: {report.calibration}", style="dim"))
+    for n in report.notes:
+        if n.startswith("MODEL IDENTITY DIFFERS"):
+            parts.append(Text(n, style="bold yellow"))
     if report.layers:
         parts.append(layer_table(report))
         if report.policy.calibration:
@@ -77,14 +80,16 @@ def report_renderable(report, token_text: dict | None = None):
         body = [Text(report.verdict_line(), style="bold red"), Text(fb.message)]
         if fb.sublayer:
             body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
-                             + (f", query heads {list(fb.heads)}" if fb.heads else "")))
+                             + (f", query heads {list(fb.heads)}" if fb.heads else "")
+                             + (f", KV heads {list(fb.kv_heads)}" if fb.kv_heads else "")))
         if report.diagnosis:
             body.append(Text("hint: " + report.diagnosis, style="yellow"))
         parts.append(Panel(Group(*body), title="first break", border_style="red"))
     for n in report.inconclusive:
         parts.append(Text("INCONCLUSIVE: " + n, style="bold yellow"))
     for n in report.notes:
-        parts.append(Text("note: " + n, style="yellow"))
+        if not n.startswith("MODEL IDENTITY DIFFERS"):
+            parts.append(Text("note: " + n, style="yellow"))
     for n in report.skipped:
         parts.append(Text("not checked: " + n, style="dim"))
     parts.append(verdict_text(report))

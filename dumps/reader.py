@@ -278,6 +278,12 @@ class Trace:
                                  f"{tuple('?' if w is None else w for w in shape)}")
             if f[path].dtype.kind not in "fiu":
                 raise TraceError(f"{where}: /{path} holds {f[path].dtype}, not numbers")
+        written = f.get("final/written")
+        if isinstance(written, h5py.Dataset) and written.shape == (S,):
+            missing = np.flatnonzero(self.read(written) == 0)
+            if missing.size:  # never compare a sample's unwritten (zero) final output
+                raise TraceError(f"{where}: sample(s) {missing[:8].tolist()} have no final output "
+                                 "(/final/written is 0)")
 
     def _check_layers(self):
         f, where = self.f, self.name

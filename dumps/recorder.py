@@ -4,20 +4,56 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
 
     from prefill_diff.dumps import Recorder
 
+    meta = {"model": {"args": {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+                               "vocab_size": 96, "rope_theta": 10000.0, "norm_eps": 1e-5}},
+            "engine": {"name": "my-engine", "dtype": "float32"}}
     with Recorder("trace.h5", level="full") as rec:
-        rec.begin(samples=[[5, 6, 7], [8, 9]], n_cols=3, meta={"model": {...}, "run": {...}})
+        rec.begin(samples=[[5, 6, 7], [8, 9]], n_cols=3, meta=meta)
         for s in range(2):                       # one trace row per sample, columns as laid out
-            rec.inputs(s, 0, ids[s], valid[s], positions[s], token_index[s])
+            rec.inputs(s, 0, ids[s], valid[s], positions[s], token_index[s])   # each (columns,)
         for layer in range(n_layers):
             for name in ("layer_input", "attn_update", "mid", "mlp_update", "layer_output"):
                 for s in range(2):
-                    rec.state(layer, name, s, 0, x[name][s])          # (columns, width)
+                    rec.state(layer, name, s, 0, x[name][s])          # (columns, dim)
             for s in range(2):
-                rec.cache(layer, s, keys[s], values[s], cache_positions[s])  # (H_kv, T, d_h), (T,)
+                rec.state(layer, "attn_heads", s, 0, o[s])            # optional: (columns, n_heads·head_dim)
+                rec.cache(layer, s, keys[s], values[s], cache_positions[s])  # (n_kv_heads, T, head_dim), (T,)
             rec.layer_done(layer)
         for s in range(2):
-            rec.final(s, norm_last[s], logits[s], column=last_col[s], token_index=last_tok[s])
+            rec.final(s, norm_last[s], logits[s], column=last_col[s], token_index=last_tok[s])  # (dim,), (vocab,)
     # leaving the block closes the file and renames it into place; an exception removes it
+
+``meta`` (a JSON object; docs/trace-format.md has the full table):
+
+    required
+      model.args.dim, .n_layers, .n_heads, .n_kv_heads, .head_dim, .vocab_size   positive integers, n_heads a
+          multiple of n_kv_heads; they fix every shape below and decide whether two traces are comparable
+      engine.dtype   the activation dtype, one of float64, float32, float16, bfloat16: picks the default
+          tolerance policy (the coarser side's), so a bfloat16 engine that says float32 fails on noise
+    required when layout.key_rotation is "pre"
+      model.rope_inv_freq   head_dim/2 inverse frequencies: the reader rotates pre-RoPE keys with them
+    optional (compared or shown when present)
+      model.args.hidden_dim, .norm_eps, .rope_theta, .rope_scaling (table), .hidden_act, .qkv_bias,
+          .lm_head_bias, .tie_embeddings, .arch   the model's identity: a difference is a prominent note
+      model.source, model.spec, model.weights_digest ("sha256:..."), model.adapter ({id, digest, rank})
+      engine.name, .kernel, .batching, .chunk_size
+      layout.kind, .dtype (the KV-cache dtype, picks the cache tolerance), .key_rotation ("post": keys as
+          attention used them, the default; "pre": before RoPE), .page_size
+      side.origin (shown as the side's name), tolerance (a declared policy), record (reuse decisions,
+          invariant violations, fault, quantized_weights_digest), repro, texts, token_text
+      every one of model, side, engine, layout, tolerance, record, repro, run, token_text is a JSON object
+
+States (``state(layer, name, ...)``), per layer: layer_input R_l, attn_update (the attention output after
+the output projection), mid U_l = R_l + attn_update, mlp_update, layer_output R_l+1 (all (columns, dim),
+required), and attn_heads: concat(O) before the output projection, (columns, n_heads·head_dim), optional,
+which lets a break name the query heads. ``cache`` (required for every layer and sample): keys after RoPE
+(unless layout.key_rotation is "pre") and values, in logical order, (n_kv_heads, T, head_dim), with the
+position of each slot (T,). ``final`` (required for every sample): the final-norm output at the gathered
+position (dim,) and its raw logits (vocab_size,).
+
+``begin`` refuses a meta without a required key, and ``inputs``/``state``/``cache``/``final`` a tensor of the
+wrong shape, naming what is expected (RecorderError). ``close`` refuses a trace with a sample whose
+``final`` was never called, or a layer without a required state or cache, and removes the file.
 
 The file is written under a temporary name beside the target and renamed only when
 complete and closed, so an interrupted run never leaves a file a reader accepts.
@@ -34,7 +70,7 @@ import h5py
 import numpy as np
 
 from ..engine.errors import INTERRUPT, PrefillDiffError
-from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, STAT_COLUMNS, layer_group
+from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
 
 _MASK64 = (1 << 64) - 1
 # HDF5 1.8 object formats and newer carry checksums on every metadata block, so damaged metadata is
@@ -80,6 +116,63 @@ class TraceExistsError(PrefillDiffError):
 
 class RecorderError(PrefillDiffError):
     """The recorder was called out of order or with inconsistent data."""
+
+
+REQUIRED_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+ENGINE_DTYPES = ("float64", "float32", "float16", "bfloat16")
+OBJECT_KEYS = ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text")
+
+
+def check_meta(meta) -> dict:
+    """The trace metadata an engine passes to ``begin``; returns model.args. Raises RecorderError naming the
+    first missing or invalid required key."""
+    if not isinstance(meta, dict):
+        raise RecorderError(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
+    for key in OBJECT_KEYS:
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise RecorderError(f"meta.{key} must be a dict (a JSON object), got {type(meta[key]).__name__}")
+    args = (meta.get("model") or {}).get("args")
+    if not isinstance(args, dict):
+        raise RecorderError("meta.model.args is required: a dict with " + ", ".join(REQUIRED_ARGS) +
+                            " (the model's sizes; see the Recorder docstring)")
+    for key in REQUIRED_ARGS:
+        v = args.get(key)
+        if v is None:
+            raise RecorderError(f"meta.model.args.{key} is required (a positive integer; required: "
+                                f"{', '.join(REQUIRED_ARGS)})")
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise RecorderError(f"meta.model.args.{key} must be a positive integer (got {v!r})")
+    if args["n_heads"] % args["n_kv_heads"]:
+        raise RecorderError(f"meta.model.args.n_heads must be a multiple of n_kv_heads (got n_heads="
+                            f"{args['n_heads']}, n_kv_heads={args['n_kv_heads']})")
+    dtype = (meta.get("engine") or {}).get("dtype")
+    if dtype is None:
+        raise RecorderError("meta.engine.dtype is required: the engine's activation dtype, one of "
+                            f"{', '.join(ENGINE_DTYPES)} (it picks the tolerance policy)")
+    if dtype not in ENGINE_DTYPES:
+        raise RecorderError(f"meta.engine.dtype must be one of {', '.join(ENGINE_DTYPES)} (got {dtype!r})")
+    if (meta.get("layout") or {}).get("key_rotation", "post") not in ("post", "pre"):
+        raise RecorderError(f"meta.layout.key_rotation must be 'post' or 'pre' "
+                            f"(got {meta['layout']['key_rotation']!r})")
+    if (meta.get("layout") or {}).get("key_rotation") == "pre":
+        inv = (meta.get("model") or {}).get("rope_inv_freq")
+        if not isinstance(inv, (list, tuple)) or len(inv) != args["head_dim"] // 2:
+            raise RecorderError(f"meta.model.rope_inv_freq is required with layout.key_rotation 'pre': "
+                                f"{args['head_dim'] // 2} numbers (head_dim/2), got {str(inv)[:40]}")
+    return args
+
+
+def _shape(x) -> tuple:
+    return tuple(int(n) for n in x.shape)
+
+
+def _want(what: str, x, expected: tuple) -> None:
+    """x must have shape ``expected`` (None: any length)."""
+    got = _shape(x)
+    if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
+        shown = "(" + ", ".join("T" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") \
+            + ")"
+        raise RecorderError(f"{what} has shape {got}, expected {shown}")
 
 
 def _is_torch(x) -> bool:
@@ -243,6 +336,7 @@ class Recorder:
         self._closed = False
         self.n_samples = None
         self._ds = {}
+        self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -281,6 +375,9 @@ class Recorder:
         S = len(samples)
         if S == 0 or n_cols < 1:
             raise RecorderError(f"a trace needs at least one sample and one column (got {S}, {n_cols})")
+        self.args = {k: int(v) for k, v in check_meta(meta).items() if k in REQUIRED_ARGS}
+        if any(len(s) == 0 for s in samples):
+            raise RecorderError("every sample needs at least one token (got an empty sample)")
         self.n_samples, self.n_cols = S, n_cols
         self.lengths = np.array([len(s) for s in samples], dtype=np.int64)
         nmax = int(self.lengths.max())
@@ -320,10 +417,13 @@ class Recorder:
             raise RecorderError("begin() must be called before writing tensors")
 
     def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None:
-        """The physical cells one prefill call laid out for a sample, from column ``col``."""
+        """The physical cells one prefill call laid out for a sample, from column ``col``: four (T,) arrays."""
         self._need_begin()
+        self._where(sample, col, valid, "inputs")
+        T = _shape(valid)[0]
+        for what, x in (("ids", ids), ("positions", positions), ("token_index", token_index)):
+            _want(f"inputs(sample {sample}) {what}", x, (T,))
         v = to_numpy(valid).astype(bool)
-        T = v.shape[0]
         sl = np.s_[sample, col:col + T]
         self.f["inputs/input_ids"][sl] = to_numpy(ids)
         self.f["inputs/valid_mask"][sl] = v.astype(np.uint8)
@@ -332,6 +432,22 @@ class Recorder:
         self.f["inputs/token_index"][sl] = to_numpy(token_index)
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
 
+    def _where(self, sample, col, x, what) -> None:
+        """sample in range, x has rows, and its T rows fit from column col."""
+        if not 0 <= int(sample) < self.n_samples:
+            raise RecorderError(f"{what}: sample {sample} out of range (begin declared {self.n_samples} samples)")
+        if len(_shape(x)) < 1:
+            raise RecorderError(f"{what}: expected an array with one row per column, got a scalar")
+        T = _shape(x)[0]
+        if col < 0 or col + T > self.n_cols:
+            raise RecorderError(f"{what}: columns {col}..{col + T - 1} of sample {sample} are outside the "
+                                f"{self.n_cols} columns begin declared")
+
+    def _layer(self, layer: int, what: str) -> None:
+        if not 0 <= int(layer) < self.args["n_layers"]:
+            raise RecorderError(f"{what}: layer {layer} out of range (meta.model.args.n_layers = "
+                                f"{self.args['n_layers']})")
+
     def _stat(self, layer: int, name: str) -> _Stats:
         key = (layer, name)
         if key not in self._stats:
@@ -339,8 +455,15 @@ class Recorder:
         return self._stats[key]
 
     def state(self, layer: int, name: str, sample: int, col: int, x) -> None:
-        """One sample's cells [col, col + T) of a residual-stream state, (T, width)."""
+        """One sample's cells [col, col + T) of a residual-stream state: (T, dim), attn_heads (T, n_heads·head_dim)."""
         self._need_begin()
+        if name not in STATES:
+            raise RecorderError(f"state name must be one of {', '.join(STATES)} (got {name!r})")
+        self._layer(layer, f"state {name}")
+        self._where(sample, col, x, f"layer {layer} {name}")
+        width = self.args["n_heads"] * self.args["head_dim"] if name == "attn_heads" else self.args["dim"]
+        _want(f"layer {layer} {name} of sample {sample}", x, (None, width))
+        self._seen.add((layer, name))
         T = x.shape[0]
         v = self.valid[sample, col:col + T]
         st = self._stat(layer, name)
@@ -401,11 +524,21 @@ class Recorder:
         return self._ds[key]
 
     def cache(self, layer: int, sample: int, keys, values, positions) -> None:
-        """One sample's logical cache at a layer: keys and values (H_kv, T, d_h), positions (T,)."""
+        """One sample's logical cache at a layer: keys and values (n_kv_heads, T, head_dim), positions (T,)."""
         self._need_begin()
+        self._layer(layer, "cache")
+        if not 0 <= int(sample) < self.n_samples:
+            raise RecorderError(f"cache: sample {sample} out of range (begin declared {self.n_samples} samples)")
+        if len(_shape(positions)) != 1:
+            raise RecorderError(f"layer {layer} cache positions of sample {sample} have shape {_shape(positions)}, "
+                                "expected (T,)")
+        T = _shape(positions)[0]
+        for what, t in (("keys", keys), ("values", values)):
+            _want(f"layer {layer} cache {what} of sample {sample}", t,
+                  (self.args["n_kv_heads"], T, self.args["head_dim"]))
+        self._seen.add((layer, "cache"))
         g = f"{layer_group(layer)}/cache"
         pos = to_numpy(positions).astype(np.int64)
-        T = pos.shape[0]
         H, D = keys.shape[0], keys.shape[2]
         if f"{g}/positions" not in self.f:
             tmax = int(self.lengths.max())
@@ -452,8 +585,13 @@ class Recorder:
             del self._stats[(lay, name)]
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
-        """h_b at the sample's gathered position, its raw logits, and where it was gathered from."""
+        """h_b at the sample's gathered position (dim,), its raw logits (vocab_size,), and where it was gathered
+        from: the stored column and the token index (the sample's last, n_b - 1, when the gather is right)."""
         self._need_begin()
+        if not 0 <= int(sample) < self.n_samples:
+            raise RecorderError(f"final: sample {sample} out of range (begin declared {self.n_samples} samples)")
+        _want(f"final norm_last of sample {sample}", norm_last, (self.args["dim"],))
+        _want(f"final logits of sample {sample}", logits, (self.args["vocab_size"],))
         h, z = to_numpy(norm_last), to_numpy(logits)
         S = self.n_samples
         if "final/logits" not in self.f:
@@ -485,7 +623,12 @@ class Recorder:
         """Finish the file and move it into place (or, in memory, just mark it complete)."""
         if self._closed:
             return
-        self._need_begin()
+        try:
+            self._need_begin()
+            self._check_complete()
+        except RecorderError:
+            self.abort()  # nothing is left that looks like a trace
+            raise
         for layer in sorted({lay for lay, _ in self._stats}):
             self.layer_done(layer)
         self._write_meta()
@@ -499,6 +642,21 @@ class Recorder:
         _check_interrupt()  # the interrupt may have been swallowed: never move an interrupted trace into place
         os.replace(self.tmp, self.path)  # atomic: readers see the old state or the whole trace
         _PARTIAL.discard(self.tmp)
+
+    def _check_complete(self) -> None:
+        """Every sample has its final output; every layer its required states and its cache."""
+        written = self.f["final/written"][:] if "final/written" in self.f else np.zeros(self.n_samples)
+        missing = [int(s) for s in np.flatnonzero(written == 0)]
+        if missing:
+            raise RecorderError(f"final() was never called for sample(s) {missing[:8]}"
+                                f"{' …' if len(missing) > 8 else ''}: every sample needs its final output "
+                                "(the trace was not written)")
+        for layer in range(self.args["n_layers"]):
+            for name in REQUIRED_STATES + ("cache",):
+                if (layer, name) not in self._seen:
+                    what = "cache()" if name == "cache" else f"state {name!r}"
+                    raise RecorderError(f"layer {layer} has no {what}: every layer needs {', '.join(REQUIRED_STATES)}"
+                                        " and its cache (the trace was not written)")
 
     def abort(self) -> None:
         """Drop the partial file."""

@@ -49,6 +49,63 @@ def _field(reader, key, default=None):
     return v
 
 
+# Every "<arch>." metadata key a GGUF file may carry, and what our engine does with it (whitelist: a key not
+# listed is refused, so a file that asks for something we do not implement is never run as something else).
+# key -> (check, why): check(value, get) returns None when supported, else what is supported; get(key)
+# reads another "<arch>." key. General ("general.*"), tokenizer ("tokenizer.*") and quantisation provenance
+# ("quantize.*") keys do not change what the model computes and are accepted.
+def _head_dim_key(v, get):
+    return None if int(v) == _head_dim(get) else f"{_head_dim(get)}, the head dimension"
+
+
+def _head_dim(get) -> int:
+    return int(get("attention.key_length", int(get("embedding_length")) // int(get("attention.head_count"))))
+
+
+GGUF_FIELDS = {
+    "block_count": (None, "L"),
+    "context_length": (None, "the longest position, ModelArgs.max_position"),
+    "embedding_length": (None, "d"),
+    "feed_forward_length": (None, "the MLP width"),
+    "attention.head_count": (None, "H_q"),
+    "attention.head_count_kv": (None, "H_kv"),
+    "attention.key_length": (lambda v, get: None if int(v) == int(get("attention.value_length", v)) else
+                             "equal key and value head dimensions", "d_h"),
+    "attention.value_length": (_head_dim_key, "d_h of the values: equal to the keys'"),
+    "attention.layer_norm_rms_epsilon": (None, "the RMSNorm epsilon"),
+    "rope.freq_base": (None, "θ_base"),
+    "rope.dimension_count": (_head_dim_key, "RoPE over the whole head: partial rotary is not implemented"),
+    "rope.scaling.type": (lambda v, get: None if v == "none" else "none", "RoPE scaling is not implemented for "
+                          "GGUF files (llama3 scaling is stored as a rope_freqs tensor)"),
+    "rope.scaling.factor": (lambda v, get: None if float(v) == 1.0 or get("rope.scaling.type", "none") == "none"
+                            else "1.0", "only without RoPE scaling"),
+    "vocab_size": (None, "|V|"),
+}
+_ACCEPTED_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
+
+
+def _check_fields(reader, arch: str, source: str) -> None:
+    get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
+    for key in reader.fields:
+        if key.startswith(_ACCEPTED_PREFIXES):
+            continue
+        short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
+        if short not in GGUF_FIELDS:
+            raise ModelLoadError(f"{source}: GGUF metadata {key}={_shown(_field(reader, key))} is not one our "
+                                 "engine implements (unknown key; supported keys: see "
+                                 "prefill_diff.engine.gguf_loader.GGUF_FIELDS)")
+        check, why = GGUF_FIELDS[short]
+        want = None if check is None else check(_field(reader, key), get)
+        if want is not None:
+            raise ModelLoadError(f"{source}: GGUF metadata {key}={_shown(_field(reader, key))} is not supported "
+                                 f"(supported: {want}; {why})")
+
+
+def _shown(v) -> str:
+    s = repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
 def _our_name(name: str) -> str | None:
     if name in _NAMES:
         return _NAMES[name]
@@ -74,6 +131,7 @@ def load_gguf(path: str, source: str) -> Snapshot:
     if arch not in SUPPORTED:
         raise ModelLoadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
+    _check_fields(reader, arch, source)
     n_heads, n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
     dim = int(g("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -84,8 +142,8 @@ def load_gguf(path: str, source: str) -> Snapshot:
     state = {}
     for t in reader.tensors:
         ours = _our_name(t.name)
-        if ours is None:
-            continue
+        if ours is None:  # e.g. rope_freqs (llama3 RoPE scaling), attn_q_norm (QK-norm), ffn_gate_inp (MoE)
+            raise ModelLoadError(f"{source}: tensor {t.name!r} is not part of the model our engine implements")
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if permuted and ours.endswith("wq.weight"):
             w = unpermute(w, n_heads)
@@ -98,10 +156,12 @@ def load_gguf(path: str, source: str) -> Snapshot:
     if tied:
         state["output.weight"] = state["tok_embeddings.weight"]
     args = ModelArgs(dim=dim, n_layers=int(g("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
-                     head_dim=int(g("rope.dimension_count", dim // n_heads)), hidden_dim=int(g("feed_forward_length")),
+                     head_dim=_head_dim(g), hidden_dim=int(g("feed_forward_length")),
                      vocab_size=vocab, norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
                      rope_theta=float(g("rope.freq_base", 10000.0)), tie_embeddings=tied,
                      qkv_bias=arch == "qwen2", max_position=int(g("context_length", 8192)), arch=arch)
+    from .hub import check_state
+    check_state(args, state, source)
     tokenizer = _gguf_tokenizer(path, source)
     if tokenizer is not None:
         args = args.replace(tokenizer_vocab_size=tokenizer.vocab_size)

@@ -37,6 +37,7 @@ class ModelArgs:
     hidden_dim: int = 128
     vocab_size: int = 96
     norm_eps: float = 1e-5
+    hidden_act: str = "silu"  # the MLP's activation; the only one implemented (recorded for the model's identity)
     rope_theta: float = 10000.0
     rope_scaling: tuple = ()  # sorted (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"))
     tie_embeddings: bool = False
@@ -68,6 +69,8 @@ class ModelArgs:
         if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size < 1:
             raise ConfigError(f"tokenizer_vocab_size must be a positive integer "
                               f"(got tokenizer_vocab_size={self.tokenizer_vocab_size})")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act must be 'silu', the only activation implemented (got {self.hidden_act!r})")
         if self.attention_rule != "causal":
             raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
 

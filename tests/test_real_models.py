@@ -91,9 +91,10 @@ def test_gguf_unpermutation_matches_transformers_own_gguf_load():
     assert not np.array_equal(unpermute(w, 2), w)
 
 
-def _write_gguf(path, model, arch: str):
+def _write_gguf(path, model, arch: str, extra: dict | None = None, extra_tensors: dict | None = None):
     """Write a Hugging Face model to GGUF as llama.cpp's converter does (Q/K rows permuted for "llama" only),
-    with SmolLM2's tokenizer metadata (the loader builds the GGUF's own tokenizer)."""
+    with SmolLM2's tokenizer metadata (the loader builds the GGUF's own tokenizer); ``extra`` adds metadata
+    keys (name -> int/float/str value), ``extra_tensors`` tensors (GGUF name -> array)."""
     from prefill_diff.engine.gguf_loader import smollm2_path
     cfg = model.config
     smol = gguf.GGUFReader(smollm2_path())
@@ -107,6 +108,12 @@ def _write_gguf(path, model, arch: str):
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    for name, value in (extra or {}).items():
+        kind = {int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32,
+                str: gguf.GGUFValueType.STRING}[type(value)]
+        w.add_key_value(name, value, kind)
+    for name, value in (extra_tensors or {}).items():
+        w.add_tensor(name, value)
     for name, f in smol.fields.items():
         if name.startswith("tokenizer."):
             if f.types[0] == gguf.GGUFValueType.ARRAY:
@@ -244,6 +251,150 @@ def test_unsupported_architecture_is_refused(tmp_path, run_cli):
     assert res.exit_code == 2
     assert "GPT2LMHeadModel" in res.output and "supported: LlamaForCausalLM, MistralForCausalLM, " \
         "Qwen2ForCausalLM" in res.output
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A small Llama checkpoint as transformers saves it (its own config.json)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         tie_word_embeddings=False, max_position_embeddings=512))
+    d = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(d, safe_serialization=True)
+    return d, model
+
+
+def _edited(src, dst, **changes):
+    """A copy of checkpoint ``src`` with config.json fields changed (None: removed)."""
+    import shutil
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_gelu_llama_is_refused_naming_the_field(llama_dir, tmp_path, run_cli):
+    """A Llama with hidden_act="gelu" used to load and run as SiLU: a native-vs-native comparison passed."""
+    d = _edited(llama_dir[0], tmp_path / "gelu", hidden_act="gelu")
+    res = run_cli("run", "reference", "batched-left", "--model", f"hf:{d}")
+    assert res.exit_code == 2, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert "hidden_act='gelu'" in line and "supported: 'silu'" in line, line
+    assert "Traceback" not in res.output
+
+
+UNSUPPORTED = [  # (field, value, words the refusal must contain)
+    ("attention_bias", True, "attention_bias=true"),  # Llama: q/k/v and o_proj biases
+    ("mlp_bias", True, "mlp_bias=true"),
+    ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
+    ("use_qk_norm", True, "use_qk_norm=true"),
+    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}, "rope_parameters="),
+    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "linear"}, "with ['factor']"),
+    ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25},
+     "partial_rotary_factor 1.0"),
+    ("rope_interleaved", True, "rope_interleaved=true"),
+    ("sliding_window", 128, "sliding_window=128"),
+    ("layer_types", ["full_attention", "sliding_attention"], "layer_types="),
+    ("attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0 is not one our engine implements"),
+    ("quantization_config", {"quant_method": "gptq", "bits": 4}, "quantization_config="),
+    ("model_type", "qwen3", "model_type='qwen3'"),
+    ("head_dim", 0, "head_dim=0"),
+    ("pruned_heads", {"0": [1]}, "pruned_heads="),
+]
+
+
+@pytest.mark.parametrize("field,value,words", UNSUPPORTED, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(UNSUPPORTED)])
+def test_every_unsupported_config_field_is_refused(llama_dir, tmp_path, field, value, words):
+    from prefill_diff.engine.errors import ModelLoadError
+    d = _edited(llama_dir[0], tmp_path / "x", **{field: value})
+    with pytest.raises(ModelLoadError, match="supported") as e:
+        load_snapshot(ModelSpec(f"hf:{d}"))
+    assert words in str(e.value) and str(d) in str(e.value), str(e.value)
+
+
+def test_harmless_fields_and_real_world_configs_are_accepted(llama_dir, tmp_path):
+    """Fields that cannot change a prefill load; configs shaped like SmolLM2's and Llama 3.1's own load."""
+    from prefill_diff.engine.hub import args_from_hf_config
+    d = _edited(llama_dir[0], tmp_path / "ok", torch_dtype="bfloat16", bos_token_id=1, use_cache=False,
+                initializer_range=0.5, transformers_version="4.42.3", pretraining_tp=2, attention_dropout=0.1,
+                temperature=0.7)
+    snap = load_snapshot(ModelSpec(f"hf:{d}"))
+    assert snap.args.hidden_act == "silu" and not snap.args.tie_embeddings
+    smol = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+            "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 576,
+            "initializer_range": 0.041666666666666664, "intermediate_size": 1536, "is_llama_config": True,
+            "max_position_embeddings": 8192, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9,
+            "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1,
+            "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
+            "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers.js_config": {"dtype": "q4"},
+            "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152}
+    a = args_from_hf_config(smol, "smol")
+    assert (a.dim, a.n_heads, a.head_dim, a.rope_theta, a.tie_embeddings) == (576, 9, 64, 100000.0, True)
+    llama31 = {"architectures": ["LlamaForCausalLM"], "attention_bias": False, "bos_token_id": 128000,
+               "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 64,
+               "intermediate_size": 96, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+               "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pretraining_tp": 1,
+               "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0,
+                                                       "original_max_position_embeddings": 8192,
+                                                       "rope_type": "llama3"},
+               "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+               "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 300}
+    a = args_from_hf_config(llama31, "llama31")
+    assert dict(a.rope_scaling)["rope_type"] == "llama3" and a.rope_theta == 500000.0
+    qwen25 = {"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+              "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+              "intermediate_size": 96, "max_position_embeddings": 32768, "max_window_layers": 21,
+              "model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+              "use_sliding_window": False, "vocab_size": 300}
+    assert args_from_hf_config(qwen25, "qwen25").qkv_bias
+
+
+def test_untied_checkpoint_without_lm_head_and_stray_tensors_are_refused(llama_dir, tmp_path):
+    """tie_word_embeddings=false with no lm_head used to be tied silently; a tensor the model does not use
+    (an o_proj bias, an MLP bias) used to be dropped silently by the non-strict state-dict load."""
+    from safetensors.torch import load_file, save_file
+    from prefill_diff.engine.errors import ModelLoadError
+    src = llama_dir[0]
+    d = _edited(src, tmp_path / "nohead")
+    st = next(d.glob("*.safetensors"))
+    state = load_file(str(st))
+    save_file({k: v for k, v in state.items() if k != "lm_head.weight"}, str(st))
+    with pytest.raises(ModelLoadError, match="tie_word_embeddings is false but the checkpoint has no lm_head"):
+        load_snapshot(ModelSpec(f"hf:{d}"))
+    d = _edited(src, tmp_path / "headbias")
+    st = next(d.glob("*.safetensors"))
+    save_file({**state, "lm_head.bias": torch.zeros(300)}, str(st))
+    with pytest.raises(ModelLoadError, match="'output.bias' is not part of the model"):
+        load_snapshot(ModelSpec(f"hf:{d}"))
+
+
+@pytest.mark.parametrize("case", ["partial-rotary", "sliding-window", "rope-freqs-tensor", "qk-norm-tensor"])
+def test_gguf_metadata_and_tensors_we_do_not_implement_are_refused(llama_dir, tmp_path, case):
+    from prefill_diff.engine.errors import ModelLoadError
+    model = llama_dir[1]
+    extra, tensors, words = {}, {}, ""
+    if case == "partial-rotary":
+        extra, words = {"llama.rope.dimension_count": 8}, "llama.rope.dimension_count=8 is not supported"
+    elif case == "sliding-window":
+        extra, words = {"llama.attention.sliding_window": 64}, "llama.attention.sliding_window=64"
+    elif case == "rope-freqs-tensor":
+        tensors, words = {"rope_freqs.weight": np.ones(8, dtype=np.float32)}, "tensor 'rope_freqs.weight'"
+    else:
+        tensors, words = {"blk.0.attn_q_norm.weight": np.ones(16, dtype=np.float32)}, "'blk.0.attn_q_norm.weight'"
+    _write_gguf(tmp_path / "m.gguf", model, "llama", extra, tensors)
+    with pytest.raises(ModelLoadError) as e:
+        load_snapshot(ModelSpec(f"gguf:{tmp_path / 'm.gguf'}"))
+    assert words in str(e.value), str(e.value)
 
 
 def test_missing_checkpoint_and_pickles_are_refused(tmp_path, run_cli):

@@ -270,7 +270,8 @@ def test_transformers_recorded_through_hooks_matches_our_engine(tmp_path):
     path = tmp_path / "hf.h5"
     with Recorder(path) as rec:
         rec.begin([list(t) for t in prep.tokens], prep.n_cols, {"model": {"args": prep.snapshot.args.as_dict()},
-                                                                "engine": {"name": "transformers"}})
+                                                                "engine": {"name": "transformers",
+                                                                           "dtype": "float32"}})
         for call in prep.calls:
             forward_call(model, call, Placement(rec, call.runs, call.samples))
         for layer in range(prep.snapshot.args.n_layers):

@@ -195,3 +195,80 @@ def test_lower_levels_localise_like_full(tmp_path, level, cand):
     else:
         fb = rep.first_break
         assert fb is not None and (fb.stage, fb.layer, fb.kind) == TABLE[cand][0], f"{level}: {rep.verdict_line()}"
+
+
+def test_gqa_break_names_the_kv_head_the_query_head_reads(reference, tmp_path, run_cli):
+    cand = record_side(prepare_side("fault:gqa-mapping"), tmp_path / "c.h5")
+    with Trace(reference) as r, Trace(cand) as c:
+        rep = compare_traces(r, c)
+    fb = rep.first_break
+    assert fb.tensor == "attn_update" and fb.heads == (0,) and fb.kv_heads == (0,)  # g(0) = 0·2 // 4
+    assert "query heads 0 (reading KV heads 0)" in rep.verdict_line()
+    assert rep.as_dict()["first_break"]["kv_heads"] == [0]
+
+
+def test_cache_break_names_the_kv_heads_that_differ(reference, tmp_path):
+    """One KV head's values changed at one slot: the break names that head only, at the right slot."""
+    import shutil
+    import h5py
+    cand = tmp_path / "c.h5"
+    shutil.copy(reference, cand)
+    with h5py.File(cand, "a") as f:
+        ds = f["layers/001/cache/values"]
+        v = ds[2]
+        v[1, 3] += 1.0  # sample 2, KV head 1, slot 3
+        ds[2] = v
+    with Trace(reference) as r, Trace(cand) as c:
+        rep = compare_traces(r, c)
+    fb = rep.first_break
+    assert (fb.layer, fb.tensor, fb.sample, fb.position) == (1, "cache_values", 2, 3), rep.verdict_line()
+    assert fb.kv_heads == (1,) and fb.heads is None
+    assert "KV heads 1" in rep.verdict_line()
+    assert rep.layers[1].tensor("cache_values").kv_heads == (1,)
+    assert rep.layers[1].tensor("cache_keys").kv_heads == ()
+
+
+def test_adapter_mismatch_cache_break_names_kv_heads(reference, tmp_path):
+    cand = record_side(prepare_side("fault:adapter-mismatch"), tmp_path / "c.h5")
+    with Trace(reference) as r, Trace(cand) as c:
+        rep = compare_traces(r, c)
+    fb = rep.first_break
+    assert fb.tensor == "cache_keys" and fb.kv_heads and set(fb.kv_heads) <= {0, 1}, rep.verdict_line()
+    assert "KV heads" in rep.verdict_line()
+
+
+def test_stats_level_break_says_only_what_statistics_measure(tmp_path):
+    """It used to say 'would pass with … rtol>=0' and 'largest row error 0 of the row norm': false there."""
+    ref = record_side(prepare_side("reference"), tmp_path / "r.h5", "stats")
+    c = record_side(prepare_side("fault:gqa-mapping"), tmp_path / "c.h5", "stats")
+    with Trace(ref) as a, Trace(c) as b:
+        rep = compare_traces(a, b)
+    fb = rep.first_break
+    assert fb.kind == "value" and fb.layer == 0, rep.verdict_line()
+    assert "statistics of" in fb.message and "largest statistic error" in fb.message
+    assert "would pass with atol>=" in fb.message
+    for false_claim in ("rtol>=", "ntol>=", "row_rtol>=", "row norm"):
+        assert false_claim not in fb.message, fb.message
+    assert fb.max_rel_error is None
+    t = rep.layers[0].tensor(fb.tensor)
+    assert t.level == "stats" and fb.max_abs_error == t.max_abs > 0
+
+
+def test_last_column_hint_names_the_column_and_every_affected_sample(tmp_path):
+    """It used to name 'token -1' and one sample while the break named another."""
+    ref = record_side(prepare_side("batched-right"), tmp_path / "r.h5")
+    c = record_side(prepare_side("fault:last-column"), tmp_path / "c.h5")
+    with Trace(ref) as a, Trace(c) as b:
+        rep = compare_traces(a, b)
+        width = b.n_cols
+        lengths = [len(s) for s in b.samples]
+    fb = rep.first_break
+    short = [s for s, n in enumerate(lengths) if n < width]
+    assert set(fb.samples) == set(short) == {1, 2}, rep.verdict_line()
+    hint = rep.diagnosis
+    assert "§2.11 row 1" in hint and "token -1" not in hint
+    assert f"samples {', '.join(map(str, short))} were not gathered" in hint, hint
+    for s in short:
+        assert f"sample {s} from stored column {width - 1} (a padding cell; its last valid token is " \
+               f"{lengths[s] - 1})" in hint, hint
+    assert f"read from column {width - 1}, the rectangle's last" in hint

@@ -126,6 +126,7 @@ class CalibResult:
     bad_samples: tuple = ()
     bad_positions: dict = field(default_factory=dict)
     heads: tuple | None = None  # attn_heads: query heads whose rows break
+    groups: tuple | None = None  # cache: KV heads whose rows break
 
     def __bool__(self) -> bool:
         return self.bad_rows == 0
@@ -157,11 +158,16 @@ class CalibAcc:
         self.factor, self.floor, self.n_heads = factor, floor, n_heads
         self.e_c, self.e_t, self.sample, self.tok = [], [], [], []
         self.h_c, self.h_t = [], []
+        self.groups = []
 
-    def add(self, c: np.ndarray, t: np.ndarray, g: np.ndarray, sample: int, toks: np.ndarray) -> None:
-        """c, t, g: aligned rows (T, W) of candidate, twin and golden; toks: their positions."""
+    def add(self, c: np.ndarray, t: np.ndarray, g: np.ndarray, sample: int, toks: np.ndarray,
+            groups: np.ndarray | None = None) -> None:
+        """c, t, g: aligned rows (T, W) of candidate, twin and golden; toks: their positions; groups: the KV
+        head of each row (cache tensors)."""
         if c.shape[0] == 0:
             return
+        if groups is not None:
+            self.groups.append(np.asarray(groups))
         self.e_c.append(rel_row_errors(c, g))
         et = rel_row_errors(t, g)
         self.e_t.append(np.where(np.isinf(et), np.inf, et))
@@ -200,7 +206,10 @@ class CalibAcc:
             hmed = float(np.median(fin)) if fin.size else 0.0
             hbad = ~(hc <= K * np.maximum(ht, hmed) + u)
             heads = tuple(int(h) for h in np.flatnonzero(hbad.any(axis=0)))
-        return CalibResult(K, u, rows=int(e_c.size), bad_rows=int(bad.sum()), max_ratio=float(ratio[w]),
+        groups = None
+        if self.groups and len(self.groups) == len(self.e_c):
+            groups = tuple(int(x) for x in np.unique(np.concatenate(self.groups)[bad]))
+        return CalibResult(K, u, rows=int(e_c.size), groups=groups, bad_rows=int(bad.sum()), max_ratio=float(ratio[w]),
                            cand_error=float(e_c[w]), noise=float(noise[w]), allowed=float(allowed[w]),
                            median_noise=median, max_cand_error=float(np.max(e_c)),
                            min_factor=float(np.max(need)), worst=(int(samples[w]), int(toks[w])),

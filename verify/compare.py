@@ -52,6 +52,7 @@ class Break:
     padding: bool = False  # a finite-mask break in padding rows
     heads: tuple | None = None  # attention: query heads that differ
     samples: tuple = ()  # every reference sample that breaks here
+    kv_heads: tuple | None = None  # cache: KV heads that differ; attention: the KV heads the query heads read
     check: str | None = None  # calibrated comparisons: "change" (check 1) or "numerics" (check 2)
     noise_ratio: float | None = None  # check 1: the candidate's row error / the twin's measured noise
     noise_factor: float | None = None  # check 1: the allowed ratio K
@@ -64,6 +65,7 @@ class Break:
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["heads"] = list(self.heads) if self.heads is not None else None
+        d["kv_heads"] = list(self.kv_heads) if self.kv_heads is not None else None
         d["samples"] = list(self.samples)
         d["sublayer"] = self.sublayer
         return d
@@ -98,6 +100,7 @@ class TensorResult:
     bad_samples: tuple = ()
     bad_positions: dict = field(default_factory=dict)  # sample -> first bad position
     heads: tuple | None = None
+    kv_heads: tuple | None = None  # cache tensors (full level): the KV heads with values out of tolerance
     bit_identical: bool | None = None
     note: str | None = None
     equal_nan: bool = False
@@ -140,6 +143,7 @@ class TensorResult:
         d["passed"] = bool(self)
         d["worst"] = list(self.worst) if self.worst else None
         d["heads"] = list(self.heads) if self.heads is not None else None
+        d["kv_heads"] = list(self.kv_heads) if self.kv_heads is not None else None
         d["bad_samples"] = list(self.bad_samples)
         for k in ("max_abs", "max_rel", "mean_abs", "min_atol", "min_rtol", "min_ntol", "min_row_rtol", "max_row_rel",
                   "worst_bound"):
@@ -398,6 +402,13 @@ class Comparator:
             return self._value_break("layer", layer, t, heads)
         return None
 
+    def _kv_heads_read(self, heads) -> tuple | None:
+        """The KV heads g(h) = ⌊h·H_kv/H_q⌋ that query heads ``heads`` read, by the reference's model."""
+        hq, hkv = self.ref.args.get("n_heads"), self.ref.args.get("n_kv_heads")
+        if not heads or not isinstance(hq, int) or not isinstance(hkv, int) or hq < 1:
+            return None
+        return tuple(sorted({h * hkv // hq for h in heads}))
+
     def _numerics_break(self, b: Break) -> Break:
         """A break of the twin against the reference: check (2), the candidate's precision itself."""
         from dataclasses import replace
@@ -426,14 +437,22 @@ class Comparator:
         if t.calib is not None:
             return self._calib_break(stage, layer, t, heads)
         s, pos, ch = t.worst if t.worst else (None, None, None)
+        if t.level == "stats":  # per-sample min, max, mean and rms: no element, row or relative error exists
+            msg = (f"{t.n_bad} of {t.compared} statistics of {t.tensor} (min, max, mean, rms per sample) out of "
+                   f"tolerance; largest statistic error {t.max_abs:.3g} (atol={t.atol:g}, rtol={t.rtol:g}, "
+                   f"ntol={t.ntol:g} of the sample's rms); would pass with atol>={t.min_atol:.3g} [stats level: "
+                   "no element, row or relative error is recorded]")
+            return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, None, t.atol, t.rtol, t.ntol,
+                         t.worst_bound, heads=heads, samples=t.bad_samples)
         msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
                f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
                f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={t.min_atol:.3g}, "
                f"rtol>={t.min_rtol:.3g}, ntol>={t.min_ntol:.3g} or row_rtol>={t.min_row_rtol:.3g}")
         if t.level != "full":
             msg += f" [{t.level} level]"
+        kv = t.kv_heads if t.kv_heads is not None else self._kv_heads_read(heads)
         return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, t.max_rel, t.atol, t.rtol, t.ntol,
-                     t.worst_bound, heads=heads, samples=t.bad_samples)
+                     t.worst_bound, heads=heads, samples=t.bad_samples, kv_heads=kv)
 
     def _calib_break(self, stage, layer, t: TensorResult, heads=None) -> Break:
         k = t.calib
@@ -442,9 +461,10 @@ class Comparator:
                f"{k.bad_rows} of {k.rows} rows of {t.tensor} out; at the worst row the candidate is {k.cand_error:.3g} "
                f"of the row norm from the float64 golden, the twin {k.noise:.3g}, allowed {k.allowed:.3g} "
                f"(K x noise + floor {k.floor:.2g}); would pass with --noise-factor {k.min_factor:.3g}")
+        kv = k.groups if k.groups is not None else self._kv_heads_read(heads)
         return Break(stage, "value", msg, layer, t.tensor, s, pos, None, t.max_abs, t.max_rel, heads=heads,
-                     samples=k.bad_samples, check="change", noise_ratio=k.max_ratio, noise_factor=k.factor,
-                     noise_of=self.calib.label)
+                     samples=k.bad_samples, kv_heads=kv, check="change", noise_ratio=k.max_ratio,
+                     noise_factor=k.factor, noise_of=self.calib.label)
 
     def _value_tol(self, name: str, layer: int | None = None) -> Tolerance:
         return METRICS_ONLY if self.calib is not None else self.policy.tol(name, layer)
@@ -654,6 +674,7 @@ class Comparator:
             acc = _Acc(tol, self.policy.equal_nan)
             cal = self._calib_acc()
             gd, td = self._calib_datasets(r.layer, tname)
+            kv_bad = set()  # KV heads with values out of tolerance
 
             def read(pair, slot, rd=rd, cd=cd):
                 rs, cs = pair
@@ -676,12 +697,17 @@ class Comparator:
                         g = self._post_rotation(g, rp[rs, :T], self.ref)
                         if td is not None:
                             t = self._post_rotation(t, rp[rs, :T], self.ref)
-                    cal.add(rows(b), rows(t), rows(g), rs, toks)
-                return slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, toks)
+                    cal.add(rows(b), rows(t), rows(g), rs, toks, groups=np.repeat(np.arange(H), T))
+                part = slab(rows(a), rows(b), tol, self.policy.equal_nan, rs, toks)
+                if part.n_bad:  # rows are (KV head, slot), head-major: which heads hold the bad values
+                    kv_bad.update(h for h in range(H) if slab(a[h], b[h], tol, self.policy.equal_nan, rs,
+                                                              np.arange(T)).n_bad)
+                return part
 
             for part in _prefetched(read, one, self.pairs):
                 acc.p.merge(part)
-            tensors[tname] = acc.result(tname, "full", calib=None if cal is None else cal.result())
+            tensors[tname] = acc.result(tname, "full", kv_heads=tuple(sorted(kv_bad)),
+                                        calib=None if cal is None else cal.result())
         return res, tensors
 
     def _sampled_cache(self, r, c, tname, tol):

@@ -28,6 +28,11 @@ def _restarted(cand, pairs, layer0) -> list:
     return out
 
 
+def _identity_hint(report, ref, cand) -> str | None:
+    from .identity import differences, hint
+    return hint(differences(ref.meta, cand.meta), report.first_break)
+
+
 def diagnose(report, ref, cand) -> str | None:
     fb = report.first_break
     if fb is None:
@@ -64,16 +69,31 @@ def diagnose(report, ref, cand) -> str | None:
                     "valid rows in later layers.")
         return (f"Non-finite values appear in valid rows at {fb.tensor}: overflow in low precision, or NaN "
                 "spreading from padding rows at an earlier layer?")
+    identity = _identity_hint(report, ref, cand)  # a different model explains a value break before numerics
+    if identity:
+        return identity
     if fb.kind == "top_ids":
         return ("Logits agree within tolerance but the top-ranked ids differ beyond it: check the logits' "
                 "tolerance; a top-k difference alone changes greedy decoding.")
     if fb.stage == "final":
         gathers = [g for g in (report.final.gather if report.final is not None else ()) if g[2] != g[3]]
         if gathers:
-            s, _, got, last = gathers[0]
-            return (f"All layers agree, but the final logits of sample {s} were gathered at token {got}, "
-                    f"not at its last valid token {last}: the gather took the rectangle's last column? — "
-                    "§2.11 row 1, 'first-step condition prefix'.")
+            cand_of = dict(pairs)
+            cols = cand.final["gather_col"]
+            each = []
+            for s, _, got, last in gathers:
+                col = int(cols[cand_of[s]])
+                read = "a padding cell" if got < 0 else f"token {got}"
+                each.append(f"sample {s} from stored column {col} ({read}; its last valid token is {last})")
+            width = cand.n_cols
+            last_col = all(int(cols[cand_of[g[0]]]) == width - 1 for g in gathers)
+            return (f"All layers agree, but the final logits of sample{'s' if len(gathers) > 1 else ''} "
+                    f"{', '.join(str(g[0]) for g in gathers)} were not gathered at the last valid token: "
+                    + "; ".join(each) + ". " +
+                    (f"Every one was read from column {width - 1}, the rectangle's last: the gather took the last "
+                     "column instead of each sample's last valid token" if last_col else
+                     "The gather did not use each sample's last valid token") +
+                    " — §2.11 row 1, 'first-step condition prefix'.")
         return ("All layers agree but the final logits do not: the final norm, the unembedding or its bias differs?")
     # value breaks inside a layer
     forced = [o for o in rec.get("reuse") or () if o.get("forced")]

@@ -69,6 +69,8 @@ class Report:
             line = f"PASSED | {len(self.layers)}/{self.n_layers} layers, logits and cache within tolerance"
             if self.inconclusive:
                 line += " | INCONCLUSIVE: the injected fault cannot show here"
+            if any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes):
+                line += " | the model identity differs (see notes)"
             return line
         return "FAILED | " + self.line(self.first_break)
 
@@ -150,7 +152,10 @@ def break_line(b: Break, token_text: str | None = None) -> str:
         else:
             parts.append(b.message)
         if b.heads:
-            parts.append("query heads " + ",".join(map(str, b.heads)))
+            parts.append("query heads " + ",".join(map(str, b.heads)) +
+                         (" (reading KV heads " + ",".join(map(str, b.kv_heads)) + ")" if b.kv_heads else ""))
+        elif b.kv_heads:
+            parts.append("KV heads " + ",".join(map(str, b.kv_heads)))
     elif b.kind == "finite_mask":
         parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
     else:
@@ -211,15 +216,17 @@ class Session:
             final = self.cmp.final()
             if self.first_break is None and final.first_break is not None:
                 self.first_break = final.first_break
-        notes, inconclusive = list(self.cmp.notes), []
+        from .identity import differences, note
+        identity = differences(self.ref.meta, self.cand.meta)
+        notes, inconclusive = [note(d) for d in identity] + list(self.cmp.notes), []
         for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
             n, i = record_notes(t, side)
             notes += n
             inconclusive += i
         rd, cd = self.ref.meta.get("model", {}), self.cand.meta.get("model", {})
         if rd.get("weights_digest") != cd.get("weights_digest"):
-            notes.append(f"weights differ: reference {rd.get('weights_digest', '?')[:19]}…, "
-                         f"candidate {cd.get('weights_digest', '?')[:19]}…")
+            notes.append(f"weights differ: reference {str(rd.get('weights_digest') or '?')[:19]}…, "
+                         f"candidate {str(cd.get('weights_digest') or '?')[:19]}…")
         if self.ref.level != self.cand.level:
             notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
                          "checks use what both traces have")

@@ -33,7 +33,8 @@ def one(engine, ids, mask, pos, level, d, tag):
     path = os.path.join(d, f"{tag}.h5")
     B, n = ids.shape
     with Recorder(path, level, force=True) as rec:
-        rec.begin([ids[b].tolist() for b in range(B)], n, {"bench": True})
+        rec.begin([ids[b].tolist() for b in range(B)], n,
+                  {"bench": True, "model": {"args": engine.snapshot.args.as_dict()}, "engine": {"dtype": "float32"}})
         place = Placement(rec, [(b, 0, n, b, 0) for b in range(B)], list(range(B)))
         for layer in engine.steps(ids, mask, pos, recorder=place):
             rec.layer_done(layer)
