@@ -384,7 +384,7 @@ def ledger(config, model, prompts, tokens):
             inputs = Inputs(token_ids=default_token_ids(20, (12,)))
     side = load_side(config or "reference", spec, inputs)
     prep = prepare(side)
-    _console().print(ledger_renderable(build(prep), prep.snapshot.source))
+    _console().print(ledger_renderable(build(prep), prep.snapshot.source, prep.side.run.cache.chunk_size))
 
 
 @cli.command()

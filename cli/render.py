@@ -96,7 +96,7 @@ def fitted_table(columns, rows, width: int, **table_kw):
     keep = list(range(len(columns)))
 
     def build(idx):
-        t = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", **table_kw)
+        t = Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, title_justify="left", **table_kw)
         for i in idx:
             t.add_column(columns[i][0], justify=columns[i][1], no_wrap=True)
         for r in rows:
@@ -125,20 +125,20 @@ def fitted_table(columns, rows, width: int, **table_kw):
 
 def _cell(tr) -> Text:
     if tr is None or tr.level == "none":
-        return Text("-  ")
+        return Text("- ")
     value = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
     if tr.shape_detail is not None:
         value = "shape"
-    return Text(value + " " + BAD, style="red") if not tr else Text(value + "  ")
+    return Text(value + BAD, style="red") if not tr else Text(value + " ")
 
 
 def _cache_cell(lr) -> Text:
     c = lr.cache
     if not c.lengths_ok:
-        return Text("length " + BAD, style="red")
+        return Text("length" + BAD, style="red")
     if not c.positions_ok:
-        return Text("positions " + BAD, style="red")
-    return Text("ok  ")
+        return Text("positions" + BAD, style="red")
+    return Text("ok ")
 
 
 def shown_layers(report, which: str = "auto") -> list:
@@ -340,11 +340,13 @@ def report_renderable(report, token_text: dict | None = None, width: int = 120, 
 
 # -- ledger ---------------------------------------------------------------------------------------
 
-def ledger_renderable(ledgers, model_name: str):
+def ledger_renderable(ledgers, model_name: str, chunk_size: int = 0):
     parts = []
     n = len(ledgers)
     for i, lg in enumerate(ledgers):
         which = (f"prefill call {i + 1} of {n}" if n > 1 else "one prefill call")
+        if chunk_size:
+            which += f" (chunked: shapes of its first chunk of up to {chunk_size} tokens)"
         t = Table(title=Text(f"shape ledger (seed §2.8) — model {model_name}, {which}, input rectangle "
                              f"{list(lg.rect)}"), title_justify="left")
         t.add_column("object")
