@@ -217,13 +217,19 @@ def final_table(report, token_text: dict | None = None, width: int = 120):
     errs = dict(report.final.sample_max_abs)
     t = Table(title="final logits and top ids", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
               width=None)
+    narrow = width < 60  # one column of top ids, reference above candidate
     t.add_column("sample", justify="right", no_wrap=True)
-    t.add_column("logits max abs", justify="right", no_wrap=True)
-    t.add_column("reference top", overflow="fold")
-    t.add_column("candidate top", overflow="fold")
+    t.add_column("logits\nmax abs" if narrow else "logits max abs", justify="right", no_wrap=True)
+    if narrow:
+        t.add_column("top ids: reference,\ncandidate", overflow="fold")
+    else:
+        t.add_column("reference top", overflow="fold")
+        t.add_column("candidate top", overflow="fold")
     for s, r, c in report.final.top:
         err = _fmt(errs.get(s))
-        t.add_row(str(s), Text(err + " " + BAD, style="red") if s in bad else Text(err + "  "), show(r), show(c))
+        cells = [str(s), Text(err + " " + BAD, style="red") if s in bad else Text(err + "  ")]
+        cells += [Text.assemble("ref  ", show(r), "\ncand ", show(c))] if narrow else [show(r), show(c)]
+        t.add_row(*cells)
     return t
 
 
@@ -298,7 +304,7 @@ def print_report(console, report, token_text: dict | None = None, which: str = "
         table, below = layer_table(report, width, which)
         console.print(table)
         for line in below:
-            console.print(line)
+            console.print(line, soft_wrap=True)
         spark = sparkline([layer_max(lr) for lr in report.layers])
         console.print(Text(f"error growth (max abs per layer, log scale): {spark}"), soft_wrap=True)
     if report.final is not None:
