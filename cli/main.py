@@ -348,7 +348,8 @@ def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast):
     _quiet_libraries(out["quiet"])
     spec, inputs = _shared(model, prompts, tokens)
     with Progress(out["quiet"]) as prog:
-        prog.step("comparing")
+        prog.step("comparing" if os.path.isfile(candidate) and not candidate.endswith(".toml")
+                  else f"recording {candidate} with the baseline's model and prompts, then comparing")
         outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast, policy_args=tol)
     rep = outcome.report
     reached = {lr.layer for lr in rep.layers}

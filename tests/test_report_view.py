@@ -427,3 +427,13 @@ def test_plot_is_written_for_a_break_and_a_pass(reports, tmp_path):
         path = tmp_path / f"{name.replace(':', '_')}.png"
         plot_errors(rep, str(path))
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_refused_reuse_reason_is_words_not_a_dict_repr(run_cli, tmp_path):
+    path = tmp_path / "am.h5"
+    assert run_cli("record", "fault:adapter-mismatch", "-o", path).exit_code == 0
+    res = run_cli("inspect", path)
+    assert res.exit_code == 0
+    out = " ".join(res.output.split())
+    assert "{'" not in out and "None" not in out
+    assert "adapter differs (cached: id other-adapter, digest sha256:" in out and "request: none)" in out
