@@ -343,8 +343,9 @@ def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast):
     if os.path.isfile(candidate) and not candidate.endswith(".toml"):
         given = [f for f, v in (("--model", model), ("--prompt", prompts), ("--tokens", tokens)) if v]
         if given:
-            raise BadInput(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply when comparing two traces ({candidate} is a trace "
-                           "file: its model and prompts are recorded in it); drop them")
+            verb = "does" if len(given) == 1 else "do"
+            raise BadInput(f"{' and '.join(given)} {verb} not apply when comparing two traces ({candidate} is a "
+                           "trace file: its model and prompts are recorded in it); drop them")
     _quiet_libraries(out["quiet"])
     spec, inputs = _shared(model, prompts, tokens)
     with Progress(out["quiet"]) as prog:

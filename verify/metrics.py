@@ -61,7 +61,7 @@ class Partial:
     cc: float = 0.0  # of cand
     rc: float = 0.0  # sum of ref*cand
     max_row_rel: float = 0.0
-    bound_floor: float = float("inf")  # smallest atol + ntol·rms(row) over the rows: every element may differ this much
+    bound_floor: float = float("inf")  # smallest atol + ntol·rms(row): every element may differ this much
     n_bad: int = 0
     min_atol: float = 0.0
     min_rtol: float = 0.0
