@@ -383,7 +383,7 @@ def print_inspect(console, s: dict) -> None:
     a = m.get("args") or {}
     eng = run.get("engine") or {}
     p = lambda x, **kw: console.print(x, soft_wrap=True, **kw)  # noqa: E731
-    p(Text(f"{s['file']}  (format {s['format_version']}, {s['level']} level, rectangle {s['rectangle'][0]} "
+    p(Text(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle'][0]} "
            f"samples x {s['rectangle'][1]} columns)", style="bold"))
     p(Text(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
            f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
