@@ -53,9 +53,41 @@ class Cli(click.Group):
             ctx.exit(EXIT_INTERNAL)
 
 
+GENEROUS_WIDTH = 120  # columns of the report when stdout is not a terminal and COLUMNS is unset (CI logs, pipes)
+
+
 def _console(stderr: bool = False):
+    """Rich console: the terminal's width; not a terminal: COLUMNS, else a fixed generous width."""
     from rich.console import Console
-    return Console(stderr=stderr, highlight=False)
+    c = Console(stderr=stderr, highlight=False)
+    if not c.is_terminal and not os.environ.get("COLUMNS"):
+        c = Console(stderr=stderr, highlight=False, width=GENEROUS_WIDTH)
+    return c
+
+
+def _quiet_libraries(quiet: bool) -> None:
+    """No progress bars from transformers/huggingface_hub/tqdm with -q or when stderr is not a terminal.
+
+    Set before transformers is imported (it reads the environment once); if it is already imported, told
+    directly."""
+    if quiet or not sys.stderr.isatty():
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        os.environ["TQDM_DISABLE"] = "1"
+        if "transformers" in sys.modules:
+            from transformers.utils import logging as tlog
+            tlog.disable_progress_bar()
+
+
+def _check_outputs(out: dict) -> None:
+    """Report paths that can be found bad before any model loads: two reports on stdout, unwritable paths."""
+    if out["json"] == "-" and out["junit"] == "-":
+        raise BadInput("--json - and --junit - both ask for stdout; send one of them to a file")
+    for flag, path in (("--json", out["json"]), ("--junit", out["junit"]), ("--plot", out["plot"])):
+        if path and path != "-":
+            parent = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(parent) or not os.access(parent, os.W_OK) or (
+                    os.path.exists(path) and not os.access(path, os.W_OK)):
+                raise BadInput(f"{flag} {path}: cannot write there (no such directory, or not writable)")
 
 
 def _shared(model, prompts, tokens):
@@ -68,6 +100,9 @@ def _shared(model, prompts, tokens):
     spec = ModelSpec(model) if model else None
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise ConfigError(f"--prompt number {i + 1} is empty (got {p!r}); give some text")
     ids = []
     for t in tokens:
         try:
@@ -80,24 +115,35 @@ def _shared(model, prompts, tokens):
     return spec, inputs
 
 
-def _emit(report, json_path, junit_path, plot_path, quiet, token_text=None):
-    """Write machine reports, print the human one, and exit with the verdict's status."""
+def _emit(report, out: dict, token_text=None, not_reached=()):
+    """Write machine reports, print the human one, and exit with the verdict's status.
+
+    ``not_reached``: layers a --fail-fast run never compared (JUnit marks them skipped).
+    """
     from ..verify.junit import to_junit
-    if json_path == "-":
+    if out["json"] == "-":
         click.echo(report.to_json())
-    elif json_path:
-        _write(json_path, report.to_json())
-    if junit_path:
-        _write(junit_path, to_junit(report))
-    if plot_path:
+    elif out["json"]:
+        _write(out["json"], report.to_json())
+    if out["junit"] == "-":
+        click.echo(to_junit(report, not_reached=not_reached), nl=False)
+    elif out["junit"]:
+        _write(out["junit"], to_junit(report, not_reached=not_reached))
+    if out["plot"]:
         from ..verify.plot import plot_errors
-        plot_errors(report, plot_path)
-    if json_path != "-":
-        from .render import report_renderable, verdict_text
+        plot_errors(report, out["plot"])
+    if "-" not in (out["json"], out["junit"]):
+        from .render import print_report, verdict_text
         console = _console()
-        console.print(verdict_text(report) if quiet else report_renderable(report, token_text))
+        if out["quiet"]:
+            console.print(verdict_text(report, out["strict"]), soft_wrap=True)
+        else:
+            print_report(console, report, token_text, which=out["layers"], verbose=out["verbose"],
+                         strict=out["strict"])
     if report.incomparable:
         sys.exit(EXIT_BAD_INPUT)  # incomparable traces (SPEC §4): reported, but not a tolerance verdict
+    if out["strict"] and report.inconclusive:
+        sys.exit(EXIT_FAIL)  # --strict: a fault that cannot show here is not a pass for a gate
     sys.exit(EXIT_PASS if report else EXIT_FAIL)
 
 
@@ -110,15 +156,56 @@ def _write(path, text):
         raise PrefillDiffError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _progress(console, total_layers_hint=None):
-    """A transient per-layer progress bar, hidden when stdout is not a terminal."""
-    from rich.progress import BarColumn, Progress, TextColumn
-    if not console.is_terminal:
-        return None, None
-    prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("layer {task.completed}"),
-                    transient=True, console=console)
-    return prog, lambda label: (lambda layer, _t=prog.add_task(label, total=total_layers_hint): prog.update(
-        _t, completed=layer + 1))
+class Progress:
+    """One transient progress display on stderr for every long step; nothing when stderr is not a terminal.
+
+    ``step(label)`` shows an indeterminate pulse (model load, compare); ``side(label)`` returns the
+    per-layer callback the pipeline calls, with the layer total once the recorder knows it.
+    """
+
+    def __init__(self, quiet: bool = False):
+        self.console = _console(stderr=True)
+        self.prog = None
+        if not quiet and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as P, SpinnerColumn, TextColumn
+            self.prog = P(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          transient=True, console=self.console)
+        self._task = None
+
+    def __enter__(self):
+        if self.prog is not None:
+            self.prog.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.prog is not None:
+            self.prog.__exit__(*exc)
+
+    def step(self, label: str) -> None:
+        if self.prog is None:
+            return
+        if self._task is not None:
+            self.prog.remove_task(self._task)
+        self._task = self.prog.add_task(label, total=None)
+
+    def side(self, label: str, after: str | None = None):
+        """The per-layer callback of one side's recording (None without a display); ``after``: the step shown
+        once its last layer is done."""
+        if self.prog is None:
+            return None
+        self.step(f"{label}: layers")
+        task = self._task
+
+        def on_layer(layer):
+            self.prog.update(task, completed=layer + 1)
+            t = next((x for x in self.prog.tasks if x.id == task), None)
+            if after and t is not None and t.total is not None and layer + 1 >= t.total:
+                self.step(after)
+
+        def set_total(n):
+            self.prog.update(task, total=n)
+        on_layer.set_total = set_total
+        return on_layer
 
 
 from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options,  # noqa: E402
@@ -152,8 +239,8 @@ def cli():
 @click.option("--fail-fast", is_flag=True,
               help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
 @calibration_options
-def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path, quiet, out_dir, level, force,
-        fail_fast, calibrate, factor, allow_subset):
+def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail_fast, calibrate, factor,
+        allow_subset):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -168,24 +255,31 @@ def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path
         prefill-diff run reference fault:gqa-mapping --fail-fast
     """
     from ..verify.pipeline import run_lockstep, run_pair
+    _check_outputs(out)
+    _quiet_libraries(out["quiet"])
     spec, inputs = _shared(model, prompts, tokens)
-    console = _console()
     cal = dict(calibrate=calibrate, factor=factor, allow_subset=allow_subset)
     if fail_fast:
         if out_dir:
             raise BadInput("--fail-fast keeps no traces; drop --out")
-        outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=tol, **cal)
-        _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
-    prog, progress = _progress(console)
+        with Progress(out["quiet"]) as prog:
+            prog.step("loading the model, running the sides layer by layer")
+            outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=tol, **cal)
+        rep = outcome.report
+        reached = {lr.layer for lr in rep.layers}
+        _emit(rep, out, outcome.token_text,
+              not_reached=[i for i in range(rep.n_layers) if i not in reached] if rep.stopped_early else ())
+    after = {"reference": "recording the candidate", "candidate": "comparing (or recording the golden and twin)",
+             "golden (float64)": "recording the twin, or comparing"}
     kw = dict(out_dir=out_dir, level=level, force=force, policy_args=tol, **cal)
-    if prog is not None:
-        with prog:
-            outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)
-    else:
-        outcome = run_pair(ref, cand, spec, inputs, **kw)
-    if outcome.ref_path and not quiet and json_path != "-":
-        console.print(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim")
-    _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
+    with Progress(out["quiet"]) as prog:
+        prog.step("loading the model and preparing both sides")
+        progress = (lambda label: prog.side(label, after.get(label, "comparing"))) if prog.prog is not None else None
+        outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)
+    if outcome.ref_path and not out["quiet"] and "-" not in (out["json"], out["junit"]):
+        from rich.text import Text
+        _console().print(Text(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"), soft_wrap=True)
+    _emit(outcome.report, out, outcome.token_text)
 
 
 @cli.command()
@@ -218,19 +312,22 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     """
     from ..verify.pipeline import prepare_side, record_side
     from ..verify.policy_file import policy_spec
+    if os.path.exists(output) and not force:  # found before the model loads
+        raise BadInput(f"{output} exists; pass --force to overwrite it")
+    _quiet_libraries(False)
     tol = policy_spec(**tol)
     spec, inputs = _shared(model, prompts, tokens)
-    prep = prepare_side(config, spec, inputs)
     if twin_of is not None and level != "full":
         raise BadInput(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
+    with Progress() as prog:
+        prog.step("loading the model")
+        prep = prepare_side(config, spec, inputs)
+        record_side(prep, output, level, force, compression, progress=prog.side("recording", "writing"),
+                    tolerance=tol)
+    from rich.text import Text
     console = _console()
-    prog, progress = _progress(console, prep.snapshot.args.n_layers)
-    if prog is not None:
-        with prog:
-            record_side(prep, output, level, force, compression, progress=progress("recording"), tolerance=tol)
-    else:
-        record_side(prep, output, level, force, compression, tolerance=tol)
-    console.print(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} samples)")
+    console.print(Text(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} "
+                       "samples)"), soft_wrap=True)
     if twin_of is not None:
         from ..engine.config import load_side, precision_of
         from ..verify.calibrate import precision_key, precision_label, same_precisions, sibling_paths
@@ -241,8 +338,9 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
         twin = twin.format(key=precision_key(prec))
         got = record_calibration(prep.side, prec, os.path.dirname(str(output)) or ".", twin_is_ref=same,
                                  force=force, snapshot=prep.snapshot, golden_path=golden, twin_path=twin)
-        console.print(f"wrote {got[0]} (float64 golden)" + ("" if got[1] is None else
-                                                            f" and {got[1]} (twin in {precision_label(prec)})"))
+        console.print(Text(f"wrote {got[0]} (float64 golden)" + ("" if got[1] is None else
+                                                                 f" and {got[1]} (twin in {precision_label(prec)})")),
+                      soft_wrap=True)
 
 
 @cli.command()
@@ -253,9 +351,11 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
 @model_options
 @click.option("--fail-fast", is_flag=True, help="Stop at the first layer that breaks.")
 @calibration_options
-def compare(baseline, candidate, tol, json_path, junit_path, plot_path, quiet,
-            model, prompts, tokens, fail_fast, calibrate, factor, allow_subset):
+def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, calibrate, factor, allow_subset):
     """Compare BASELINE.h5 with CANDIDATE (a trace, or a preset/config that is recorded first).
+
+    --model, --prompt and --tokens apply only when CANDIDATE is recorded now; with two traces
+    they are refused.
 
     \b
     Example:
@@ -263,20 +363,36 @@ def compare(baseline, candidate, tol, json_path, junit_path, plot_path, quiet,
         prefill-diff compare baseline.h5 batched-left
     """
     from ..verify.pipeline import compare_with
+    _check_outputs(out)
+    if os.path.isfile(candidate) and not candidate.endswith(".toml"):
+        given = [f for f, v in (("--model", model), ("--prompt", prompts), ("--tokens", tokens)) if v]
+        if given:
+            verb = "does" if len(given) == 1 else "do"
+            raise BadInput(f"{' and '.join(given)} {verb} not apply when comparing two traces ({candidate} is a "
+                           "trace file: its model and prompts are recorded in it); drop them")
+    _quiet_libraries(out["quiet"])
     spec, inputs = _shared(model, prompts, tokens)
-    outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast,
-                           policy_args=tol, calibrate=calibrate, factor=factor, allow_subset=allow_subset)
-    _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
+    with Progress(out["quiet"]) as prog:
+        prog.step("comparing" if os.path.isfile(candidate) and not candidate.endswith(".toml")
+                  else f"recording {candidate} with the baseline's model and prompts, then comparing")
+        outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast, policy_args=tol,
+                               calibrate=calibrate, factor=factor, allow_subset=allow_subset)
+    rep = outcome.report
+    reached = {lr.layer for lr in rep.layers}
+    _emit(rep, out, outcome.token_text,
+          not_reached=[i for i in range(rep.n_layers) if i not in reached] if rep.stopped_early else ())
 
 
 @cli.command()
 @click.argument("config", required=False)
 @model_options
 def ledger(config, model, prompts, tokens):
-    """Print the shape ledger of seed §2.8 for CONFIG's model and inputs.
+    """Print the shape ledger of seed §2.8 for CONFIG's model and inputs (one table per prefill call).
 
-    With no CONFIG it shows the seed's table: model seed-2.8, one 12-token prompt
-    (cache total 192 scalars). Shapes are measured from a real prefill.
+    With no CONFIG (and no --model) it shows the seed's table: model seed-2.8, one 12-token
+    prompt (cache total 192 scalars). With CONFIG the model is the config's, else --model,
+    else synthetic. Shapes are measured from a real prefill; a chunked config shows each
+    chunk's call.
 
     \b
     Example:
@@ -295,7 +411,7 @@ def ledger(config, model, prompts, tokens):
             inputs = Inputs(token_ids=default_token_ids(20, (12,)))
     side = load_side(config or "reference", spec, inputs)
     prep = prepare(side)
-    _console().print(ledger_renderable(build(prep), prep.snapshot.source))
+    _console().print(ledger_renderable(build(prep), prep.snapshot.source, prep.side.run.cache.chunk_size))
 
 
 @cli.command()
@@ -303,29 +419,44 @@ def ledger(config, model, prompts, tokens):
 @click.option("--layer", type=int, default=None, help="Only this layer.")
 @click.option("--tensor", default=None, metavar="NAME",
               help="Only this tensor: layer_input, attn_update, attn_heads, mid, mlp_update, layer_output, "
-                   "cache_keys, cache_values.")
-@click.option("--sample", type=int, default=None, help="Only this sample (with --layer and --tensor: its values).")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def inspect(trace, layer, tensor, sample, as_json):
+                   "cache_keys, cache_values; or a final-stage tensor: logits, norm_last.")
+@click.option("--sample", type=int, default=None,
+              help="Only this sample (with --layer and --tensor, or with --tensor logits|norm_last: its values).")
+@click.option("--position", type=int, default=None, help="With --sample: only this token position's values.")
+@click.option("--channel", default=None, metavar="C",
+              help="Which channels' values to show: 37, 30-40 or 1,5,9 (default: the first 8).")
+@click.option("--json", "json_path", default=None, is_flag=False, flag_value="-", metavar="FILE",
+              help="Write the summary as JSON to FILE ('-' or no FILE: stdout).")
+def inspect(trace, layer, tensor, sample, position, channel, json_path):
     """Summarise TRACE: model, run, inputs, per-layer statistics and finite counts, final top ids.
 
-    Works on traces of every level, from the statistics each trace carries.
+    Works on traces of every level, from the statistics each trace carries, and says what a
+    level does not keep. Values: full traces hold every tensor; sampled traces a declared
+    subset of positions and channels; stats traces only the final logits and norm_last.
 
     \b
     Example:
         prefill-diff inspect ref.h5
-        prefill-diff inspect ref.h5 --layer 2 --tensor mlp_update --sample 1
+        prefill-diff inspect ref.h5 --layer 2 --tensor mlp_update --sample 1 --channel 30-37
+        prefill-diff inspect ref.h5 --tensor logits --sample 0
     """
     from ..dumps.inspect import summarize
     from ..dumps.reader import Trace
+    if json_path not in (None, "-") and (json_path.endswith((".h5", ".hdf5")) or os.path.abspath(json_path) ==
+                                         os.path.abspath(trace)):
+        raise BadInput(f"--json {json_path}: a JSON summary is not written over a trace file (give a .json name)")
     with Trace(trace) as t:
-        summary = summarize(t, layer, tensor, sample)
-    if as_json:
+        summary = summarize(t, layer, tensor, sample, position, channel)
+    if json_path is not None:
         import json
-        click.echo(json.dumps(summary, indent=2, default=str))
+        text = json.dumps(summary, indent=2, default=str)
+        if json_path == "-":
+            click.echo(text)
+        else:
+            _write(json_path, text + "\n")
         return
-    from .render import inspect_renderable
-    _console().print(inspect_renderable(summary))
+    from .render import print_inspect
+    print_inspect(_console(), summary)
 
 
 @cli.command()
@@ -336,10 +467,18 @@ def presets():
     Example:
         prefill-diff presets
     """
+    import shutil
+    import textwrap
     from ..engine.config import PRESETS
     width = max(len(name) for name in PRESETS)
-    for name, (desc, _) in PRESETS.items():  # plain lines, never wrapped: easy to grep
-        click.echo(f"{name:<{width}}  {desc}")
+    cols = shutil.get_terminal_size((0, 0)).columns if sys.stdout.isatty() else 0
+    for name, (desc, _) in PRESETS.items():
+        if cols and cols > width + 22:  # a terminal: wrap at word boundaries under the description
+            click.echo(textwrap.fill(desc, cols - 1, initial_indent=f"{name:<{width}}  ",
+                                     subsequent_indent=" " * (width + 2), break_long_words=False,
+                                     break_on_hyphens=False))
+        else:  # not a terminal: one plain line per preset, easy to grep
+            click.echo(f"{name:<{width}}  {desc}")
 
 
 def _on_sigint(signum, frame):

@@ -55,16 +55,36 @@ def tolerance_options(f):
 
 
 def report_options(f):
-    """--json, --junit, --quiet: where the verdict goes besides the terminal."""
+    """--json, --junit, --plot, -q, -v, --layers, --strict: where the verdict goes and how much of it.
+
+    They reach the command as one ``out`` dict (json, junit, plot, quiet, verbose, layers, strict).
+    """
+    import functools
+
+    @functools.wraps(f)
+    def collect(*args, json_path, junit_path, plot_path, quiet, verbose, layers, strict, **kw):
+        return f(*args, out=dict(json=json_path, junit=junit_path, plot=plot_path, quiet=quiet, verbose=verbose,
+                                 layers=layers, strict=strict), **kw)
     return _compose(
         click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
-                     help="Write the JSON report to FILE ('-' for stdout)."),
-        click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
-                     help="Write a JUnit XML report to FILE (one test case per layer and final check)."),
-        click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-                     help="Write a PNG of max abs error per layer and sub-layer (needs matplotlib)."),
-        click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line."),
-    )(f)
+                     metavar="FILE", help="Write the JSON report to FILE ('-' for stdout)."),
+        click.option("--junit", "junit_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+                     metavar="FILE",
+                     help="Write a JUnit XML report to FILE ('-' for stdout; one test case per layer and final "
+                          "check)."),
+        click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+                     help="Write a PNG of the error per layer and sub-layer with the allowed error (needs "
+                          "matplotlib)."),
+        click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line (and no progress bars)."),
+        click.option("-v", "--verbose", is_flag=True,
+                     help="Also print every metric per tensor (mean abs, cosine, max rel, count out of tolerance, "
+                          "worst element, would-pass values) for the failing layer."),
+        click.option("--layers", type=click.Choice(["auto", "failing", "all"]), default="auto", show_default=True,
+                     help="Rows of the layer table: all; only failing layers; auto: all up to 12 layers, else the "
+                          "first break's neighbourhood and a summary."),
+        click.option("--strict", is_flag=True,
+                     help="Exit 1 when the verdict is INCONCLUSIVE (the injected fault cannot show), for gates."),
+    )(collect)
 
 
 def calibration_options(f):

@@ -1,4 +1,10 @@
-"""Rich renderables for people. Functions return renderables; only commands print."""
+"""Rich renderables for people. Functions return renderables or print through a given console.
+
+Rules (issue 17): the header, the verdict and every line a machine may grep are printed unwrapped
+(``soft_wrap=True``); tables are fitted to the console's width by dropping low-priority columns, never by
+cutting a number; an out-of-tolerance cell carries a symbol as well as a colour, so CI logs (no colour)
+show it too. Text that comes from a trace or a prompt is built with ``rich.text.Text``, never as markup.
+"""
 from __future__ import annotations
 
 import math
@@ -9,9 +15,15 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-COLUMNS = (("layer_input", "R_in"), ("cache_keys", "K"), ("cache_values", "V"), ("attn_update", "attn"),
-           ("mid", "U"), ("mlp_update", "mlp"), ("layer_output", "R_out"))
+# Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
+# (the same name folded at its underscore), priority (lower is dropped last when the width is short).
+COLUMNS = (("layer_input", "layer_\ninput", 6), ("cache_keys", "cache_\nkeys", 4),
+           ("cache_values", "cache_\nvalues", 5), ("attn_update", "attn_\nupdate", 1), ("mid", "mid", 3),
+           ("mlp_update", "mlp_\nupdate", 2), ("layer_output", "layer_\noutput", 0))
 SPARK = "▁▂▃▄▅▆▇█"
+BAD = "✗"  # marks an out-of-tolerance cell (coloured red as well where there is colour)
+NEIGHBOURS = 2  # --layers auto: layers shown on each side of the first break
+AUTO_ALL = 12  # --layers auto: tables of at most this many layers are shown whole
 
 
 def _fmt(x) -> str:
@@ -24,6 +36,11 @@ def _fmt(x) -> str:
 
 def _g(x) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+def token_repr(text) -> str:
+    """A token's text as one unbreakable word: repr (control characters visible), spaces as ␣."""
+    return repr(text).replace(" ", "␣") if text is not None else "?"
 
 
 def sparkline(values) -> str:
@@ -51,68 +68,140 @@ def layer_max(lr) -> float | None:
     return max(vals) if vals else None
 
 
-def verdict_text(report) -> Text:
-    style = "bold green" if report else "bold red"
-    return Text(report.verdict_line(), style=style)
+def verdict_text(report, strict: bool = False) -> Text:
+    ok = bool(report) and not (strict and report.inconclusive)
+    return Text(report.verdict_line(), style="bold green" if ok else "bold red")
 
 
-def report_renderable(report, token_text: dict | None = None):
-    parts = []
-    parts.append(Text(f"reference: {report.ref.get('origin')} ({report.ref.get('file') or 'not kept'}, "
-                      f"{report.ref.get('level')})  "
-                      f"candidate: {report.cand.get('origin')} ({report.cand.get('file') or 'not kept'}, "
-                      f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
-    if report.calibration:
-        parts.append(Text(f"rule: {report.calibration}", style="dim"))
-    for n in report.notes:
-        if n.startswith("MODEL IDENTITY DIFFERS"):
-            parts.append(Text(n, style="bold yellow"))
-    if report.layers:
-        parts.append(layer_table(report))
-        if report.policy.calibration:
-            parts.append(calibration_table(report))
-        spark = sparkline([layer_max(lr) for lr in report.layers])
-        parts.append(Text(f"error growth (max abs per layer, log scale): {spark}"))
-    if report.final is not None:
-        parts.append(final_table(report, token_text))
-    if report.first_break is not None:
-        fb = report.first_break
-        body = [Text(report.verdict_line(), style="bold red"), Text(fb.message)]
-        if fb.sublayer:
-            body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
-                             + (f", query heads {list(fb.heads)}" if fb.heads else "")
-                             + (f", KV heads {list(fb.kv_heads)}" if fb.kv_heads else "")))
-        if report.diagnosis:
-            body.append(Text("hint: " + report.diagnosis, style="yellow"))
-        parts.append(Panel(Group(*body), title="first break", border_style="red"))
-    for n in report.inconclusive:
-        parts.append(Text("INCONCLUSIVE: " + n, style="bold yellow"))
-    for n in report.notes:
-        if not n.startswith("MODEL IDENTITY DIFFERS"):
-            parts.append(Text("note: " + n, style="yellow"))
-    for n in report.skipped:
-        parts.append(Text("not checked: " + n, style="dim"))
-    parts.append(verdict_text(report))
-    return Group(*parts)
+def header_text(report) -> Text:
+    def side(d):
+        return f"{d.get('origin')} ({d.get('file') or 'trace not kept'}, {d.get('level')} level)"
+    return Text(f"reference: {side(report.ref)}  candidate: {side(report.cand)}  policy: {report.policy.name}",
+                style="dim")
 
 
-def layer_table(report) -> Table:
-    t = Table(title="per-layer max abs error (red: out of tolerance)", title_justify="left", box=box.SIMPLE_HEAD,
-              padding=(0, 1), pad_edge=False)
-    t.add_column("layer", justify="right", no_wrap=True)
-    for _, label in COLUMNS:
-        t.add_column(label, justify="right", no_wrap=True, min_width=7)
-    for lr in report.layers:
-        row = [f"[green]{lr.layer}[/]" if lr else f"[bold red]{lr.layer}[/]"]
-        for name, _ in COLUMNS:
-            tr = lr.tensor(name)
-            if tr is None:
-                row.append("-")
-                continue
-            cell = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
-            row.append(f"[red]{cell}[/]" if not tr else cell)
-        t.add_row(*row)
-    return t
+# -- fitting tables to the width -------------------------------------------------------------------
+
+def _cell_width(cell) -> int:
+    s = cell.plain if isinstance(cell, Text) else str(cell)
+    return max((len(line) for line in s.split("\n")), default=0)
+
+
+def fitted_table(columns, rows, width: int, **table_kw):
+    """A table of ``columns`` = [(header, justify, priority)] that fits ``width`` without cutting a cell.
+
+    Columns are dropped by priority (highest number first) until the natural widths fit; returns
+    (table, headers of the dropped columns). Cells are never wrapped or cut.
+    """
+    keep = list(range(len(columns)))
+
+    def build(idx):
+        t = Table(box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False, title_justify="left", **table_kw)
+        for i in idx:
+            t.add_column(columns[i][0], justify=columns[i][1], no_wrap=True)
+        for r in rows:
+            t.add_row(*(r[i] for i in idx))
+        return t
+
+    def need(idx):  # the table's natural width, measured by rendering it unconstrained (title aside)
+        import io
+        from rich.console import Console
+        probe = Console(file=io.StringIO(), width=10_000, color_system=None)
+        t = build(idx)
+        t.title = None
+        probe.print(t)
+        return max((len(line.rstrip()) for line in probe.file.getvalue().splitlines()), default=0)
+    while len(keep) > 1 and need(keep) > width:
+        worst = max((columns[i][2], i) for i in keep)[1]
+        if columns[worst][2] <= 0:
+            break  # priority 0 columns are never dropped
+        keep.remove(worst)
+    t = build(keep)
+    dropped = [columns[i][0].replace("_\n", "_").replace("\n", " ") for i in range(len(columns)) if i not in keep]
+    return t, dropped
+
+
+# -- the run/compare report ---------------------------------------------------------------------
+
+def _cell(tr) -> Text:
+    if tr is None or tr.level == "none":
+        return Text("- ")
+    value = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
+    if tr.shape_detail is not None:
+        value = "shape"
+    return Text(value + BAD, style="red") if not tr else Text(value + " ")
+
+
+def _cache_cell(lr) -> Text:
+    c = lr.cache
+    if not c.lengths_ok:
+        return Text("length" + BAD, style="red")
+    if not c.positions_ok:
+        return Text("positions" + BAD, style="red")
+    return Text("ok ")
+
+
+def shown_layers(report, which: str = "auto") -> list:
+    """Indices into report.layers to show: all, failing only, or (auto) all up to AUTO_ALL layers, else the
+    first break's neighbourhood (or, on a pass, the first, worst and last layers)."""
+    n = len(report.layers)
+    if which == "all" or (which == "auto" and n <= AUTO_ALL):
+        return list(range(n))
+    if which == "failing":
+        return [i for i, lr in enumerate(report.layers) if not lr]
+    fb = report.first_break
+    keep = {n - 1}
+    if fb is not None and fb.layer is not None and fb.stage == "layer":
+        at = next((i for i, lr in enumerate(report.layers) if lr.layer == fb.layer), n - 1)
+        keep |= set(range(max(at - NEIGHBOURS, 0), min(at + NEIGHBOURS + 1, n)))
+    else:
+        vals = [layer_max(lr) for lr in report.layers]
+        worst = max(range(n), key=lambda i: -1.0 if vals[i] is None or math.isnan(vals[i]) else vals[i])
+        keep |= {0, 1, worst, n - 2}
+    return sorted(i for i in keep if 0 <= i < n)
+
+
+def _is_stats(report, name) -> bool:
+    return any((tr := lr.tensor(name)) is not None and tr.level == "stats" for lr in report.layers)
+
+
+def layer_table(report, width: int = 120, which: str = "auto"):
+    """The per-layer table, fitted to width; returns (table, lines below it)."""
+    stats_cols = [name for name, _, _ in COLUMNS if _is_stats(report, name)]
+    title = f"per-layer max abs error ({BAD}: out of tolerance)"
+    if len(stats_cols) == len(COLUMNS):
+        title = (f"per-layer largest error of the statistics min, max, mean, rms (stats level: no values kept; "
+                 f"{BAD}: out of tolerance)")
+    elif stats_cols:
+        title += "; " + ", ".join(stats_cols) + ": error of the statistics min, max, mean, rms (stats level)"
+    cols = [("layer", "right", 0)] + [(h, "right", p) for _, h, p in COLUMNS] + [("cache", "right", 1)]
+    idx = shown_layers(report, which)
+    rows, prev = [], None
+    for i in idx:
+        if prev is not None and i != prev + 1:
+            rows.append([Text("…")] + [Text("")] * (len(cols) - 1))
+        lr = report.layers[i]
+        rows.append([Text(str(lr.layer), style="green" if lr else "bold red")]
+                    + [_cell(lr.tensor(name)) for name, _, _ in COLUMNS] + [_cache_cell(lr)])
+        prev = i
+    t, dropped = fitted_table(cols, rows, width, title=title)
+    below = []
+    if dropped:
+        below.append(Text(f"columns not shown at width {width}: {', '.join(dropped)} (see --json)", style="dim"))
+    hidden = len(report.layers) - len(idx)
+    if hidden:
+        bad = [lr.layer for j, lr in enumerate(report.layers) if j not in idx and not lr]
+        within = hidden - len(bad)
+        what = f"{within} within tolerance" + (f", {len(bad)} out of tolerance (layers {_span(bad)})" if bad else "")
+        below.append(Text(f"{hidden} more layers not shown ({what}); --layers all shows every layer", style="dim"))
+    return t, below
+
+
+def _span(xs) -> str:
+    xs = sorted(xs)
+    if len(xs) > 1 and xs == list(range(xs[0], xs[-1] + 1)):
+        return f"{xs[0]}-{xs[-1]}"
+    return ", ".join(map(str, xs[:12])) + (", …" if len(xs) > 12 else "")
 
 
 def calibration_table(report) -> Table:
@@ -128,38 +217,162 @@ def calibration_table(report) -> Table:
             continue
         w = max(cands, key=lambda x: x.calib.cand_error / x.calib.allowed if x.calib.allowed else float("inf"))
         k = w.calib
-        num = "-" if lr.numerics is None else ("ok" if lr.numerics else "[red]broken[/]")
+        num = "-" if lr.numerics is None else ("ok" if lr.numerics else Text("broken ✗", style="red"))
         ratio = f"{k.max_ratio:.2g}x"
         t.add_row(str(lr.layer), w.tensor, _fmt(k.cand_error), _fmt(k.noise), _fmt(k.allowed),
-                  f"[red]{ratio}[/]" if not k else ratio, num)
+                  Text(ratio + " ✗", style="red") if not k else ratio, num)
     return t
 
 
-def final_table(report, token_text: dict | None = None) -> Table:
-    t = Table(title="final logits and top ids", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for c in ("sample", "logits max abs", "reference top", "candidate top"):
-        t.add_column(c)
+def final_table(report, token_text: dict | None = None, width: int = 120):
     logits = report.final.tensor("logits")
     bad = set(logits.bad_samples) if logits is not None else set()
 
     def show(ids):
         ids = ids[:5]
         if token_text:
-            return " ".join(f"{i}:{token_text.get(str(i), '?')!r}" for i in ids)
-        return " ".join(map(str, ids))
+            return Text(" ".join(f"{i}:{token_repr(token_text.get(str(i)))}" for i in ids))
+        return Text(" ".join(map(str, ids)))
 
     errs = dict(report.final.sample_max_abs)
+    t = Table(title="final logits and top ids", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+              width=None)
+    narrow = width < 60  # one column of top ids, reference above candidate
+    t.add_column("sample", justify="right", no_wrap=True)
+    t.add_column("logits\nmax abs" if narrow else "logits max abs", justify="right", no_wrap=True)
+    if narrow:
+        t.add_column("top ids: reference,\ncandidate", overflow="fold")
+    else:
+        t.add_column("reference top", overflow="fold")
+        t.add_column("candidate top", overflow="fold")
     for s, r, c in report.final.top:
         err = _fmt(errs.get(s))
-        t.add_row(str(s), f"[red]{err}[/]" if s in bad else err, show(r), show(c))
+        cells = [str(s), Text(err + " " + BAD, style="red") if s in bad else Text(err + "  ")]
+        cells += [Text.assemble("ref  ", show(r), "\ncand ", show(c))] if narrow else [show(r), show(c)]
+        t.add_row(*cells)
     return t
 
 
-def ledger_renderable(ledgers, model_name: str):
+def _metrics_lines(tr) -> Text:
+    """Every metric of one tensor, as words (the -v view)."""
+    if tr.level == "none":
+        return Text(f"{tr.tensor}: not compared ({tr.note or 'no values'})")
+    if tr.level == "stats":
+        head = (f"{tr.tensor} (stats level, {tr.compared} statistics): largest statistic error "
+                f"{_g(tr.max_abs)}, {tr.n_bad} statistics out of tolerance")
+        extra = f"; would pass with atol >= {_g(tr.min_atol)}" if tr.n_bad else ""
+        return Text(head + extra + ("" if tr else f"  {BAD}"), style="" if tr else "red")
+    s = (f"{tr.tensor} ({tr.level} level, {tr.compared} values): max abs {_g(tr.max_abs)}, max rel "
+         f"{_g(tr.max_rel)}, mean abs {_g(tr.mean_abs)}, cosine {_g(tr.cosine)}, largest row error "
+         f"{_g(tr.max_row_rel)} of the row norm, {tr.n_bad} out of tolerance")
+    if tr.worst:
+        s += (f", worst at sample {tr.worst[0]} pos {tr.worst[1]} channel {tr.worst[2]}"
+              f" (tolerance there {_g(tr.worst_bound)})")
+    s += (f"; would pass with atol >= {_g(tr.min_atol)}, rtol >= {_g(tr.min_rtol)}, ntol >= {_g(tr.min_ntol)} "
+          f"or row_rtol >= {_g(tr.min_row_rtol)}")
+    if not tr.finite_ok:
+        s += (f"; non-finite: {tr.finite_cand_only} finite only in the candidate, {tr.finite_ref_only} only in "
+              f"the reference, padding {tr.pad_nonfinite_ref} vs {tr.pad_nonfinite_cand}")
+    if tr.bit_identical:
+        s += "; bit-identical"
+    return Text(s + ("" if tr else f"  {BAD}"), style="" if tr else "red")
+
+
+def verbose_renderable(report):
+    """-v: every metric per tensor of the failing layer (on a pass: of the layer with the largest error)."""
+    fb = report.first_break
+    target = None
+    if fb is not None and fb.stage == "layer":
+        target = next((lr for lr in report.layers if lr.layer == fb.layer), None)
+    elif report.layers:
+        vals = [layer_max(lr) for lr in report.layers]
+        target = report.layers[max(range(len(vals)), key=lambda i: -1.0 if vals[i] is None or math.isnan(vals[i])
+                                   else vals[i])]
     parts = []
+    if target is not None:
+        why = "the first break's layer" if fb is not None and fb.stage == "layer" else "the largest error"
+        parts.append(Text(f"layer {target.layer} ({why}), every metric per tensor:", style="bold"))
+        parts += [_metrics_lines(tr) for tr in target.tensors]
+        if target.cache.detail:
+            parts.append(Text(f"cache: {target.cache.detail}", style="red"))
+    if report.final is not None and (fb is None or fb.stage == "final"):
+        parts.append(Text("final stage, every metric per tensor:", style="bold"))
+        parts += [_metrics_lines(tr) for tr in report.final.tensors]
+    return Group(*parts)
+
+
+def first_break_panel(report):
+    fb = report.first_break
+    line = report.line(fb)
+    body = [Text(line, style="bold red")]
+    if fb.message and fb.message not in line and fb.message.split(": ", 1)[-1] not in line:
+        body.append(Text(fb.message))
+    if fb.sublayer:
+        body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
+                         + (f", query heads {', '.join(map(str, fb.heads))}" if fb.heads else "")
+                         + (f", KV heads {', '.join(map(str, fb.kv_heads))}" if fb.kv_heads else "")))
+    if report.diagnosis:
+        body.append(Text("hint: " + report.diagnosis, style="yellow"))
+    return Panel(Group(*body), title="first break", border_style="red")
+
+
+def report_parts(report, token_text: dict | None = None, width: int = 120, which: str = "auto",
+                 verbose: bool = False, strict: bool = False):
+    """The human report as (renderable, unwrapped) pairs; unwrapped lines are printed whatever the width."""
+    yield header_text(report), True
+    if report.calibration:
+        yield Text(f"rule: {report.calibration}", style="dim"), True
+    for n in report.notes:
+        if n.startswith("MODEL IDENTITY DIFFERS"):
+            yield Text(n, style="bold yellow"), True
+    if report.layers:
+        table, below = layer_table(report, width, which)
+        yield table, False
+        for line in below:
+            yield line, True
+        if report.policy.calibration:
+            yield calibration_table(report), False
+        spark = sparkline([layer_max(lr) for lr in report.layers])
+        yield Text(f"error growth (max abs per layer, log scale): {spark}"), True
+    if report.final is not None:
+        yield final_table(report, token_text, width), False
+    if verbose:
+        yield verbose_renderable(report), False
+    if report.first_break is not None:
+        yield first_break_panel(report), False
+    for n in report.inconclusive:
+        yield Text("INCONCLUSIVE: " + n, style="bold yellow"), True
+    for n in report.notes:
+        yield Text("note: " + n, style="yellow"), True
+    for n in report.skipped:
+        yield Text("not checked: " + n, style="dim"), True
+    yield verdict_text(report, strict), True
+
+
+def print_report(console, report, token_text: dict | None = None, which: str = "auto", verbose: bool = False,
+                 strict: bool = False) -> None:
+    """The whole human report. The header and the verdict are printed unwrapped, whatever the width."""
+    for part, unwrapped in report_parts(report, token_text, console.width, which, verbose, strict):
+        console.print(part, soft_wrap=unwrapped)
+
+
+def report_renderable(report, token_text: dict | None = None, width: int = 120, which: str = "auto",
+                      verbose: bool = False):
+    """The report as one renderable (tests, embedding); commands use print_report, which never wraps lines."""
+    return Group(*(part for part, _ in report_parts(report, token_text, width, which, verbose)))
+
+
+# -- ledger ---------------------------------------------------------------------------------------
+
+def ledger_renderable(ledgers, model_name: str, chunk_size: int = 0):
+    parts = []
+    n = len(ledgers)
     for i, lg in enumerate(ledgers):
-        t = Table(title=f"shape ledger (seed §2.8) — model {model_name}, prefill call {i + 1} of {len(ledgers)}, "
-                        f"input rectangle {list(lg.rect)}", title_justify="left")
+        which = (f"prefill call {i + 1} of {n}" if n > 1 else "one prefill call")
+        if chunk_size:
+            which += f" (chunked: shapes of its first chunk of up to {chunk_size} tokens)"
+        t = Table(title=Text(f"shape ledger (seed §2.8) — model {model_name}, {which}, input rectangle "
+                             f"{list(lg.rect)}"), title_justify="left")
         t.add_column("object")
         t.add_column("shape")
         for name, shape in lg.rows:
@@ -171,69 +384,97 @@ def ledger_renderable(ledgers, model_name: str):
     return Group(*parts)
 
 
-def inspect_renderable(s: dict):
+# -- inspect --------------------------------------------------------------------------------------
+
+def _words(d) -> str:
+    """A metadata dict as words: 'dtype int8, scales per-token' (never a Python repr)."""
+    if isinstance(d, dict):
+        return ", ".join(f"{k.replace('_', ' ')} {_words(v)}" for k, v in d.items() if v not in (None, "", [], {}))
+    if isinstance(d, (list, tuple)):
+        return "[" + ", ".join(_words(x) for x in d) + "]"
+    return str(d)
+
+
+def print_inspect(console, s: dict) -> None:
+    width = console.width
     m, run = s["model"], s["run"]
     a = m.get("args") or {}
     eng = run.get("engine") or {}
-    head = [Text(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle']})",
-                 style="bold"),
-            Text(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
-                 f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
-                 f"weights {str(m.get('weights_digest'))[:23]}…"
-                 + (f"  adapter {m['adapter']['id']}" if m.get("adapter") else "")),
-            Text(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
-                 f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache {run.get('layout')}")]
+    p = lambda x, **kw: console.print(x, soft_wrap=True, **kw)  # noqa: E731
+    p(Text(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle'][0]} "
+           f"samples x {s['rectangle'][1]} columns)", style="bold"))
+    p(Text(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
+           f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
+           f"weights {str(m.get('weights_digest'))[:23]}…"
+           + (f"  adapter {m['adapter'].get('id')}" if m.get("adapter") else "")))
+    p(Text(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
+           f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache: {_words(run.get('layout')) or 'default'}"))
     rec = s.get("record") or {}
-    facts = []
-    if run.get("fault") or rec.get("fault"):
-        facts.append(f"fault injected: {run.get('fault') or rec.get('fault')}")
+    fault = run.get("fault") or rec.get("fault")
+    if fault:
+        p(Text(f"fault injected: {_words(fault)}", style="red"))
     for o in rec.get("reuse") or ():
         what = "reused" if o.get("hit") else "not reused"
-        facts.append(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
-                     + (" (FORCED)" if o.get("forced") else "") + (f" ({o['reason']})" if o.get("reason") else ""))
+        p(Text(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
+               + (" (FORCED)" if o.get("forced") else "") + (f" ({o['reason']})" if o.get("reason") else ""),
+               style="red" if o.get("forced") else ""))
     if s.get("tolerance"):
-        facts.append(f"declared tolerance: {s['tolerance']}")
-    if rec.get("invariant_violations"):
-        facts.append("cache invariant violations: " + "; ".join(rec["invariant_violations"]))
-    head += [Text(f, style="red" if "violation" in f or "fault" in f or "FORCED" in f else "")
-             for f in facts]
+        p(Text(f"declared tolerance: {_words(s['tolerance'])}"))
+    for v in rec.get("invariant_violations") or ():
+        p(Text(f"cache invariant violation: {v}", style="red"))
     rep = s.get("repro") or {}
     if rep:
-        head.append(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
-                         f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
-                         f"{rep.get('deterministic_algorithms')}", style="dim"))
+        p(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
+               f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
+               f"{rep.get('deterministic_algorithms')}", style="dim"))
     samples = Table(title="samples", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for c in ("sample", "length", "tokens"):
-        samples.add_column(c)
+    samples.add_column("sample", justify="right", no_wrap=True)
+    samples.add_column("length", justify="right", no_wrap=True)
+    samples.add_column("tokens")
     for x in s["samples"]:
         toks = x["text"] if x.get("text") else " ".join(map(str, x["token_ids"][:16])) + (
             " …" if len(x["token_ids"]) > 16 else "")
-        samples.add_row(str(x["sample"]), str(x["length"]), toks)
-    layers = Table(title="per-layer statistics (valid cells; nonfinite counts valid/padding)", title_justify="left",
-                   box=box.SIMPLE_HEAD, pad_edge=False)
-    for c in ("layer", "tensor", "min", "max", "mean", "l2", "nonfin", "cache len"):
-        layers.add_column(c, justify="right" if c not in ("tensor",) else "left", no_wrap=True)
+        samples.add_row(str(x["sample"]), str(x["length"]), Text(toks))
+    console.print(samples)
+    cols = [("layer", "right", 0), ("tensor", "left", 0), ("min", "right", 1), ("max", "right", 1),
+            ("mean", "right", 2), ("l2", "right", 3), ("nonfinite\nvalid/pad", "right", 0),
+            ("cache\nlength", "right", 4)]
+    rows = []
     for row in s["layers"]:
         first = True
         for name, st in row["tensors"].items():
             nf = f"{st['nonfinite']}/{st['pad_nonfinite']}"
-            layers.add_row(str(row["layer"]) if first else "", name, _g(st["min"]), _g(st["max"]),
-                           _g(st["mean"]), _g(st["l2"]), f"[red]{nf}[/]" if nf != "0/0" else nf,
-                           ",".join(map(str, row["cache_lengths"])) if first else "")
+            rows.append([Text(str(row["layer"]) if first else ""), Text(name), Text(_g(st["min"])),
+                         Text(_g(st["max"])), Text(_g(st["mean"])), Text(_g(st["l2"])),
+                         Text(nf + " " + BAD, style="red") if nf != "0/0" else Text(nf + "  "),
+                         Text(",".join(map(str, row["cache_lengths"])) if first else "")])
             first = False
+    t, dropped = fitted_table(cols, rows, width,
+                              title="per-layer statistics over valid cells (non-finite counts: valid/padding)")
+    console.print(t)
+    if dropped:
+        p(Text(f"columns not shown at width {width}: {', '.join(d.replace(chr(10), ' ') for d in dropped)} "
+               "(inspect --json - has them)", style="dim"))
     final = Table(title="final: gathered token and top ids", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
-    for c in ("sample", "gathered token", "top ids"):
-        final.add_column(c)
+    final.add_column("sample", justify="right", no_wrap=True)
+    final.add_column("gathered token", justify="right", no_wrap=True)
+    final.add_column("top ids", overflow="fold")
     for f in s["final"]:
         ids = f["top_ids"][:5]
-        shown = " ".join(f"{i}:{t!r}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
+        shown = " ".join(f"{i}:{token_repr(t)}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
             " ".join(map(str, ids))
-        final.add_row(str(f["sample"]), str(f["gathered_token"]), shown)
-    parts = head + [samples, layers, final]
+        final.add_row(str(f["sample"]), str(f["gathered_token"]), Text(shown))
+    console.print(final)
+    for line in s.get("levels_note") or ():
+        p(Text(line, style="yellow"))
     if "values" in s:
         v = s["values"]
-        parts.append(Text(f"values ({v['dtype']}, shape {v['shape']}, first 8 channels):"))
-        for p, row in zip(v["positions"], v["head"]):
-            parts.append(Text(f"  pos {p}: " + " ".join(f"{x:.4g}" for x in row)))
-    return Group(*parts)
+        where = f"{v['tensor']}" + (f", layer {v['layer']}" if v.get("layer") is not None else "") + \
+            f", sample {v['sample']}"
+        rows = "position" + ("" if v["shape"][0] == 1 else "s")
+        p(Text(f"values of {where} ({v['kind']}, {v['dtype']}, {v['shape'][0]} {rows} x {v['shape'][1]} channels; "
+               f"showing channels {_span(v['channels'])}):"))
+        p(Text(f"  {v['row_name']:>9}  " + " ".join(f"{'ch ' + str(c):>10}" for c in v["channels"]), style="dim"))
+        for pos, row in zip(v["rows"], v["head"]):
+            p(Text(f"  {pos:>9}  " + " ".join(f"{x:>10.4g}" for x in row)))

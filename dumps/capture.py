@@ -81,6 +81,8 @@ def capture(prep, recorder: Recorder, extra_meta: dict | None = None):
 
 def record(prep, recorder: Recorder, progress=None, extra_meta: dict | None = None) -> dict:
     """Run and close: the whole trace, written atomically."""
+    if progress is not None and hasattr(progress, "set_total"):  # a progress display that shows "n of L layers"
+        progress.set_total(prep.snapshot.args.n_layers)
     with recorder:
         gen = capture(prep, recorder, extra_meta)
         while True:

@@ -12,6 +12,17 @@ from .reader import Trace
 from .schema import STAT_COLUMNS, STATES
 
 STAT_TENSORS = STATES + ("cache_keys", "cache_values")
+FINAL_TENSORS = ("logits", "norm_last")
+DEFAULT_CHANNELS = 8  # values shown per row unless --channel says which
+
+LEVEL_HOLDS = {
+    "full": None,
+    "sampled": ("sampled level: values are kept only at up to 8 token positions per sample and up to 32 channels "
+                "per tensor (see --layer/--tensor/--sample); every other cell has statistics only"),
+    "stats": ("stats level: this trace keeps statistics (count, finite count, min, max, mean, L2 norm) and "
+              "checksums per layer, tensor and sample, and no values except the final logits and norm_last; "
+              "record with --level full (or sampled) to see values"),
+}
 
 
 class InspectError(PrefillDiffError):
@@ -32,13 +43,43 @@ def _stat_row(table: np.ndarray, samples) -> dict:
             "pad_nonfinite": int((t[:, c["pad_count"]] - t[:, c["pad_finite"]]).sum())}
 
 
-def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sample: int | None = None) -> dict:
+def parse_channels(spec: str | None) -> list[int] | None:
+    """--channel: 37, 30-40 or 1,5,9 (None: the first DEFAULT_CHANNELS)."""
+    if spec is None:
+        return None
+    out = []
+    try:
+        for part in str(spec).replace(" ", "").split(","):
+            if "-" in part[1:]:
+                a, b = part.split("-", 1)
+                out += list(range(int(a), int(b) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise InspectError(f"--channel takes a channel, a range or a list, e.g. 37, 30-40 or 1,5,9 "
+                           f"(got {spec!r})") from None
+    if not out or min(out) < 0:
+        raise InspectError(f"--channel takes non-negative channel indices (got {spec!r})")
+    return out
+
+
+def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sample: int | None = None,
+              position: int | None = None, channel: str | None = None) -> dict:
+    channels = parse_channels(channel)
+    if tensor in FINAL_TENSORS and layer is not None:
+        raise InspectError(f"{t.name}: --tensor {tensor} is a final-stage tensor; drop --layer")
     if layer is not None and not 0 <= layer < t.n_layers:
         raise InspectError(f"{t.name}: --layer must be in [0, {t.n_layers}) (got {layer})")
     if sample is not None and not 0 <= sample < t.n_samples:
         raise InspectError(f"{t.name}: --sample must be in [0, {t.n_samples}) (got {sample})")
-    if tensor is not None and tensor not in STAT_TENSORS:
-        raise InspectError(f"{t.name}: --tensor must be one of {', '.join(STAT_TENSORS)} (got {tensor!r})")
+    if tensor is not None and tensor not in STAT_TENSORS + FINAL_TENSORS:
+        raise InspectError(f"{t.name}: --tensor must be one of {', '.join(STAT_TENSORS + FINAL_TENSORS)} "
+                           f"(got {tensor!r})")
+    if position is not None and sample is None:
+        raise InspectError(f"{t.name}: --position needs --sample (positions are counted within a sample)")
+    if position is not None and not 0 <= position < int(t.lengths[sample]):
+        raise InspectError(f"{t.name}: --position must be in [0, {int(t.lengths[sample])}) for sample {sample} "
+                           f"(got {position})")
     m = t.meta
     side = m.get("side", {})
     run = side.get("run", {})
@@ -62,7 +103,8 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
         "final": [],
     }
     layers = range(t.n_layers) if layer is None else [layer]
-    names = STAT_TENSORS if tensor is None else (tensor,)
+    names = STAT_TENSORS if tensor is None else (tensor,) if tensor in STAT_TENSORS else ()
+    out["levels_note"] = [LEVEL_HOLDS[t.level]] if LEVEL_HOLDS.get(t.level) else []
     for i in layers:
         v = t.layer(i)
         row = {"layer": i, "tensors": {}, "cache_lengths": [int(v.cache_lengths[s]) for s in samples]}
@@ -81,12 +123,86 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
                              "gathered_column": int(fin["gather_col"][s]),
                              "top_ids": ids, "top_logits": [float(x) for x in fin["topk_logits"][s]],
                              "top_text": [token_text.get(str(i)) for i in ids] if token_text else None})
-    if sample is not None and layer is not None and tensor in STATES and t.level == "full":
-        ds = t.layer(layer).state(tensor)
-        if ds is not None:
-            cols, toks = t.cells(sample)
-            row = t.read(ds, (sample,))
-            vals = row[cols]
-            out["values"] = {"positions": toks.tolist(), "shape": list(vals.shape),
-                             "head": vals[:, :8].tolist(), "dtype": t.source_dtype(ds)}
+    want_values = sample is not None and tensor is not None and (layer is not None or tensor in FINAL_TENSORS)
+    if want_values:
+        values, why = _values(t, layer, tensor, sample, position, channels)
+        if values is not None:
+            out["values"] = values
+        else:
+            out["levels_note"].append(why)
+    elif tensor is not None or position is not None or channel is not None:
+        need = "--sample" if tensor in FINAL_TENSORS else "--layer, --tensor and --sample"
+        out["levels_note"].append(f"values are shown for one tensor of one sample: give {need}")
     return out
+
+
+def _pick(n: int, channels: list[int] | None, what: str) -> list[int]:
+    if channels is None:
+        return list(range(min(n, DEFAULT_CHANNELS)))
+    bad = [c for c in channels if c >= n]
+    if bad:
+        raise InspectError(f"--channel must be below {n}, the channels of {what} (got {bad[0]})")
+    return channels
+
+
+def _values(t: Trace, layer, tensor, sample, position, channels):
+    """(values dict, None) or (None, why there are none). Rows are token positions (cache: slots)."""
+    where = f"{tensor} of layer {layer}" if layer is not None else tensor
+    if tensor in FINAL_TENSORS:
+        ds = t.f[f"final/{tensor}"]
+        row = t.read(ds, (sample,))
+        tok = int(t.final["gather_token"][sample])
+        if position is not None and position != tok:
+            return None, (f"{tensor} is kept only at sample {sample}'s gathered position {tok}, "
+                          f"not at position {position}")
+        ch = _pick(row.shape[-1], channels, where)
+        return {"tensor": tensor, "layer": None, "sample": sample, "kind": "final stage, gathered position",
+                "row_name": "pos", "rows": [tok], "shape": [1, int(row.shape[-1])], "channels": ch,
+                "head": [row[ch].tolist()], "dtype": t.source_dtype(ds)}, None
+    v = t.layer(layer)
+    is_cache = tensor.startswith("cache_")
+    full = v.cache(tensor.split("_", 1)[1]) if is_cache else v.state(tensor)
+    if full is not None:
+        data = t.read(full, (sample,))
+        if is_cache:  # [H, T, D] -> slots x (H·D), slots up to the sample's cache length
+            T = int(v.cache_lengths[sample])
+            flat = np.transpose(data, (1, 0, 2)).reshape(data.shape[1], -1)[:T]
+            rows = [int(p) for p in v.cache_positions[sample, :T]]
+            kind, row_name = "cache slots in logical order, channels = head·head_dim + d", "position"
+        else:
+            cols, toks = t.cells(sample)
+            flat, rows, kind, row_name = data[cols], [int(x) for x in toks], "valid positions", "pos"
+        if position is not None:
+            if position not in rows:
+                return None, f"{where} holds no row for position {position} of sample {sample}"
+            keep = [rows.index(position)]
+            flat, rows = flat[keep], [position]
+        ch = _pick(flat.shape[-1], channels, where)
+        return {"tensor": tensor, "layer": layer, "sample": sample, "kind": kind, "row_name": row_name,
+                "rows": rows, "shape": list(flat.shape), "channels": ch, "head": flat[:, ch].tolist(),
+                "dtype": t.source_dtype(full)}, None
+    samp = v.sampled(tensor)
+    if samp is not None:
+        have = [int(c) for c in samp.attrs["channels"]]
+        toks = t.read(t.f["sampled/token_index"], (sample,))
+        data = t.read(samp, (sample,))
+        keep = [j for j, tk in enumerate(toks) if tk >= 0 and (position is None or tk == position)]
+        if not keep:
+            return None, (f"sampled level: position {position} of sample {sample} is not among the sampled positions "
+                          f"{[int(x) for x in toks if x >= 0]}")
+        if channels is None:
+            idx = list(range(min(len(have), DEFAULT_CHANNELS)))
+        else:
+            missing = [c for c in channels if c not in have]
+            if missing:
+                return None, (f"sampled level: channel {missing[0]} of {where} is not sampled; the sampled channels "
+                              f"are {have}")
+            idx = [have.index(c) for c in channels]
+        return {"tensor": tensor, "layer": layer, "sample": sample,
+                "kind": "sampled level: declared subset of positions and channels", "row_name": "pos",
+                "rows": [int(toks[j]) for j in keep], "shape": [len(keep), len(have)],
+                "channels": [have[i] for i in idx], "head": data[keep][:, idx].tolist(),
+                "dtype": t.source_dtype(samp)}, None
+    if t.level == "stats":
+        return None, f"stats level: no values of {where} in this trace, only its statistics (above)"
+    return None, f"{where} is not recorded in this trace (its statistics, if any, are above)"

@@ -73,7 +73,7 @@ class PrefixCache:
             for key in keys:
                 if entry.meta.get(key) != meta.get(key):
                     return (f"§2.9 condition {number} ({name}): {key} differs "
-                            f"(cached {_brief(entry.meta.get(key))}, request {_brief(meta.get(key))})")
+                            f"(cached: {_brief(entry.meta.get(key))}; request: {_brief(meta.get(key))})")
         for start, end in segments or ():
             if start < k < end:
                 return (f"§2.9 condition 5 (segment boundary): prefix length {k} cuts the segment "
@@ -100,5 +100,16 @@ class PrefixCache:
 
 
 def _brief(v) -> str:
+    """A metadata value as words, never a Python repr: 'adapter other-adapter (sha256:be43b1d8…)', 'none'."""
+    if v is None:
+        return "none"
+    if isinstance(v, dict):
+        parts = []
+        for k, x in v.items():
+            x = str(x)
+            parts.append(f"{k} {x[:19] + '…' if x.startswith('sha256:') and len(x) > 20 else _brief(x)}")
+        return ", ".join(parts)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_brief(x) for x in v) + "]"
     s = str(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+    return s if len(s) <= 60 else s[:59] + "…"

@@ -160,7 +160,9 @@ def test_inspect_every_level(levels, run_cli):
         assert s["level"] == lv and [r["layer"] for r in s["layers"]] == [1]
         assert list(s["layers"][0]["tensors"]) == ["mid"] and s["samples"][0]["sample"] == 2
         assert s["layers"][0]["tensors"]["mid"]["nonfinite"] == 0
-        assert ("values" in s) == (lv == "full")
+        assert ("values" in s) == (lv in ("full", "sampled"))  # sampled: its declared subset (issue 17)
+        assert (s["values"]["kind"].startswith("sampled level") if lv == "sampled" else
+                lv != "stats" or "stats level: no values of mid" in " ".join(s["levels_note"]))
     res = run_cli("inspect", levels["full"], "--layer", 99)
     assert res.exit_code == 2 and "--layer must be in [0, 4)" in res.output
 

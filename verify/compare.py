@@ -91,6 +91,7 @@ class TensorResult:
     max_row_rel: float = 0.0  # largest ||cand - ref|| / ||ref|| over rows (one sample and position)
     rows_by_row_rule: int = 0  # rows with element errors beyond atol/rtol/ntol accepted by row_rtol
     worst_bound: float | None = None  # the tolerance at the worst element
+    bound_floor: float | None = None  # smallest atol + ntol·rms(ref row): every element may differ at least this much
     finite_ref_only: int = 0  # valid cells finite in ref but not in cand
     finite_cand_only: int = 0
     nonfinite_both: int = 0
@@ -146,7 +147,7 @@ class TensorResult:
         d["kv_heads"] = list(self.kv_heads) if self.kv_heads is not None else None
         d["bad_samples"] = list(self.bad_samples)
         for k in ("max_abs", "max_rel", "mean_abs", "min_atol", "min_rtol", "min_ntol", "min_row_rtol", "max_row_rel",
-                  "worst_bound"):
+                  "worst_bound", "bound_floor"):
             d[k] = _num(d[k])
         return d
 
@@ -240,7 +241,8 @@ class _Acc:
                             min_atol=p.min_atol, min_rtol=p.min_rtol, min_ntol=p.min_ntol,
                             min_row_rtol=p.min_row_rtol, max_row_rel=p.max_row_rel,
                             rows_by_row_rule=p.rows_by_row_rule,
-                            worst_bound=None if p.worst is None else p.worst[4], finite_ref_only=p.fin[0],
+                            worst_bound=None if p.worst is None else p.worst[4],
+                            bound_floor=p.bound_floor if np.isfinite(p.bound_floor) else None, finite_ref_only=p.fin[0],
                             finite_cand_only=p.fin[1], nonfinite_both=p.fin[2],
                             bad_samples=tuple(sorted(p.bad_samples)), bad_positions=dict(p.bad_samples),
                             heads=heads, equal_nan=self.equal_nan, **kw)
@@ -619,7 +621,12 @@ class Comparator:
             pr, pc = a[col["pad_count"]] - a[col["pad_finite"]], b[col["pad_count"]] - b[col["pad_finite"]]
             if pr != pc:
                 bad.setdefault(rs, None)
-        self.skipped.add("values compared as statistics only (stats level): max_abs is the largest statistic error")
+        if "stats" in (self.ref.level, self.cand.level):
+            self.skipped.add("values compared as statistics only (stats level): max_abs is the largest statistic "
+                             "error")
+        else:  # e.g. full vs sampled cache: the sampled subset exists on one side only
+            self.skipped.add(f"{name}: compared as statistics only (levels {self.ref.level} and {self.cand.level} "
+                             "share no values of it): max_abs is the largest statistic error")
         return TensorResult(name, "stats", tol, compared=n, max_abs=max_abs, n_bad=n_bad,
                             worst=worst, min_atol=max(min_atol, 0.0), finite_ref_only=int(fin[1]),
                             finite_cand_only=int(fin[0]), **self._pad_counts(r, c, name),

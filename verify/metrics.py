@@ -61,6 +61,7 @@ class Partial:
     cc: float = 0.0  # of cand
     rc: float = 0.0  # sum of ref*cand
     max_row_rel: float = 0.0
+    bound_floor: float = float("inf")  # smallest atol + ntol·rms(row): every element may differ this much
     n_bad: int = 0
     min_atol: float = 0.0
     min_rtol: float = 0.0
@@ -76,6 +77,7 @@ class Partial:
         self.n += o.n
         for k in ("max_abs", "max_rel", "max_row_rel", "min_atol", "min_rtol", "min_ntol", "min_row_rtol"):
             setattr(self, k, max(getattr(self, k), getattr(o, k)))
+        self.bound_floor = min(self.bound_floor, o.bound_floor)
         for k in ("sum_abs", "rr", "cc", "rc", "n_bad", "rows_by_row_rule"):
             setattr(self, k, getattr(self, k) + getattr(o, k))
         if o.worst is not None and (self.worst is None or o.worst[0] > self.worst[0]):
@@ -122,6 +124,8 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
     p.max_abs = gmax
     if not _scaled and not all(np.isfinite((rr_sum, dd_sum, p.cc, p.sum_abs))):
         return _rescaled(p, r, c, tol, equal_nan, sample, toks, heads)
+    if np.isfinite(rr_sum):
+        p.bound_floor = a + nt * float(np.sqrt(rr.min() / W))
     if gmax == 0.0:
         return p
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -163,6 +167,7 @@ def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
              sample, toks, heads, _scaled=True)
     with np.errstate(over="ignore"):
         q.max_abs, q.sum_abs, q.min_atol = q.max_abs * s, q.sum_abs * s, q.min_atol * s
+        q.bound_floor = q.bound_floor * s
         q.rr, q.cc, q.rc = q.rr * s * s, q.cc * s * s, q.rc * s * s
     if q.worst is not None:
         q.worst = (q.worst[0] * s, *q.worst[1:4], q.worst[4] * s)

@@ -1,32 +1,59 @@
-"""--plot: error per layer and sub-layer, log scale, with every out-of-tolerance point marked (matplotlib).
+"""--plot: error per layer and sub-layer, log scale, with the allowed error and every out-of-tolerance point.
 
-The element rule's bound (atol + rtol·|ref| + ntol·rms(row)) differs from element to element, so no single
-horizontal line can stand for it; instead each point that broke tolerance is circled in red, so the picture
-always agrees with the verdict. A second panel shows the largest relative row error, ||c - r|| / ||r||, the
-scale-free view of the same data, with the row rule's threshold when the policy sets one.
+Top panel: max abs error per layer for each series and, dashed in the same colour, the allowed error floor
+``atol + ntol·rms`` of the reference row with the smallest RMS (``bound_floor`` in the JSON): every element
+of that tensor may differ at least this much, so a point below its dashed line surely passes. Elements of
+larger rows, or large elements (rtol·|ref|), are allowed more, so a point above the line may still pass:
+every point that broke tolerance is circled in red, so the picture agrees with the verdict. Bottom panel:
+the largest relative row error ||c - r|| / ||r||, with the row rule's threshold when the policy sets one.
+
+Exact zeros are not values on a log scale: they are drawn on a marked baseline ("exact 0") below the
+lowest decade shown, never at an arbitrary tiny number. The first break is labelled; a cache length or
+position break is marked at its layer. The legend sits beside the axes, off the data.
 """
 from __future__ import annotations
+
+import math
 
 from ..engine.errors import PrefillDiffError
 from .report import Report
 
 SERIES = (("attn_update", "attention update"), ("mlp_update", "MLP update"), ("layer_output", "layer output"),
           ("cache_keys", "cache keys"), ("cache_values", "cache values"))
-FLOOR = 1e-12  # exact zeros drawn here on the log scale
+
+
+def allowed_max_abs(t) -> float | None:
+    """The smallest allowed error of any element, atol + ntol·rms(smallest reference row) (None: stats level)."""
+    return None if t.level in ("none", "stats") else t.bound_floor
 
 
 def plot_data(report: Report) -> dict:
-    """What the plot draws: per series (label, layers, max abs, max row rel, layers out of tolerance)."""
+    """What the plot draws, as plain numbers: per series (label, layers, max abs, allowed, max row rel,
+    layers out of tolerance); exact zeros stay 0 here (drawn on the baseline)."""
     out = {}
     for name, label in SERIES:
-        rows = [(lr.layer, lr.tensor(name)) for lr in report.layers if lr.tensor(name) is not None]
+        rows = [(lr.layer, lr.tensor(name)) for lr in report.layers
+                if lr.tensor(name) is not None and lr.tensor(name).level != "none"]
         if not rows:
             continue
         out[name] = {"label": label, "layers": [i for i, _ in rows],
-                     "max_abs": [max(t.max_abs, FLOOR) for _, t in rows],
-                     "max_row_rel": [max(t.max_row_rel, FLOOR) for _, t in rows],
+                     "max_abs": [float(t.max_abs) for _, t in rows],
+                     "allowed": [allowed_max_abs(t) for _, t in rows],
+                     "max_row_rel": [float(t.max_row_rel) for _, t in rows],
+                     "stats": any(t.level == "stats" for _, t in rows),
                      "broken": [i for i, t in rows if not t]}
     return out
+
+
+def baseline(values) -> float:
+    """Where exact zeros are drawn: one decade below the smallest positive finite value (1 if none)."""
+    pos = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    return 10.0 ** (math.floor(math.log10(min(pos))) - 1) if pos else 1.0
+
+
+def cache_breaks(report: Report) -> list[tuple[int, str]]:
+    return [(lr.layer, "cache length" if not lr.cache.lengths_ok else "cache positions") for lr in report.layers
+            if not (lr.cache.lengths_ok and lr.cache.positions_ok)]
 
 
 def plot_errors(report: Report, path: str) -> None:
@@ -34,37 +61,87 @@ def plot_errors(report: Report, path: str) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, MaxNLocator
     except ImportError:
         raise PrefillDiffError("--plot needs matplotlib: pip install 'prefill-diff[plot]'") from None
     data = plot_data(report)
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for s in data.values():
-        for a, key in ((ax, "max_abs"), (ax2, "max_row_rel")):
-            line, = a.plot(s["layers"], s[key], marker="o", label=s["label"])
-            bad = [(i, y) for i, y in zip(s["layers"], s[key]) if i in s["broken"]]
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    panels = ((ax, "max_abs"), (ax2, "max_row_rel"))
+    floors = {}
+    for a, key in panels:
+        vals = [v for s in data.values() for v in s[key]]
+        if key == "max_abs":
+            vals += [v for s in data.values() for v in s["allowed"]]
+        floors[key] = baseline(vals)
+    for k, s in enumerate(data.values()):
+        colour = colours[k % len(colours)]
+        for a, key in panels:
+            zero = floors[key]
+            ys = [v if v > 0 else zero for v in s[key]]
+            a.plot(s["layers"], ys, marker="o", color=colour, label=s["label"] if key == "max_abs" else None)
+            zs = [(i, zero) for i, v in zip(s["layers"], s[key]) if v == 0]
+            if zs:
+                a.scatter(*zip(*zs), marker="o", s=40, facecolors="white", edgecolors=colour, zorder=3)
+            bad = [(i, y) for i, y in zip(s["layers"], ys) if i in s["broken"]]
             if bad:
-                a.scatter(*zip(*bad), s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=3)
+                a.scatter(*zip(*bad), s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=4)
+        allowed = [(i, v) for i, v in zip(s["layers"], s["allowed"]) if v is not None and v > 0]
+        if allowed:
+            ax.plot(*zip(*allowed), linestyle="--", linewidth=1, color=colour, alpha=0.8)
+    ax.plot([], [], linestyle="--", color="grey", label="allowed error floor\natol + ntol·rms (dashed)")
     ax.scatter([], [], s=160, facecolors="none", edgecolors="red", linewidths=2, label="out of tolerance")
     row_rtol = report.policy.kinds["residual"].row_rtol
     if row_rtol > 0:
         ax2.axhline(row_rtol, color="red", linestyle="--", label=f"row_rtol {row_rtol:g} (residual)")
-    if report.first_break is not None and report.first_break.layer is not None:
+    for a, key in panels:  # the exact-zero baseline, outside the log scale's data range
+        a.set_yscale("log")
+        values = [v for s in data.values() for v in s[key]]
+        if not any(v == 0 for v in values):
+            continue
+        zero = floors[key]
+        a.axhspan(zero / 2.5, zero * 2.5, color="0.92", zorder=0)
+        a.axhline(zero, color="0.6", linewidth=0.8, zorder=1)
+        lo, hi = a.get_ylim()
+        a.set_ylim(zero / 2.5, max(hi, zero * 20))
+        if all(v == 0 for v in values):
+            a.annotate("every series is exactly 0 at every layer", xy=(0.5, 0.5), xycoords="axes fraction",
+                       ha="center", fontsize="small", color="0.4")
+        base = LogFormatterSciNotation()
+        base.set_axis(a.yaxis)
+        a.yaxis.set_major_formatter(FuncFormatter(
+            lambda v, pos, zero=zero, base=base: "exact 0" if math.isclose(v, zero) else
+            ("" if v < zero * 3 else base(v, pos))))
+        a.yaxis.set_minor_formatter(FuncFormatter(lambda v, pos: ""))
+    fb = report.first_break
+    if fb is not None and fb.layer is not None:
+        kind = fb.kind.replace("_", " ")
+        what = fb.tensor if fb.kind == "value" else kind if fb.kind.startswith("cache") or fb.tensor is None \
+            else f"{fb.tensor} {kind}"
         for a in (ax, ax2):
-            a.axvline(report.first_break.layer, color="grey", linestyle=":")
+            a.axvline(fb.layer, color="red", linestyle=":", linewidth=1.2)
+        ax.annotate(f"first break: layer {fb.layer} {what}", xy=(fb.layer, 1.0), xycoords=("data", "axes fraction"),
+                    xytext=(0, 3), textcoords="offset points", va="bottom", ha="center", fontsize="small", color="red",
+                    annotation_clip=False,
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="red", alpha=0.9), zorder=5)
+    for i, (layer, what) in enumerate(cache_breaks(report)):
+        ax.axvline(layer, color="purple", linestyle="-.", linewidth=1.2,
+                   label="cache break" if i == 0 else None)
+        ax.annotate(what, xy=(layer, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 4),
+                    textcoords="offset points", fontsize="small", color="purple",
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="purple", alpha=0.9), zorder=5)
     res = report.policy.kinds["residual"]
+    stats = any(s["stats"] for s in data.values())
     ax.set_title(f"{report.ref.get('origin')} vs {report.cand.get('origin')}: {report.verdict} "
                  f"({report.policy.name}: atol {res.atol:g} + rtol {res.rtol:g}·|ref| + ntol {res.ntol:g}·rms)",
-                 fontsize="medium")
-    ax.set_yscale("log")
-    ax.set_ylabel("max abs error")
-    ax.legend(fontsize="small")
-    ax2.set_yscale("log")
+                 fontsize="medium", pad=22 if fb is not None and fb.layer is not None else 6)
+    ax.set_ylabel("max abs error" + (" (of statistics)" if stats else ""))
     ax2.set_ylabel("max ||c - r|| / ||r|| per row")
     ax2.set_xlabel("layer")
     ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     if row_rtol > 0:
-        ax2.legend(fontsize="small")
+        ax2.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)
