@@ -219,14 +219,15 @@ def record(config, output, level, compression, force, model, prompts, tokens, to
     prog, progress = _progress(console, prep.snapshot.args.n_layers)
     if prog is not None:
         with prog:
-            record_side(prep, output, level, force, compression, progress=progress("recording"), tolerance=tol)
+            output = record_side(prep, output, level, force, compression, progress=progress("recording"),
+                                 tolerance=tol)
     else:
-        record_side(prep, output, level, force, compression, tolerance=tol)
+        output = record_side(prep, output, level, force, compression, tolerance=tol)
     console.print(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} samples)")
 
 
 @cli.command()
-@click.argument("baseline", type=click.Path(dir_okay=False))
+@click.argument("baseline", type=click.Path())
 @click.argument("candidate")
 @tolerance_options
 @report_options
@@ -278,7 +279,7 @@ def ledger(config, model, prompts, tokens):
 
 
 @cli.command()
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())
 @click.option("--layer", type=int, default=None, help="Only this layer.")
 @click.option("--tensor", default=None, metavar="NAME",
               help="Only this tensor: layer_input, attn_update, attn_heads, mid, mlp_update, layer_output, "
@@ -296,8 +297,8 @@ def inspect(trace, layer, tensor, sample, as_json):
         prefill-diff inspect ref.h5 --layer 2 --tensor mlp_update --sample 1
     """
     from ..dumps.inspect import summarize
-    from ..dumps.reader import Trace
-    with Trace(trace) as t:
+    from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
+    with open_any(trace) as t:
         summary = summarize(t, layer, tensor, sample)
     if as_json:
         import json

@@ -305,7 +305,11 @@ class Comparator:
         cache, cache_tensors = self._cache(r, c)
         results.update(cache_tensors)
         tensors = tuple(results[n] for n in VALUE_ORDER if n in results)
-        return LayerResult(i, tensors, cache, self._first_break(i, tensors, cache))
+        first = self._first_break(i, tensors, cache)
+        if getattr(self.ref, "ranks", None) or getattr(self.cand, "ranks", None):  # tensor-parallel rank traces
+            from .ranks import rank_checks
+            first = rank_checks(self, i, first)
+        return LayerResult(i, tensors, cache, first)
 
     def _first_break(self, layer, tensors, cache: CacheResult) -> Break | None:
         for t in tensors:

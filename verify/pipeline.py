@@ -39,6 +39,12 @@ def record_side(prep, path, level: str = "full", force: bool = False, compressio
     """
     if tolerance:
         resolve_policy(tolerance)  # refuse a bad declaration before recording
+    if prep.side.run.tp > 1:  # tensor parallel: one process and one trace per rank, in a directory
+        from ..dumps.ranks import record_ranks
+        if in_memory:
+            from ..engine.errors import ConfigError
+            raise ConfigError("tensor-parallel runs record one trace file per rank: --fail-fast cannot run them")
+        return record_ranks(prep, path, level, force, compression, {"tolerance": tolerance} if tolerance else None)
     rec = Recorder(path, level, force=force, compression=compression, in_memory=in_memory)
     try:
         record(prep, rec, progress=progress, extra_meta={"tolerance": tolerance} if tolerance else None)
@@ -62,7 +68,8 @@ def _token_text(*traces) -> dict | None:
 
 
 def compare_files(ref_path, cand_path, policy_args=None, fail_fast: bool = False) -> Outcome:
-    with Trace(ref_path) as ref, Trace(cand_path) as cand:
+    from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces
+    with open_any(ref_path) as ref, open_any(cand_path) as cand:
         report = compare_traces(ref, cand, _policy(policy_args, ref, cand), fail_fast=fail_fast)
         return Outcome(report, str(ref_path), str(cand_path), _token_text(ref, cand))
 
@@ -124,9 +131,10 @@ def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_
 def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail_fast: bool = False,
                  policy_args=None, level: str | None = None) -> Outcome:
     """CI gate: BASELINE.h5 against a trace file, or against a preset/config recorded now."""
-    if os.path.isfile(candidate) and not candidate.endswith(".toml"):
+    from ..dumps.ranks import is_rank_set, open_any
+    if (os.path.isfile(candidate) and not candidate.endswith(".toml")) or is_rank_set(candidate):
         return compare_files(baseline, candidate, policy_args, fail_fast)
-    with Trace(baseline) as base:
+    with open_any(baseline) as base:
         samples = base.samples
         from ..engine.config import Inputs
         from ..engine.snapshot import ModelSpec
@@ -164,6 +172,10 @@ def run_lockstep(ref_source: str, cand_source: str, model=None, inputs=None, *, 
     Nothing is written to disk, and the work after the breaking layer is never done.
     """
     preps = [prepare_side(ref_source, model, inputs), prepare_side(cand_source, model, inputs)]
+    if any(p.side.run.tp > 1 for p in preps):
+        from ..engine.errors import ConfigError
+        raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
+                          "(tp > 1) runs in its own processes: drop --fail-fast")
     recs = [Recorder(None, level), Recorder(None, level)]
     gens = [capture(p, r) for p, r in zip(preps, recs)]
     try:
