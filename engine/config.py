@@ -162,6 +162,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
             {"run": {"tp": 2}}),
     "compiled": ("each layer's norms and MLP compiled by torch.compile (inductor); compile time reported apart",
                  {"run": {"compile": True}}),
+    "transformers-tp2": ("transformers' own model over 2 tensor-parallel ranks (its TP plan, tp_size=2); "
+                         "needs --model hf:DIR", {"run": {"engine": "transformers", "tp": 2}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),

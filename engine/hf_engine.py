@@ -64,13 +64,23 @@ def build_model(snapshot, dtype: str, attn: str):
         raise ConfigError("the transformers engine does not apply our LoRA adapters")
     tdt = torch_dtype(dtype)
     src = snapshot.source
+    from .parallel import current
+    tp = current()
+    # tensor parallel (this process is one rank): transformers' own TP plan, with the size given explicitly —
+    # tp_plan="auto" alone reads WORLD_SIZE and silently loads unsharded where it is not set
+    dist = {}
+    if tp is not None:
+        from transformers.distributed import DistributedConfig
+        dist = {"distributed_config": DistributedConfig(tp_size=tp.world)}
     if src.startswith("hf:"):
         try:  # safetensors only: transformers would otherwise fall back to a pickled pytorch_model.bin
             model = AutoModelForCausalLM.from_pretrained(src[3:], dtype=tdt, attn_implementation=attn,
-                                                         local_files_only=True, use_safetensors=True)
+                                                         local_files_only=True, use_safetensors=True, **dist)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{src}: transformers cannot load it from safetensors "
                                  f"({str(e).splitlines()[0][:200]})") from None
+    elif tp is not None:
+        raise ConfigError(f"transformers' tensor parallelism needs --model hf:DIR (got {src!r})")
     elif src.startswith("gguf:") or src == "smollm2":
         from .gguf_loader import smollm2_path
         path = smollm2_path() if src == "smollm2" else src[5:]
@@ -86,6 +96,14 @@ def build_model(snapshot, dtype: str, attn: str):
                                  f"unexpected {unexpected[:3]})")
         if snapshot.args.tie_embeddings:
             model.tie_weights()
+    if tp is not None:  # refuse a model transformers did not shard (it would run whole on every rank)
+        attn = model.model.layers[0].self_attn
+        want = snapshot.args.n_kv_heads // tp.world * snapshot.args.head_dim
+        got = getattr(attn.k_proj, "weight").to_local().shape[0] if hasattr(attn.k_proj.weight, "to_local") \
+            else attn.k_proj.weight.shape[0]
+        if got != want:
+            raise ModelLoadError(f"transformers did not shard the model over {tp.world} ranks (k_proj holds {got} "
+                                 f"rows per rank, expected {want})")
     return model.eval()
 
 

@@ -234,3 +234,26 @@ def test_compiled_layers_pass_and_report_compile_time_apart(runs):
     prep = prepare(load_side("compiled"))
     assert all(hasattr(b.feed_forward, "_compiled_call_impl") and b.feed_forward._compiled_call_impl is not None
                for b in prep.engine.model.layers)
+
+
+# -- transformers' own tensor parallelism ----------------------------------------------------------------
+
+def test_transformers_tp2_on_a_llama_checkpoint_passes_and_really_shards(tmp_path, run_cli):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         tie_word_embeddings=False, max_position_embeddings=512))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path / "llama")
+    res = run_cli("run", "reference", "transformers-tp2", "--model", f"hf:{tmp_path / 'llama'}", "--out",
+                  tmp_path / "out", "-q")
+    assert res.exit_code == 0 and "PASSED" in res.output, res.output
+    with Trace(tmp_path / "out" / "cand.tp2" / "rank1.h5") as t:
+        assert t.meta["engine"]["name"] == "transformers" and t.meta["parallel"]["rank"] == 1
+        assert t.layer(0).state("attn_heads").shape[2] == 32 and t.layer(0).cache("keys").shape[1] == 1
+    with Trace(tmp_path / "out" / "ref.h5") as r, Trace(tmp_path / "out" / "cand.tp2" / "rank1.h5") as t:
+        np.testing.assert_allclose(t.layer(1).cache("keys")[()], r.layer(1).cache("keys")[:, 1:2], atol=2e-5)
