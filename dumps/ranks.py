@@ -109,7 +109,8 @@ def _raise_rank_error(tmp, tp, exc):
     raise RuntimeError(f"tensor-parallel ranks failed: {str(exc).splitlines()[0][:300]}") from None
 
 
-def _rank_worker(rank, world, port, started, side, tmp, level, compression, extra_meta, run_id):
+def _rank_worker(rank, world, port, started, side, tmp, level, compression, extra_meta, run_id,
+                 exit_on_error: bool = True):
     """One rank: join the group, prepare the side (its shard of the model), record rank{rank}.h5."""
     from ..engine import parallel
     from ..engine.runner import prepare
@@ -130,12 +131,28 @@ def _rank_worker(rank, world, port, started, side, tmp, level, compression, extr
             annotate(rec.f, args, rank, world)
     except PrefillDiffError as e:
         _write_error(tmp, rank, "input", str(e))
+        if not exit_on_error:
+            raise
         sys.exit(2)
     except BaseException as e:
         _write_error(tmp, rank, "internal", f"{type(e).__name__}: {e}")
         raise
     finally:
         parallel.close_group()
+
+
+def record_this_rank(side, out_dir, level: str = "full", compression=None, run_id: str | None = None) -> str:
+    """Record this process's rank of a tp run launched by ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT in the environment): writes ``out_dir/rank{RANK}.h5``; returns its path. Bad input raises."""
+    import os as _os
+    rank, world = int(_os.environ["RANK"]), int(_os.environ["WORLD_SIZE"])
+    if world != side.run.tp:
+        raise ConfigError(f"torchrun started {world} processes, the run asks for tp={side.run.tp}")
+    run_id = run_id or _os.environ.get("TORCHELASTIC_RUN_ID") or f"{_os.environ['MASTER_ADDR']}:" \
+        f"{_os.environ['MASTER_PORT']}"
+    _os.makedirs(out_dir, exist_ok=True)
+    _rank_worker(rank, world, None, 0.0, side, out_dir, level, compression, {}, run_id, exit_on_error=False)
+    return _os.path.join(out_dir, f"rank{rank}.h5")
 
 
 def _write_error(tmp, rank, kind, msg):
