@@ -28,6 +28,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 
 import h5py
 import numpy as np
@@ -118,7 +119,9 @@ def _rank_worker(rank, world, port, started, side, tmp, level, compression, extr
     try:
         ctx = parallel.init_group(rank, world, port, None if side.run.fault is None else side.run.fault.name,
                                   started)
+        t0 = time.time()
         prep = prepare(side)
+        t1 = time.time()
         args = prep.snapshot.args
         meta = trace_meta(prep)["model"]
         meta["args"] = ctx.local_args(args).as_dict()
@@ -129,6 +132,9 @@ def _rank_worker(rank, world, port, started, side, tmp, level, compression, extr
             for _ in capture(prep, rec, {**extra_meta, "model": meta, "parallel": par}):
                 pass
             annotate(rec.f, args, rank, world)
+            t2 = time.time()  # seconds: preparing (load, shard), prefill + recording; spawn -> done
+            rec.update_meta(parallel={**par, "prepare_s": t1 - t0, "prefill_record_s": t2 - t1,
+                                      "done_after_s": (t2 - started) if started else None})
     except PrefillDiffError as e:
         _write_error(tmp, rank, "input", str(e))
         if not exit_on_error:
@@ -139,6 +145,10 @@ def _rank_worker(rank, world, port, started, side, tmp, level, compression, extr
         raise
     finally:
         parallel.close_group()
+    if exit_on_error:  # a spawned rank whose files are closed and in place: skip the interpreter's teardown
+        sys.stdout.flush()  # (seconds of torch/h5py finalisers on a loaded machine; measured in bench_tp.py)
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def record_this_rank(side, out_dir, level: str = "full", compression=None, run_id: str | None = None) -> str:
@@ -287,11 +297,11 @@ class RankTrace(Trace):
         meta = json.loads(json.dumps(first.meta))
         par = dict(meta["parallel"])
         meta["model"]["args"] = par.pop("model_args")
-        for k in ("rank", "query_heads", "kv_heads", "mlp_rows", "startup_s", "init_process_group_s"):
+        per_rank = ("rank", "query_heads", "kv_heads", "mlp_rows", "startup_s", "init_process_group_s",
+                    "prepare_s", "prefill_record_s", "done_after_s")
+        for k in per_rank:
             par.pop(k, None)
-        par["ranks"] = [{k: t.meta["parallel"].get(k) for k in
-                         ("rank", "query_heads", "kv_heads", "mlp_rows", "startup_s", "init_process_group_s")}
-                        for t in self.ranks]
+        par["ranks"] = [{k: t.meta["parallel"].get(k) for k in per_rank} for t in self.ranks]
         par["files"] = [f"rank{r}.h5" for r in range(len(self.ranks))]
         meta["parallel"] = par
         mem.attrs["meta"] = np.bytes_(json.dumps(meta, sort_keys=True).encode("utf-8"))

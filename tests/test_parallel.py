@@ -175,6 +175,27 @@ def test_replicas_that_disagree_are_a_rank_divergence_naming_the_ranks(runs, tmp
     assert rep.layers[2].tensor("mlp_update").n_bad == 0
 
 
+def test_stats_level_rank_sets_compare_and_divergent_checksums_are_caught(runs, tmp_path):
+    d = _copy(runs("tp2"), tmp_path)
+    for r in range(2):  # the same run at the stats level: drop every full tensor
+        with h5py.File(d / f"rank{r}.h5", "r+") as f:
+            f.attrs["level"] = np.bytes_(b"stats")
+            for i in range(4):
+                g = f[f"layers/{i:03d}"]
+                for name in STATES + ("attn_heads", "cache/keys", "cache/values"):
+                    del g[name]
+    rep = compare_files(runs("reference"), d).report
+    assert rep, rep.verdict_line()
+    assert rep.layers[1].tensor("attn_heads") is None or rep.layers[1].tensor("attn_heads").level == "stats"
+    with h5py.File(d / "rank1.h5", "r+") as f:
+        ds = f["layers/002/checksums/mid"]
+        ds[0] = ds[0] + 1
+    rep = compare_files(runs("reference"), d).report
+    fb = rep.first_break
+    assert (fb.kind, fb.layer, fb.tensor, fb.sample) == ("rank_divergence", 2, "mid", 0), rep.verdict_line()
+    assert "checksums differ" in fb.message
+
+
 def test_broken_rank_sets_are_refused_naming_the_file(runs, tmp_path, run_cli):
     d = _copy(runs("tp2"), tmp_path)
     (d / "rank1.h5").unlink()

@@ -34,6 +34,7 @@ def _size(path) -> int:
 def measure(name: str, spec, inputs, repeats: int) -> dict:
     times = {"tp1": [], "tp2": []}
     startup, init, sizes = [], [], {}
+    phases = {"prepare_s": [], "prefill_record_s": [], "teardown_s": []}
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
             for source, key in (("reference", "tp1"), ("tp2", "tp2")):  # alternate: same machine load for both
@@ -45,8 +46,12 @@ def measure(name: str, spec, inputs, repeats: int) -> dict:
                     from prefill_diff.dumps.reader import Trace
                     for r in range(2):
                         with Trace(os.path.join(path, f"rank{r}.h5")) as t:
-                            startup.append(t.meta["parallel"]["startup_s"])
-                            init.append(t.meta["parallel"]["init_process_group_s"])
+                            p = t.meta["parallel"]
+                            startup.append(p["startup_s"])
+                            init.append(p["init_process_group_s"])
+                            phases["prepare_s"].append(p["prepare_s"])
+                            phases["prefill_record_s"].append(p["prefill_record_s"])
+                            phases["teardown_s"].append(times[key][-1] - p["done_after_s"])
                     sizes["rank0"] = os.path.getsize(os.path.join(path, "rank0.h5"))
                     sizes["rank1"] = os.path.getsize(os.path.join(path, "rank1.h5"))
                 else:
@@ -57,6 +62,7 @@ def measure(name: str, spec, inputs, repeats: int) -> dict:
             "rank_startup_s_median": round(statistics.median(startup), 3),
             "init_process_group_s_median": round(statistics.median(init), 3),
             "tp2_minus_startup_s": round(med["tp2"] - statistics.median(startup), 3),
+            "rank_phases_s_median": {k: round(statistics.median(v), 3) for k, v in phases.items()},
             "trace_bytes": sizes,
             "rank_over_unsharded": round(sizes["rank0"] / sizes["unsharded"], 3)}
 
