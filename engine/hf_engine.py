@@ -32,6 +32,8 @@ def _check_supported(run) -> None:
         unsupported.append("chunked prefill")
     if run.numerical.weight_quant != "none":
         unsupported.append("weight quantisation")
+    if run.numerical.compile:
+        unsupported.append("compile = true")
     lay = run.cache.layout
     if lay.kind != "contiguous" or lay.key_rotation != "post" or lay.dtype not in (None, run.numerical.dtype):
         unsupported.append("a non-default cache layout")
@@ -97,10 +99,9 @@ def build_model(snapshot, dtype: str, attn: str):
         if snapshot.args.tie_embeddings:
             model.tie_weights()
     if tp is not None:  # refuse a model transformers did not shard (it would run whole on every rank)
-        attn = model.model.layers[0].self_attn
+        k_w = model.model.layers[0].self_attn.k_proj.weight
         want = snapshot.args.n_kv_heads // tp.world * snapshot.args.head_dim
-        got = getattr(attn.k_proj, "weight").to_local().shape[0] if hasattr(attn.k_proj.weight, "to_local") \
-            else attn.k_proj.weight.shape[0]
+        got = k_w.to_local().shape[0] if hasattr(k_w, "to_local") else k_w.shape[0]
         if got != want:
             raise ModelLoadError(f"transformers did not shard the model over {tp.world} ranks (k_proj holds {got} "
                                  f"rows per rank, expected {want})")

@@ -1,5 +1,6 @@
 """Tensor-parallel runs against the unsharded run, side by side in this process: wall time of recording one
-side (tp=1 in process; tp=2 spawned: start-up, init_process_group, prefill, recording), process start-up,
+side (tp=1 in process, with the default thread count and with one thread; tp=2 spawned, one thread per
+rank: start-up, init_process_group, loading and sharding, prefill and recording), each rank's phases,
 and the size of each rank's trace against the unsharded trace.
 
     python tests/bench/bench_tp.py [--repeats 3] [--smoke]
@@ -32,12 +33,17 @@ def _size(path) -> int:
 
 
 def measure(name: str, spec, inputs, repeats: int) -> dict:
-    times = {"tp1": [], "tp2": []}
+    import torch
+    default_threads = torch.get_num_threads()
+    times = {"tp1": [], "tp1_1thread": [], "tp2": []}
     startup, init, sizes = [], [], {}
     phases = {"prepare_s": [], "prefill_record_s": [], "teardown_s": []}
     with tempfile.TemporaryDirectory() as d:
         for i in range(repeats):
-            for source, key in (("reference", "tp1"), ("tp2", "tp2")):  # alternate: same machine load for both
+            # alternate, so that all three see the same machine load; tp1 with the default thread count and with
+            # one thread (each tp2 rank runs one thread: on 2 busy cores, 2 threads in one process can be slower)
+            for source, key in (("reference", "tp1"), ("reference", "tp1_1thread"), ("tp2", "tp2")):
+                torch.set_num_threads(1 if key == "tp1_1thread" else default_threads)
                 prep = prepare_side(source, spec, inputs)
                 t0 = time.perf_counter()
                 path = record_side(prep, os.path.join(d, f"{key}-{i}.h5"))
@@ -57,12 +63,17 @@ def measure(name: str, spec, inputs, repeats: int) -> dict:
                 else:
                     sizes["unsharded"] = _size(path)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"case": name, "repeats": repeats, "tp1_s": round(med["tp1"], 3), "tp2_s": round(med["tp2"], 3),
+    torch.set_num_threads(default_threads)
+    return {"case": name, "repeats": repeats, "tp1_s": round(med["tp1"], 3),
+            "tp1_1thread_s": round(med["tp1_1thread"], 3), "tp2_s": round(med["tp2"], 3),
             "ratio_tp2_over_tp1": round(med["tp2"] / med["tp1"], 2),
+            "ratio_tp2_over_tp1_1thread": round(med["tp2"] / med["tp1_1thread"], 2),
             "rank_startup_s_median": round(statistics.median(startup), 3),
             "init_process_group_s_median": round(statistics.median(init), 3),
             "tp2_minus_startup_s": round(med["tp2"] - statistics.median(startup), 3),
             "rank_phases_s_median": {k: round(statistics.median(v), 3) for k, v in phases.items()},
+            "ratio_rank_prefill_record_over_tp1_1thread": round(statistics.median(phases["prefill_record_s"])
+                                                                / med["tp1_1thread"], 2),
             "trace_bytes": sizes,
             "rank_over_unsharded": round(sizes["rank0"] / sizes["unsharded"], 3)}
 
