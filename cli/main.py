@@ -322,8 +322,8 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     with Progress() as prog:
         prog.step("loading the model")
         prep = prepare_side(config, spec, inputs)
-        record_side(prep, output, level, force, compression, progress=prog.side("recording", "writing"),
-                    tolerance=tol)
+        output = record_side(prep, output, level, force, compression, progress=prog.side("recording", "writing"),
+                             tolerance=tol)  # a tensor-parallel side writes a directory of rank traces
     from rich.text import Text
     console = _console()
     console.print(Text(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} "
@@ -344,7 +344,7 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
 
 
 @cli.command()
-@click.argument("baseline", type=click.Path(dir_okay=False))
+@click.argument("baseline", type=click.Path())
 @click.argument("candidate")
 @tolerance_options
 @report_options
@@ -415,7 +415,7 @@ def ledger(config, model, prompts, tokens):
 
 
 @cli.command()
-@click.argument("trace", type=click.Path(dir_okay=False))
+@click.argument("trace", type=click.Path())
 @click.option("--layer", type=int, default=None, help="Only this layer.")
 @click.option("--tensor", default=None, metavar="NAME",
               help="Only this tensor: layer_input, attn_update, attn_heads, mid, mlp_update, layer_output, "
@@ -441,11 +441,11 @@ def inspect(trace, layer, tensor, sample, position, channel, json_path):
         prefill-diff inspect ref.h5 --tensor logits --sample 0
     """
     from ..dumps.inspect import summarize
-    from ..dumps.reader import Trace
+    from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
     if json_path not in (None, "-") and (json_path.endswith((".h5", ".hdf5")) or os.path.abspath(json_path) ==
                                          os.path.abspath(trace)):
         raise BadInput(f"--json {json_path}: a JSON summary is not written over a trace file (give a .json name)")
-    with Trace(trace) as t:
+    with open_any(trace) as t:
         summary = summarize(t, layer, tensor, sample, position, channel)
     if json_path is not None:
         import json

@@ -93,7 +93,7 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
                   "quantized_weights_digest": (m.get("record") or {}).get("quantized_weights_digest")},
         "run": {"origin": side.get("origin"), "engine": m.get("engine"), "layout": m.get("layout"),
                 "reuse": run.get("reuse"), "fault": run.get("fault")},
-        "repro": m.get("repro"), "tolerance": m.get("tolerance"),
+        "repro": m.get("repro"), "tolerance": m.get("tolerance"), "parallel": m.get("parallel"),
         "record": m.get("record"),
         "samples": [{"sample": s, "length": int(t.lengths[s]), "token_ids": list(t.samples[s]),
                      "computed": int(t.cells(s)[0].size),  # also checks the sample's layout is consistent

@@ -1,7 +1,7 @@
 """Names and version of the trace format; docs/trace-format.md is the prose contract."""
 
 FORMAT_NAME = "prefill-diff-trace"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes)
 READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds optional items
 
 LEVELS = ("full", "sampled", "stats")

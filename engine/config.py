@@ -53,7 +53,7 @@ except ModuleNotFoundError:  # Python 3.10
 BATCHING = ("unbatched", "left", "right", "packed")
 ENGINES = ("native", "transformers")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
-          "adapter-mismatch", "masked-row-softmax")
+          "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard")
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ class RunConfig:
     cache: CacheConfig = CacheConfig()
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
+    tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
 
     def __post_init__(self):
         if self.batching not in BATCHING:
@@ -203,6 +204,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "transformers": ("Hugging Face transformers' own model, eager attention", {"run": {"engine": "transformers"}}),
     "transformers-sdpa": ("Hugging Face transformers' own model, sdpa attention",
                           {"run": {"engine": "transformers", "attn_implementation": "sdpa"}}),
+    "tp2": ("our engine sharded over 2 tensor-parallel ranks (torch.distributed, gloo), per-rank traces",
+            {"run": {"tp": 2}}),
+    "compiled": ("each layer's norms and MLP compiled by torch.compile (inductor); compile time reported apart",
+                 {"run": {"compile": True}}),
+    "transformers-tp2": ("transformers' own model over 2 tensor-parallel ranks (its TP plan, tp_size=2); "
+                         "needs --model hf:DIR", {"run": {"engine": "transformers", "tp": 2}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),
@@ -216,10 +223,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                 "fault": {"name": "adapter-mismatch"}}),
     "fault:masked-row-softmax": ("§2.11 row 7: a fully masked padding row enters softmax (left padding)",
                                  {"run": {"batching": "left"}, "fault": {"name": "masked-row-softmax"}}),
+    "fault:tp-missing-allreduce": ("tensor parallel, 2 ranks: layer 0's attention output projection is not "
+                                   "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
+    "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",
+                          {"run": {"tp": 2}, "fault": {"name": "tp-kv-shard"}}),
 }
 
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
-_RUN_KEYS = {"engine", "batching", "attn_implementation", "chunk_size", "invariants"} | {
+_RUN_KEYS = {"engine", "batching", "attn_implementation", "chunk_size", "invariants", "tp"} | {
     f.name for f in fields(NumericalConfig)}
 _CACHE_KEYS = {f.name for f in fields(CacheLayout)} - {"version"}
 _MODEL_KEYS = {"source", "seed", "adapter"}

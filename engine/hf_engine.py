@@ -32,6 +32,8 @@ def _check_supported(run) -> None:
         unsupported.append("chunked prefill")
     if run.numerical.weight_quant != "none":
         unsupported.append("weight quantisation")
+    if run.numerical.compile:
+        unsupported.append("compile = true")
     lay = run.cache.layout
     if lay.kind != "contiguous" or lay.key_rotation != "post" or lay.dtype not in (None, run.numerical.dtype):
         unsupported.append("a non-default cache layout")
@@ -64,13 +66,23 @@ def build_model(snapshot, dtype: str, attn: str):
         raise ConfigError("the transformers engine does not apply our LoRA adapters")
     tdt = torch_dtype(dtype)
     src = snapshot.source
+    from .parallel import current
+    tp = current()
+    # tensor parallel (this process is one rank): transformers' own TP plan, with the size given explicitly —
+    # tp_plan="auto" alone reads WORLD_SIZE and silently loads unsharded where it is not set
+    dist = {}
+    if tp is not None:
+        from transformers.distributed import DistributedConfig
+        dist = {"distributed_config": DistributedConfig(tp_size=tp.world)}
     if src.startswith("hf:"):
         try:  # safetensors only: transformers would otherwise fall back to a pickled pytorch_model.bin
             model = AutoModelForCausalLM.from_pretrained(src[3:], dtype=tdt, attn_implementation=attn,
-                                                         local_files_only=True, use_safetensors=True)
+                                                         local_files_only=True, use_safetensors=True, **dist)
         except (OSError, ValueError) as e:
             raise ModelLoadError(f"{src}: transformers cannot load it from safetensors "
                                  f"({str(e).splitlines()[0][:200]})") from None
+    elif tp is not None:
+        raise ConfigError(f"transformers' tensor parallelism needs --model hf:DIR (got {src!r})")
     elif src.startswith("gguf:") or src == "smollm2":
         from .gguf_loader import smollm2_path
         path = smollm2_path() if src == "smollm2" else src[5:]
@@ -86,6 +98,13 @@ def build_model(snapshot, dtype: str, attn: str):
                                  f"unexpected {unexpected[:3]})")
         if snapshot.args.tie_embeddings:
             model.tie_weights()
+    if tp is not None:  # refuse a model transformers did not shard (it would run whole on every rank)
+        k_w = model.model.layers[0].self_attn.k_proj.weight
+        want = snapshot.args.n_kv_heads // tp.world * snapshot.args.head_dim
+        got = k_w.to_local().shape[0] if hasattr(k_w, "to_local") else k_w.shape[0]
+        if got != want:
+            raise ModelLoadError(f"transformers did not shard the model over {tp.world} ranks (k_proj holds {got} "
+                                 f"rows per rank, expected {want})")
     return model.eval()
 
 

@@ -36,12 +36,15 @@ class NumericalConfig:
     deterministic: bool = True
     training: bool = False
     dropout_seed: int | None = None
+    compile: bool = False  # torch.compile (inductor) each layer's norms and MLP (engine/compiled.py)
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ConfigError(f"kernel must be one of {', '.join(KERNELS)} (got {self.kernel!r})")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ConfigError(f"block_size must be a positive integer (got {self.block_size!r})")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be true or false (got {self.compile!r})")
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class ForwardStep:
             mask = AttentionMask(self.q_tok, k_tok, self.q_seq, k_seq, self.mask.sentinel)
         else:
             keys, values, mask = k_rot, v, self.mask
+        if self.engine.tp is not None:  # tensor parallel: this rank's KV heads (engine/parallel.py)
+            keys, values = self.engine.tp.kv_for_attention(layer, keys, values)
         if self.shapes is not None:
             self.shapes(layer, "q", tuple(q_rot.shape))
             self.shapes(layer, "k", tuple(keys.shape))
@@ -173,9 +178,16 @@ class ForwardStep:
 class Engine:
     """A snapshot built in one numerical configuration, ready to prefill many requests."""
 
-    def __init__(self, snapshot: Snapshot, numerical: NumericalConfig = NumericalConfig()):
+    def __init__(self, snapshot: Snapshot, numerical: NumericalConfig = NumericalConfig(), tp=None):
         self.snapshot, self.numerical, self.args = snapshot, numerical, snapshot.args
         self.model, self.quantized_digest = snapshot.build(numerical.dtype, numerical.weight_quant, numerical.training)
+        self.tp = tp  # a parallel.TPContext: this process is one rank of a tensor-parallel group
+        if tp is not None:
+            tp.shard(self.model)
+            self.args = tp.local_args(self.args)  # this rank's heads and MLP rows
+        if numerical.compile:
+            from .compiled import compile_layers
+            compile_layers(self.model)
         self.dtype = torch_dtype(numerical.dtype)
         self.inv_freq = rope_inv_freq(self.args, torch.float64 if self.dtype == torch.float64 else torch.float32)
         self.kernel = get_kernel(numerical.kernel, numerical.block_size)

@@ -11,6 +11,7 @@ once every call has finished it; the generator's return value is the run's recor
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -314,12 +315,25 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     if pad is None:
         tok = snapshot.tokenizer
         pad = tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
+    from . import parallel
+    parallel.check_tp(run.tp, snapshot.args, engine=run.engine, source=snapshot.source, adapter=snapshot.adapter,
+                      weight_quant=run.numerical.weight_quant, fault=None if run.fault is None else run.fault.name)
+    tp = parallel.current() if run.tp > 1 else None
+    if run.tp > 1 and run.numerical.compile:
+        raise ConfigError("compile = true and tp > 1 together are not supported (compile one rank's layers, or "
+                          "shard an eager model)")
+    if tp is not None and tp.world != run.tp:
+        raise ConfigError(f"this process is rank {tp.rank} of {tp.world}, but the run asks for tp={run.tp}")
+    if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank prepares
+        check_request(tokens, positions, snapshot)
+        prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
+        return prep
     if run.engine == "transformers":  # transformers' own model runs these calls (engine/hf_engine.py)
         check_request(tokens, positions, snapshot)
         prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
         return prep
     check_request(tokens, positions, snapshot)
-    engine = Engine(snapshot, run.numerical)
+    engine = Engine(snapshot, run.numerical, tp=tp)
     contract.check_vocab(engine.model, snapshot.args.tokenizer_vocab_size)
     contract.check_inference_mode(engine.model, run.numerical.dropout_seed)
     prep.engine = engine
@@ -342,6 +356,10 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
 def execute(prep: Prepared, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
+    if run.numerical.compile:  # compile every shape the calls will see, timed apart from the recorded run
+        from .compiled import warm_up
+        prep.record["timing"] = {"compile_s": warm_up(prep)}
+    t0 = time.perf_counter()
     gens = [prep.engine.steps(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,
                               recorder=Placement(recorder, c.runs, c.samples), faults=c.faults)
             for c in prep.calls]
@@ -358,6 +376,8 @@ def execute(prep: Prepared, recorder):
             raise RuntimeError("prefill yielded more layers than the model has")
         except StopIteration as stop:
             results[i] = stop.value
+    if run.numerical.compile:
+        prep.record["timing"]["prefill_s"] = time.perf_counter() - t0
     for call, res in zip(prep.calls, results):
         for v in res.cache_metadata["invariant_violations"]:
             prep.record["invariant_violations"].append(f"samples {call.samples}: {v}")

@@ -14,6 +14,14 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def spawning_presets() -> set:
+    """Presets that start processes (tp > 1) or compile with inductor (seconds each): the loops over every
+    preset leave them out; tests/test_parallel.py runs each of them once."""
+    from prefill_diff.engine.config import PRESETS
+    return {name for name, (_, conf) in PRESETS.items()
+            if conf.get("run", {}).get("tp", 1) > 1 or conf.get("run", {}).get("compile")}
+
+
 def examples(n: int) -> int:
     """A test's hypothesis example count, times EXAMPLES_SCALE."""
     return n * int(os.environ.get("EXAMPLES_SCALE", "1"))

@@ -11,7 +11,9 @@ from prefill_diff.verify.pipeline import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 from prefill_diff.verify.tolerance import Policy, Tolerance, KINDS
 
-NON_FAULT = [p for p in PRESETS if not p.startswith("fault:") and p != "reference"]
+from conftest import spawning_presets  # noqa: E402
+
+NON_FAULT = [p for p in PRESETS if not p.startswith("fault:") and p != "reference" and p not in spawning_presets()]
 EXACT = Policy("exact", {k: Tolerance(0.0, 0.0) for k in KINDS})
 
 

@@ -14,6 +14,8 @@ from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
 from prefill_diff.verify.pipeline import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
+from conftest import spawning_presets  # noqa: E402
+
 import gguf  # noqa: E402,F401  (the test extras install both; a missing one must fail, never skip)
 import transformers  # noqa: E402,F401
 
@@ -221,7 +223,7 @@ def test_hf_checkpoint_loads_and_agrees_with_transformers(qwen_dir, tmp_path):
         assert b.meta["engine"]["name"] == "transformers"
 
 
-@pytest.mark.parametrize("preset", [p for p in PRESETS if not p.startswith("fault:")])
+@pytest.mark.parametrize("preset", [p for p in PRESETS if not p.startswith("fault:") and p not in spawning_presets()])
 def test_every_preset_runs_on_a_hf_checkpoint(qwen_dir, tmp_path, preset):
     spec = ModelSpec(f"hf:{qwen_dir}")
     inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6), (8, 9, 10, 11, 12, 13)))
@@ -232,7 +234,7 @@ def test_every_preset_runs_on_a_hf_checkpoint(qwen_dir, tmp_path, preset):
     assert rep, f"{preset}: {rep.verdict_line()}"
 
 
-@pytest.mark.parametrize("fault", [p for p in PRESETS if p.startswith("fault:")])
+@pytest.mark.parametrize("fault", [p for p in PRESETS if p.startswith("fault:") and p not in spawning_presets()])
 def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
     spec = ModelSpec(f"hf:{qwen_dir}")
     inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6), (8, 9, 10, 11, 12, 13)))
@@ -420,7 +422,7 @@ def smol_reference(smol_dir):
     return record("reference", smol_dir, "ref3", inputs=THREE)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p not in spawning_presets()])
 def test_every_preset_runs_on_smollm2(smol_reference, tmp_path, preset):
     cand = record(preset, tmp_path, "c", inputs=THREE)
     with Trace(smol_reference) as a, Trace(cand) as b:

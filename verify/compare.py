@@ -370,7 +370,11 @@ class Comparator:
         numerics = None
         if self.numerics is not None:
             numerics = self.numerics.layer(r, self.calib.twin.layer(i))
-        return LayerResult(i, tensors, cache, self._first_break(i, tensors, cache, numerics), numerics)
+        first = self._first_break(i, tensors, cache, numerics)
+        if getattr(self.ref, "ranks", None) or getattr(self.cand, "ranks", None):  # tensor-parallel rank traces
+            from .ranks import rank_checks
+            first = rank_checks(self, i, first)
+        return LayerResult(i, tensors, cache, first, numerics)
 
     def _first_break(self, layer, tensors, cache: CacheResult, numerics: LayerResult | None = None) -> Break | None:
         """The check order of a layer: shape, finite mask, cache length, cache positions, values."""

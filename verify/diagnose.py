@@ -69,6 +69,12 @@ def diagnose(report, ref, cand) -> str | None:
                     "valid rows in later layers.")
         return (f"Non-finite values appear in valid rows at {fb.tensor}: overflow in low precision, or NaN "
                 "spreading from padding rows at an earlier layer?")
+    if fb.kind == "rank_divergence":
+        sub = "attention output projection" if fb.tensor == "attn_update" else (
+            "MLP down projection" if fb.tensor == "mlp_update" else "layer")
+        return (f"Tensor-parallel ranks hold different values of {fb.tensor} at layer {fb.layer}, which every rank "
+                f"must hold identically: consistent with the {sub}'s row-parallel partial sums not being "
+                "all-reduced (or reduced over the wrong group), or a rank-dependent computation.")
     identity = _identity_hint(report, ref, cand)  # a different model explains a value break before numerics
     if identity:
         return identity
@@ -104,6 +110,12 @@ def diagnose(report, ref, cand) -> str | None:
     if fb.tensor in ("attn_update", "attn_heads") and fb.layer == 0:
         n_heads = ref.args.get("n_heads")
         if fb.heads is not None and 0 < len(fb.heads) < (n_heads or 0):
+            from .ranks import heads_note
+            owner = heads_note(cand, fb.heads) if getattr(cand, "ranks", None) else None
+            if owner:
+                return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while the cached K/V "
+                        f"agree, and {owner}: consistent with that rank attending with another rank's KV shard "
+                        "(a tensor-parallel head-to-rank mapping error; cf. §2.11 row 4).")
             return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while K/V agree: "
                     "consistent with a query head reading the wrong KV head (g(h) = ⌊h·H_kv/H_q⌋) — §2.11 row 4.")
         padded = _padded_samples(cand, pairs)

@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import dataclass
 
 from ..dumps.capture import capture, record
+from ..dumps.ranks import is_rank_set, open_any  # a trace file, or a directory of rank traces
 from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
 from ..engine.errors import PrefillDiffError
@@ -42,6 +43,12 @@ def record_side(prep, path, level: str = "full", force: bool = False, compressio
     """
     if tolerance:
         resolve_policy(tolerance)  # refuse a bad declaration before recording
+    if prep.side.run.tp > 1:  # tensor parallel: one process and one trace per rank, in a directory
+        from ..dumps.ranks import record_ranks
+        if in_memory:
+            from ..engine.errors import ConfigError
+            raise ConfigError("tensor-parallel runs record one trace file per rank: --fail-fast cannot run them")
+        return record_ranks(prep, path, level, force, compression, {"tolerance": tolerance} if tolerance else None)
     rec = Recorder(path, level, force=force, compression=compression, in_memory=in_memory)
     try:
         record(prep, rec, progress=progress, extra_meta={"tolerance": tolerance} if tolerance else None)
@@ -152,7 +159,7 @@ def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
 def compare_files(ref_path, cand_path, policy_args=None, fail_fast: bool = False, *, calibrate: bool | None = None,
                   factor: float = DEFAULT_FACTOR, allow_subset: bool = False) -> Outcome:
     """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
-    with Trace(ref_path) as ref, Trace(cand_path) as cand:
+    with open_any(ref_path) as ref, open_any(cand_path) as cand:
         ref_prec, cand_prec = precisions(ref.meta), precisions(cand.meta)
         plan = plan_calibration(ref_prec, cand_prec, calibrate=calibrate, explicit=_explicit(policy_args),
                                 level="full" if ref.level == cand.level == "full" else
@@ -172,7 +179,7 @@ def compare_files(ref_path, cand_path, policy_args=None, fail_fast: bool = False
             report = compare_traces(ref, cand, _policy(policy_args, ref, cand), fail_fast=fail_fast,
                                     allow_subset=allow_subset, rule_note=plan.note)
             return Outcome(report, str(ref_path), str(cand_path), _token_text(ref, cand))
-        with Trace(paths[0]) as golden, (Trace(paths[1]) if paths[1] else _Null()) as twin:
+        with open_any(paths[0]) as golden, (open_any(paths[1]) if paths[1] else _Null()) as twin:
             calib = Calibration(golden, twin, factor, unit_roundoff(cand_prec), precision_label(cand_prec))
             report = compare_traces(ref, cand, None, fail_fast=fail_fast, calib=calib, allow_subset=allow_subset)
             return Outcome(report, str(ref_path), str(cand_path), _token_text(ref, cand))
@@ -239,13 +246,13 @@ def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_
         if plan.use and not plan.twin_is_cand:
             gold, twin = record_calibration(ref_prep.side, cand_prec, out_dir, twin_is_ref=plan.twin_is_ref,
                                             force=force, progress=progress, snapshot=ref_prep.snapshot)
-            with Trace(ref_path) as ref, Trace(cand_path) as cand, Trace(gold) as golden, \
-                    (Trace(twin) if twin else _Null()) as tw:
+            with open_any(ref_path) as ref, open_any(cand_path) as cand, open_any(gold) as golden, \
+                    (open_any(twin) if twin else _Null()) as tw:
                 calib = Calibration(golden, tw, factor, unit_roundoff(cand_prec), precision_label(cand_prec))
                 report = compare_traces(ref, cand, None, calib=calib, allow_subset=allow_subset)
                 outcome = Outcome(report, ref_path, cand_path, _token_text(ref, cand))
         else:
-            with Trace(ref_path) as ref, Trace(cand_path) as cand:
+            with open_any(ref_path) as ref, open_any(cand_path) as cand:
                 report = compare_traces(ref, cand, _policy(policy_args, ref, cand), allow_subset=allow_subset,
                                         rule_note=_rule_note(plan) if plan.use or plan.note else None)
                 outcome = Outcome(report, ref_path, cand_path, _token_text(ref, cand))
@@ -272,12 +279,12 @@ def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail
                  policy_args=None, level: str | None = None, calibrate: bool | None = None,
                  factor: float = DEFAULT_FACTOR, allow_subset: bool = False) -> Outcome:
     """CI gate: BASELINE.h5 against a trace file, or against a preset/config recorded now."""
-    if os.path.isfile(candidate) and not candidate.endswith(".toml"):
+    if (os.path.isfile(candidate) and not candidate.endswith(".toml")) or is_rank_set(candidate):
         return compare_files(baseline, candidate, policy_args, fail_fast, calibrate=calibrate, factor=factor,
                              allow_subset=allow_subset)
     from ..engine.config import Inputs, precision_of
     from ..engine.snapshot import ModelSpec
-    with Trace(baseline) as base:
+    with open_any(baseline) as base:
         samples = base.samples
         spec = model or ModelSpec(**{k: v for k, v in _spec_of(base).items()})
         inputs = inputs or Inputs(token_ids=tuple(samples))
@@ -305,8 +312,8 @@ def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail
             siblings = record_calibration(base_meta_side, cand_prec, tmp, twin_is_ref=plan.twin_is_ref,
                                           snapshot=prep.snapshot if prep.side.model == spec else None)
         if plan.use:
-            with Trace(baseline) as ref, Trace(path) as cand, Trace(siblings[0]) as golden, \
-                    (Trace(siblings[1]) if siblings[1] else _Null()) as tw:
+            with open_any(baseline) as ref, open_any(path) as cand, open_any(siblings[0]) as golden, \
+                    (open_any(siblings[1]) if siblings[1] else _Null()) as tw:
                 calib = Calibration(golden, tw, factor, unit_roundoff(cand_prec), precision_label(cand_prec))
                 report = compare_traces(ref, cand, None, fail_fast=fail_fast, calib=calib, allow_subset=allow_subset)
                 outcome = Outcome(report, baseline, None, _token_text(ref, cand))
@@ -342,6 +349,10 @@ def run_lockstep(ref_source: str, cand_source: str, model=None, inputs=None, *, 
     from ..engine.config import precision_of
     from ..engine.runner import prepare
     preps = [prepare_side(ref_source, model, inputs), prepare_side(cand_source, model, inputs)]
+    if any(p.side.run.tp > 1 for p in preps):
+        from ..engine.errors import ConfigError
+        raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
+                          "(tp > 1) runs in its own processes: drop --fail-fast")
     check_coverage(preps[0].tokens, preps[1].tokens, allow_subset)
     cand_prec = precision_of(preps[1].side.run)
     plan = plan_calibration(precision_of(preps[0].side.run), cand_prec, calibrate=calibrate,
