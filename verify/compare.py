@@ -449,7 +449,7 @@ class Comparator:
                    f"ntol={t.ntol:g} of the sample's rms); would pass with atol>={t.min_atol:.3g} [stats level: "
                    "no element, row or relative error is recorded]")
             return Break(stage, "value", msg, layer, t.tensor, s, pos, ch, t.max_abs, None, t.atol, t.rtol, t.ntol,
-                         t.worst_bound, heads=heads, samples=t.bad_samples)
+                         None, heads=heads, samples=t.bad_samples)
         msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
                f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
                f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={t.min_atol:.3g}, "
