@@ -149,7 +149,7 @@ def break_line(b: Break, token_text: str | None = None) -> str:
             parts.append("numerics (twin vs reference)")
         if b.max_abs_error is not None and b.bound is not None:
             parts.append(f"max_abs={b.max_abs_error:.1e} > tol={b.bound:.1e}")
-        elif b.max_abs_error is not None and b.message.endswith("[stats level]"):
+        elif b.max_abs_error is not None and "[stats level" in b.message:
             parts.append(f"statistic error={b.max_abs_error:.1e} (stats level: min, max, mean, rms; no values)")
         else:
             parts.append(b.message)
