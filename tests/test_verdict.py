@@ -245,7 +245,7 @@ def test_stats_level_break_says_only_what_statistics_measure(tmp_path):
         rep = compare_traces(a, b)
     fb = rep.first_break
     assert fb.kind == "value" and fb.layer == 0, rep.verdict_line()
-    assert "statistics of" in fb.message and "largest statistic error" in fb.message
+    assert "statistics (min, max, mean, rms per sample) of" in fb.message and "largest statistic error" in fb.message
     assert "would pass with atol>=" in fb.message
     for false_claim in ("rtol>=", "ntol>=", "row_rtol>=", "row norm"):
         assert false_claim not in fb.message, fb.message

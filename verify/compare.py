@@ -444,7 +444,7 @@ class Comparator:
             return self._calib_break(stage, layer, t, heads)
         s, pos, ch = t.worst if t.worst else (None, None, None)
         if t.level == "stats":  # per-sample min, max, mean and rms: no element, row or relative error exists
-            msg = (f"{t.n_bad} of {t.compared} statistics of {t.tensor} (min, max, mean, rms per sample) out of "
+            msg = (f"{t.n_bad} of {t.compared} statistics (min, max, mean, rms per sample) of {t.tensor} out of "
                    f"tolerance; largest statistic error {t.max_abs:.3g} (atol={t.atol:g}, rtol={t.rtol:g}, "
                    f"ntol={t.ntol:g} of the sample's rms); would pass with atol>={t.min_atol:.3g} [stats level: "
                    "no element, row or relative error is recorded]")
