@@ -14,6 +14,7 @@ import h5py
 import numpy as np
 
 from ..engine.errors import PrefillDiffError
+from ..engine.untrusted import regular_file, visible
 from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
                      STAT_COLUMNS, STATES, layer_group)
 
@@ -58,6 +59,64 @@ def _json_attr(f, key: str, where: str):
         return json.loads(raw)
     except ValueError as e:
         raise TraceError(f"{where}: attribute {key!r} is not valid JSON ({e})") from None
+
+
+# Filters the recorder writes (gzip with shuffle); anything else is a file this tool did not write, and an
+# unknown filter is code run on read (HDF5 loads filter plugins by id).
+ALLOWED_FILTERS = {h5py.h5z.FILTER_DEFLATE: "gzip", h5py.h5z.FILTER_SHUFFLE: "shuffle"}
+OBJECT_LIMIT = 100_000  # links a reader walks before it gives up on a file
+
+
+def check_storage(f: h5py.File, where: str) -> None:
+    """Refuse, before reading any data, every object that would make HDF5 read outside this file or run code
+    this tool does not ship: external links, soft links (the recorder writes none; one may lead to an external
+    link), user-defined links, datasets with external storage, virtual datasets, filters other than gzip and
+    shuffle. Raises TraceError naming the object and why. Hard links are walked once each (cycles are cut)."""
+    seen, stack, n = set(), [("/", f)], 0
+    while stack:
+        path, g = stack.pop()
+        for name in g.keys():  # link names only: listing follows nothing
+            n += 1
+            if n > OBJECT_LIMIT:
+                raise TraceError(f"{where}: more than {OBJECT_LIMIT} objects; not a trace this tool wrote")
+            full = path.rstrip("/") + "/" + name
+            shown = visible(full)[:200]
+            link = g.get(name, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                raise TraceError(f"{where}: {shown} is an external link to {visible(link.filename)[:200]}:"
+                                 f"{visible(link.path)[:100]}; refused (a trace never reads other files)")
+            if isinstance(link, h5py.SoftLink):
+                raise TraceError(f"{where}: {shown} is a soft link to {visible(link.path)[:200]}; refused "
+                                 "(traces hold no links, and a link may lead out of the file)")
+            if not isinstance(link, h5py.HardLink):
+                raise TraceError(f"{where}: {shown} is a {type(link).__name__} link; refused")
+            oid = h5py.h5o.open(g.id, name.encode("utf-8") if isinstance(name, str) else name)
+            info = h5py.h5o.get_info(oid)
+            key = (info.fileno, getattr(info, "addr", None) or repr(getattr(info, "token", None)))
+            if key in seen:
+                continue
+            seen.add(key)
+            if info.type == h5py.h5o.TYPE_GROUP:
+                stack.append((full, g[name]))
+            elif info.type == h5py.h5o.TYPE_DATASET:
+                _check_dataset_storage(g[name], shown, where)
+
+
+def _check_dataset_storage(ds: h5py.Dataset, shown: str, where: str) -> None:
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL:
+        raise TraceError(f"{where}: dataset {shown} is a virtual dataset (it maps data from other files); refused")
+    if plist.get_external_count() > 0:
+        target = plist.get_external(0)[0]
+        target = target.decode("utf-8", "replace") if isinstance(target, bytes) else str(target)
+        raise TraceError(f"{where}: dataset {shown} keeps its data in external file {visible(target)[:200]}; "
+                         "refused (a trace never reads other files)")
+    for i in range(plist.get_nfilters()):
+        code, _flags, _values, fname = plist.get_filter(i)
+        if code not in ALLOWED_FILTERS:
+            fname = fname.decode("utf-8", "replace") if isinstance(fname, bytes) else str(fname)
+            raise TraceError(f"{where}: dataset {shown} uses HDF5 filter {code} ({visible(fname)[:60] or 'unnamed'})"
+                             f"; refused (traces use only {', '.join(ALLOWED_FILTERS.values())})")
 
 
 _local = threading.local()
@@ -149,6 +208,10 @@ class Trace:
             if os.path.isdir(self.name):
                 raise TraceError(f"{self.name}: is a directory, not a trace")
             try:
+                regular_file(self.name, "trace")  # a FIFO would block h5py forever; a device never ends
+            except PrefillDiffError as e:
+                raise TraceError(str(e)) from None
+            try:
                 self.f = h5py.File(self.name, "r")
             except OSError as e:
                 raise TraceError(f"{self.name}: not a readable HDF5 file (truncated, corrupt or another format: "
@@ -198,6 +261,7 @@ class Trace:
         return buf
 
     def _check(self):
+        check_storage(self.f, self.name)  # before any data is read: nothing outside this file is followed
         self._check_header(require_complete=True)
         self._check_inputs()
         self._check_final()

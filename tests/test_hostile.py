@@ -1,0 +1,110 @@
+"""Hostile input (issue 13): traces from strangers, prompts from chat templates, files that are not files.
+
+Each test here reproduces one way a well-formed but hostile input crashed, hung, or read what it should not,
+and checks that it is now refused with exit 2 and one clear line (or handled), never exit 3.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.verify.pipeline import prepare_side, record_side
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    return Path(record_side(prepare_side("batched-left"), d / "good.h5", "full"))
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile-sampled")
+    return Path(record_side(prepare_side("batched-left"), d / "sampled.h5", "sampled"))
+
+
+def _copy(src: Path, tmp_path: Path, name: str = "bad.h5") -> Path:
+    dst = tmp_path / name
+    shutil.copy(src, dst)
+    return dst
+
+
+def _one_line(res, code=2):
+    out = res.output.strip()
+    assert res.exit_code == code, out[-2000:]
+    assert "internal error" not in out and "Traceback" not in out, out[-2000:]
+    return " ".join(out.split())
+
+
+# -- HDF5 objects that read outside the file ------------------------------------------------------------
+
+SECRET = np.arange(64 * 12 * 3, dtype="<f4") + 0.25  # recognisable floats
+
+
+def _replace_with_external(f: h5py.File, path: str, secret: Path):
+    shape, dtype = f[path].shape, f[path].dtype
+    del f[path]
+    f.create_dataset(path, shape=shape, dtype=dtype, external=[(str(secret), 0, h5py.h5f.UNLIMITED)])
+
+
+@pytest.mark.parametrize("attack", ["external storage", "external link", "soft link", "virtual dataset",
+                                    "unknown filter"])
+def test_objects_that_read_outside_the_file_are_refused_before_any_data(run_cli, good, tmp_path, attack):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(SECRET.tobytes())
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as o:
+        o["mid"] = np.ones((3, 12, 64), np.float32)
+    bad = _copy(good, tmp_path)
+    with h5py.File(bad, "a") as f:
+        if attack == "external storage":
+            _replace_with_external(f, "layers/002/mid", secret)
+            want = "layers/002/mid keeps its data in external file"
+        elif attack == "external link":
+            del f["layers/002/mid"]
+            f["layers/002/mid"] = h5py.ExternalLink(str(other), "/mid")
+            want = "layers/002/mid is an external link"
+        elif attack == "soft link":
+            del f["layers/002/mid"]
+            f["layers/002/mid"] = h5py.SoftLink("/layers/001/mid")
+            want = "layers/002/mid is a soft link"
+        elif attack == "virtual dataset":
+            del f["layers/002/mid"]
+            layout = h5py.VirtualLayout(shape=(3, 12, 64), dtype="f4")
+            layout[...] = h5py.VirtualSource(str(other), "mid", shape=(3, 12, 64))
+            f.create_virtual_dataset("layers/002/mid", layout)
+            want = "layers/002/mid is a virtual dataset"
+        else:
+            data = f["layers/002/mid"][()]
+            del f["layers/002/mid"]
+            f.create_dataset("layers/002/mid", data=data, fletcher32=True, chunks=(1, 12, 64))
+            want = "layers/002/mid uses HDF5 filter 3"
+    if attack == "external storage":  # the attack works on plain h5py: the secret's bytes come back as floats
+        with h5py.File(bad, "r") as f:
+            assert np.array_equal(f["layers/002/mid"][0, 0, :4], SECRET[:4])
+    for args in (("inspect", bad, "--layer", 2, "--tensor", "mid", "--sample", 0, "--json"), ("compare", good, bad),
+                 ("compare", bad, good)):
+        out = _one_line(run_cli(*args))
+        assert want in out and "refused" in out, out
+        assert "0.25" not in out and "1.25" not in out  # nothing of the secret is printed
+
+
+def test_hard_link_cycles_are_walked_once(good, tmp_path):
+    bad = _copy(good, tmp_path)
+    with h5py.File(bad, "a") as f:
+        f["layers/000/loop"] = f["layers"]  # a hard link back up: a cycle
+    with Trace(bad) as t:  # walked without looping; the extra name is not a state, so the trace still opens
+        assert t.n_layers == 4
