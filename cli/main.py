@@ -29,14 +29,19 @@ class Cli(click.Group):
                 raise KeyboardInterrupt
             return result
         except PrefillDiffError as e:
-            raise BadInput(str(e)) from None
+            from ..engine.untrusted import visible
+            raise BadInput(visible(str(e))) from None
         except KeyboardInterrupt:
             from ..dumps.recorder import remove_partial_files
             n = len(remove_partial_files())
             click.echo(f"interrupted; the trace being written was not kept ({n} partial file"
                        f"{'' if n == 1 else 's'} removed); traces completed earlier are kept", err=True)
             ctx.exit(130)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except click.ClickException as e:  # its message may quote a foreign value (a file name, an option)
+            from ..engine.untrusted import visible
+            e.message = visible(e.message)
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except MemoryError:
             raise BadInput("not enough memory for this model and input on this machine "
@@ -48,8 +53,9 @@ class Cli(click.Group):
         except Exception as e:  # a bug, not bad input
             if os.environ.get("PREFILL_DIFF_DEBUG"):
                 raise
-            click.echo(f"internal error: {type(e).__name__}: {e} (set PREFILL_DIFF_DEBUG=1 for the traceback)",
-                       err=True)
+            from ..engine.untrusted import visible
+            click.echo(f"internal error: {type(e).__name__}: {visible(e)} (set PREFILL_DIFF_DEBUG=1 for the "
+                       "traceback)", err=True)
             ctx.exit(EXIT_INTERNAL)
 
 
@@ -183,7 +189,8 @@ def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path
     else:
         outcome = run_pair(ref, cand, spec, inputs, **kw)
     if outcome.ref_path and not quiet and json_path != "-":
-        console.print(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim")
+        from .render import plain
+        console.print(plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
     _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
 
 
@@ -222,7 +229,9 @@ def record(config, output, level, compression, force, model, prompts, tokens, to
             record_side(prep, output, level, force, compression, progress=progress("recording"), tolerance=tol)
     else:
         record_side(prep, output, level, force, compression, tolerance=tol)
-    console.print(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} samples)")
+    from .render import plain
+    console.print(plain(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} "
+                        "samples)"))
 
 
 @cli.command()

@@ -9,9 +9,17 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..engine.untrusted import visible
+
 COLUMNS = (("layer_input", "R_in"), ("cache_keys", "K"), ("cache_values", "V"), ("attn_update", "attn"),
            ("mid", "U"), ("mlp_update", "mlp"), ("layer_output", "R_out"))
 SPARK = "▁▂▃▄▅▆▇█"
+
+
+def plain(text, style: str = "") -> Text:
+    """Foreign text (trace metadata, prompts, token text, notes, file names) as a renderable: never parsed as
+    rich markup, control characters and bidirectional overrides shown as escapes (\\x1b, \\u202e)."""
+    return Text(visible(text), style=style)
 
 
 def _fmt(x) -> str:
@@ -53,12 +61,12 @@ def layer_max(lr) -> float | None:
 
 def verdict_text(report) -> Text:
     style = "bold green" if report else "bold red"
-    return Text(report.verdict_line(), style=style)
+    return plain(report.verdict_line(), style=style)
 
 
 def report_renderable(report, token_text: dict | None = None):
     parts = []
-    parts.append(Text(f"reference: {report.ref.get('origin')} ({report.ref.get('file') or 'not kept'}, "
+    parts.append(plain(f"reference: {report.ref.get('origin')} ({report.ref.get('file') or 'not kept'}, "
                       f"{report.ref.get('level')})  "
                       f"candidate: {report.cand.get('origin')} ({report.cand.get('file') or 'not kept'}, "
                       f"{report.cand.get('level')})  policy: {report.policy.name}", style="dim"))
@@ -70,19 +78,19 @@ def report_renderable(report, token_text: dict | None = None):
         parts.append(final_table(report, token_text))
     if report.first_break is not None:
         fb = report.first_break
-        body = [Text(report.verdict_line(), style="bold red"), Text(fb.message)]
+        body = [plain(report.verdict_line(), style="bold red"), plain(fb.message)]
         if fb.sublayer:
-            body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
+            body.append(plain(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
                              + (f", query heads {list(fb.heads)}" if fb.heads else "")))
         if report.diagnosis:
-            body.append(Text("hint: " + report.diagnosis, style="yellow"))
+            body.append(plain("hint: " + report.diagnosis, style="yellow"))
         parts.append(Panel(Group(*body), title="first break", border_style="red"))
     for n in report.inconclusive:
-        parts.append(Text("INCONCLUSIVE: " + n, style="bold yellow"))
+        parts.append(plain("INCONCLUSIVE: " + n, style="bold yellow"))
     for n in report.notes:
-        parts.append(Text("note: " + n, style="yellow"))
+        parts.append(plain("note: " + n, style="yellow"))
     for n in report.skipped:
-        parts.append(Text("not checked: " + n, style="dim"))
+        parts.append(plain("not checked: " + n, style="dim"))
     parts.append(verdict_text(report))
     return Group(*parts)
 
@@ -122,15 +130,15 @@ def final_table(report, token_text: dict | None = None) -> Table:
     errs = dict(report.final.sample_max_abs)
     for s, r, c in report.final.top:
         err = _fmt(errs.get(s))
-        t.add_row(str(s), f"[red]{err}[/]" if s in bad else err, show(r), show(c))
+        t.add_row(str(s), f"[red]{err}[/]" if s in bad else err, plain(show(r)), plain(show(c)))
     return t
 
 
 def ledger_renderable(ledgers, model_name: str):
     parts = []
     for i, lg in enumerate(ledgers):
-        t = Table(title=f"shape ledger (seed §2.8) — model {model_name}, prefill call {i + 1} of {len(ledgers)}, "
-                        f"input rectangle {list(lg.rect)}", title_justify="left")
+        t = Table(title=plain(f"shape ledger (seed §2.8) — model {model_name}, prefill call {i + 1} of "
+                              f"{len(ledgers)}, input rectangle {list(lg.rect)}"), title_justify="left")
         t.add_column("object")
         t.add_column("shape")
         for name, shape in lg.rows:
@@ -146,13 +154,13 @@ def inspect_renderable(s: dict):
     m, run = s["model"], s["run"]
     a = m.get("args") or {}
     eng = run.get("engine") or {}
-    head = [Text(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle']})",
+    head = [plain(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle']})",
                  style="bold"),
-            Text(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
+            plain(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
                  f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
                  f"weights {str(m.get('weights_digest'))[:23]}…"
                  + (f"  adapter {m['adapter']['id']}" if m.get("adapter") else "")),
-            Text(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
+            plain(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
                  f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache {run.get('layout')}")]
     rec = s.get("record") or {}
     facts = []
@@ -166,11 +174,11 @@ def inspect_renderable(s: dict):
         facts.append(f"declared tolerance: {s['tolerance']}")
     if rec.get("invariant_violations"):
         facts.append("cache invariant violations: " + "; ".join(rec["invariant_violations"]))
-    head += [Text(f, style="red" if "violation" in f or "fault" in f or "FORCED" in f else "")
+    head += [plain(f, style="red" if "violation" in f or "fault" in f or "FORCED" in f else "")
              for f in facts]
     rep = s.get("repro") or {}
     if rep:
-        head.append(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
+        head.append(plain(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
                          f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
                          f"{rep.get('deterministic_algorithms')}", style="dim"))
     samples = Table(title="samples", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -179,7 +187,7 @@ def inspect_renderable(s: dict):
     for x in s["samples"]:
         toks = x["text"] if x.get("text") else " ".join(map(str, x["token_ids"][:16])) + (
             " …" if len(x["token_ids"]) > 16 else "")
-        samples.add_row(str(x["sample"]), str(x["length"]), toks)
+        samples.add_row(str(x["sample"]), str(x["length"]), plain(toks))
     layers = Table(title="per-layer statistics (valid cells; nonfinite counts valid/padding)", title_justify="left",
                    box=box.SIMPLE_HEAD, pad_edge=False)
     for c in ("layer", "tensor", "min", "max", "mean", "l2", "nonfin", "cache len"):
@@ -188,7 +196,7 @@ def inspect_renderable(s: dict):
         first = True
         for name, st in row["tensors"].items():
             nf = f"{st['nonfinite']}/{st['pad_nonfinite']}"
-            layers.add_row(str(row["layer"]) if first else "", name, _g(st["min"]), _g(st["max"]),
+            layers.add_row(str(row["layer"]) if first else "", plain(name), _g(st["min"]), _g(st["max"]),
                            _g(st["mean"]), _g(st["l2"]), f"[red]{nf}[/]" if nf != "0/0" else nf,
                            ",".join(map(str, row["cache_lengths"])) if first else "")
             first = False
@@ -200,11 +208,11 @@ def inspect_renderable(s: dict):
         ids = f["top_ids"][:5]
         shown = " ".join(f"{i}:{t!r}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
             " ".join(map(str, ids))
-        final.add_row(str(f["sample"]), str(f["gathered_token"]), shown)
+        final.add_row(str(f["sample"]), str(f["gathered_token"]), plain(shown))
     parts = head + [samples, layers, final]
     if "values" in s:
         v = s["values"]
-        parts.append(Text(f"values ({v['dtype']}, shape {v['shape']}, first 8 channels):"))
+        parts.append(plain(f"values ({v['dtype']}, shape {v['shape']}, first 8 channels):"))
         for p, row in zip(v["positions"], v["head"]):
             parts.append(Text(f"  pos {p}: " + " ".join(f"{x:.4g}" for x in row)))
     return Group(*parts)

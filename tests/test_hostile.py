@@ -108,3 +108,53 @@ def test_hard_link_cycles_are_walked_once(good, tmp_path):
         f["layers/000/loop"] = f["layers"]  # a hard link back up: a cycle
     with Trace(bad) as t:  # walked without looping; the extra name is not a state, so the trace still opens
         assert t.n_layers == 4
+
+
+# -- markup and terminal injection -------------------------------------------------------------------
+
+def _edit_meta(path: Path, edit) -> None:
+    with h5py.File(path, "a") as f:
+        meta = json.loads(f.attrs["meta"])
+        edit(meta)
+        del f.attrs["meta"]
+        f.attrs["meta"] = np.bytes_(json.dumps(meta).encode("utf-8"))
+
+
+HOSTILE = "[INST] Say hi [/INST] [bold red]x[/] \x1b]0;owned\x07\x1b[2J\u202eevil\r\n"
+
+
+def test_foreign_text_is_printed_as_plain_text_with_control_characters_visible(run_cli, good, tmp_path):
+    bad = _copy(good, tmp_path, "te[bold]xt.h5")
+
+    def edit(m):
+        m["texts"] = [HOSTILE] * 3
+        m["token_text"] = {str(i): HOSTILE for i in range(96)}
+        m["record"]["invariant_violations"] = [HOSTILE]
+        m["side"]["origin"] = HOSTILE
+        m["model"]["source"] = HOSTILE
+    _edit_meta(bad, edit)
+    junit = tmp_path / "r.xml"
+    for args in (("inspect", bad), ("compare", good, bad, "--junit", junit), ("compare", bad, good)):
+        res = run_cli(*args)
+        assert res.exit_code in (0, 1), res.output[-2000:]
+        assert "\x1b" not in res.output and "\x07" not in res.output and "\u202e" not in res.output
+        assert "\\x1b]0;owned\\x07\\x1b[2J\\u202eevil" in res.output.replace("\n", "") or \
+            "\\x1b]0;owned" in res.output, res.output[-3000:]
+        assert "[bold red]x[/]" in res.output or "[INST]" in res.output  # markup shown, not interpreted
+    assert "[INST] Say hi [/INST]" in run_cli("inspect", bad).output
+    assert "cache invariant broken" in " ".join(run_cli("compare", good, bad).output.split())
+    import xml.etree.ElementTree as ET
+    ET.parse(junit)  # control characters would make the XML unreadable
+
+
+def test_markup_in_an_output_file_name_is_printed_not_parsed(run_cli, tmp_path):
+    (tmp_path / "d[").mkdir()
+    out = tmp_path / "d[/]x.h5"  # the file "]x.h5" in the directory "d[": the example
+    res = run_cli("record", "reference", "-o", out, "--level", "stats")
+    text = _one_line(res, 0)
+    assert out.exists() and f"wrote {out}" in text
+
+
+def test_error_messages_show_control_characters_as_escapes(run_cli, tmp_path):
+    res = run_cli("inspect", tmp_path / "no\x1b[31mfile.h5")
+    assert res.exit_code == 2 and "\x1b" not in res.output and "\\x1b[31m" in res.output
