@@ -15,6 +15,7 @@ import numpy as np
 
 from ..engine.errors import PrefillDiffError
 from ..engine.untrusted import regular_file, visible
+from .metacheck import MetaError, check_meta, check_meta_against_file
 from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
                      STAT_COLUMNS, STATES, layer_group)
 
@@ -296,6 +297,7 @@ class Trace:
         self.meta = _json_attr(f, "meta", where) or {}
         if not isinstance(self.meta, dict):
             raise TraceError(f"{where}: attribute 'meta' must be a JSON object")
+        _check_meta(self.meta, where)
         for key in ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text"):
             if self.meta.get(key) is not None and not isinstance(self.meta[key], dict):
                 raise TraceError(f"{where}: meta.{key} must be a JSON object (got {type(self.meta[key]).__name__})")
@@ -322,9 +324,25 @@ class Trace:
         if f["samples/lengths"].shape != (S,) or f["samples/token_ids"].ndim != 2 or \
                 f["samples/token_ids"].shape[0] != S:
             raise TraceError(f"{where}: /samples datasets do not match {S} samples")
+        for path in ("samples/token_ids", "samples/lengths", "inputs/input_ids", "inputs/valid_mask",
+                     "inputs/computed", "inputs/positions", "inputs/token_index"):
+            if f[path].dtype.kind not in "iu":
+                raise TraceError(f"{where}: /{path} holds {f[path].dtype}, not integers")
         self.lengths = self.read(f["samples/lengths"]).astype(np.int64)
         if (self.lengths < 1).any() or (self.lengths > f["samples/token_ids"].shape[1]).any():
             raise TraceError(f"{where}: /samples/lengths out of range")
+        try:
+            check_meta_against_file(self.meta, S, self.lengths)
+        except MetaError as e:
+            raise TraceError(_meta_message(where, e)) from None
+        if self.level == "sampled":
+            ti = f.get("sampled/token_index")
+            if not isinstance(ti, h5py.Dataset) or ti.ndim != 2 or ti.shape[0] != S or ti.dtype.kind not in "iu":
+                raise TraceError(f"{where}: /sampled/token_index must be integers of shape ({S}, slots)")
+            toks = self.read(ti)
+            if ((toks < -1) | (toks >= self.lengths[:, None])).any():
+                raise TraceError(f"{where}: /sampled/token_index holds token indices outside [-1, length)")
+            self.sampled_slots = ti.shape[1]
 
     def _check_final(self):
         f, where, S = self.f, self.name, self.n_samples
@@ -395,6 +413,10 @@ class Trace:
         pos, lens = g["cache/positions"], g["cache/lengths"]
         if pos.ndim != 2 or pos.shape[0] != S or lens.shape != (S,):
             raise TraceError(f"{where}: layer {i} cache positions/lengths do not match {S} samples")
+        if pos.dtype.kind not in "iu" or lens.dtype.kind not in "iu":
+            raise TraceError(f"{where}: layer {i} cache positions/lengths hold {pos.dtype}/{lens.dtype}, not integers")
+        if isinstance(g.get("sampled"), h5py.Group):
+            self._check_sampled(i, g["sampled"])
         if self.level == "full":
             for name in CACHE_TENSORS:
                 ds = g.get(f"cache/{name}")
@@ -407,6 +429,37 @@ class Trace:
                                      f"{a.get('n_kv_heads')} KV heads of {a.get('head_dim')}")
                 if int(np.prod(ds.shape[1:])) * ds.dtype.itemsize > ROW_LIMIT:
                     raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
+
+    def _check_sampled(self, i: int, group: h5py.Group):
+        """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""
+        where, a = self.name, self.args
+        kv = a["n_kv_heads"] * a["head_dim"] if a.get("n_kv_heads") and a.get("head_dim") else None
+        widths = {**{n: a.get("dim") for n in REQUIRED_STATES}, "cache_keys": kv, "cache_values": kv,
+                  "attn_heads": a["n_heads"] * a["head_dim"] if a.get("n_heads") and a.get("head_dim") else None}
+        for name, want in widths.items():
+            ds = group.get(name)
+            if ds is None:
+                continue
+            what = f"{where}: layer {i} sampled {name}"
+            slots = getattr(self, "sampled_slots", None)
+            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind != "f" or ds.ndim != 3 or \
+                    ds.shape[0] != self.n_samples or (slots is not None and ds.shape[1] != slots):
+                raise TraceError(f"{what} must be floats of shape ({self.n_samples}, {slots}, channels)")
+            width = ds.attrs.get("width")
+            if width is None or np.ndim(width) != 0 or np.asarray(width).dtype.kind not in "iu" or int(width) < 1 \
+                    or (want is not None and int(width) != want):
+                raise TraceError(f"{what}: attribute 'width' must be the tensor's width {want} (got "
+                                 f"{visible(repr(width))[:60]})")
+            ch = ds.attrs.get("channels")
+            if ch is None:
+                raise TraceError(f"{what}: attribute 'channels' is missing")
+            ch = np.asarray(ch)
+            if ch.ndim != 1 or ch.dtype.kind not in "iu" or ch.shape[0] != ds.shape[2]:
+                raise TraceError(f"{what}: attribute 'channels' must be {ds.shape[2]} integer channel indices "
+                                 f"(got {ch.dtype} of shape {ch.shape})")
+            if ch.size and (ch[0] < 0 or ch[-1] >= int(width) or (np.diff(ch) <= 0).any()):
+                raise TraceError(f"{what}: attribute 'channels' must be increasing indices in [0, {int(width)}) "
+                                 f"(got {ch.tolist()[:8]}…)")
 
     # -- logical view ---------------------------------------------------------------------------
     @cached_property
@@ -490,7 +543,11 @@ class Trace:
 
     def source_dtype(self, ds) -> str:
         v = ds.attrs.get("source_dtype", ds.dtype.name)
-        return v.decode() if isinstance(v, bytes) else str(v)
+        v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        if not isinstance(v, str) or len(v) > 32:
+            raise TraceError(f"{self.name}: {ds.name} attribute 'source_dtype' must be a dtype name (got "
+                             f"{visible(repr(v))[:60]})")
+        return v
 
 
 class LiveTrace(Trace):
@@ -514,8 +571,24 @@ class LiveTrace(Trace):
     def refresh(self) -> None:
         """Re-read what the recorder finished since: meta and the final outputs."""
         self.meta = _json_attr(self.f, "meta", self.name) or {}
+        _check_meta(self.meta, self.name)
         self._check_final()
         self.__dict__.pop("final", None)
+
+
+def _meta_message(where: str, e: MetaError) -> str:
+    if e.path.startswith("meta.tolerance"):
+        return (f"{where}: the tolerance declared in this trace is invalid: {visible(e)} (the trace's "
+                "meta.tolerance, written by `record --atol/--tolerance ...`; give a tolerance on the command line "
+                "or fix the trace)")
+    return f"{where}: damaged trace metadata: {visible(e)}"
+
+
+def _check_meta(meta, where: str) -> None:
+    try:
+        check_meta(meta)
+    except MetaError as e:
+        raise TraceError(_meta_message(where, e)) from None
 
 
 def open_trace(path) -> Trace:

@@ -158,3 +158,105 @@ def test_markup_in_an_output_file_name_is_printed_not_parsed(run_cli, tmp_path):
 def test_error_messages_show_control_characters_as_escapes(run_cli, tmp_path):
     res = run_cli("inspect", tmp_path / "no\x1b[31mfile.h5")
     assert res.exit_code == 2 and "\x1b" not in res.output and "\\x1b[31m" in res.output
+
+
+# -- well-formed but wrong metadata ----------------------------------------------------------------------
+
+def _set(meta: dict, path: str, value) -> None:
+    keys = path.split(".")
+    d = meta
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+    d[keys[-1]] = value
+
+
+META_CASES = {  # the issue's reproduced exit-3 crashes: (field, value, extra edits, field named in the message)
+    "texts a number": ("texts", 5, {}, "meta.texts"),
+    "texts numbers": ("texts", [1, 2, 3], {}, "meta.texts[0]"),
+    "texts too few": ("texts", ["a"], {}, "meta.texts"),
+    "adapter a string": ("model.adapter", "lora", {}, "meta.model.adapter"),
+    "invariant_violations a number": ("record.invariant_violations", 3, {}, "meta.record.invariant_violations"),
+    "fault a string": ("record.fault", "gqa-mapping", {}, "meta.record.fault"),
+    "reuse sample out of range": ("record.reuse", [{"sample": 9, "hit": True, "prefix_len": 2}], {},
+                                  "meta.record.reuse[0].sample"),
+    "rope_inv_freq a string": ("model.rope_inv_freq", "abc", {"layout.key_rotation": "pre"}, "meta.model.rope_inv_freq"),
+    "rope_inv_freq short": ("model.rope_inv_freq", [1.0], {"layout.key_rotation": "pre"}, "meta.model.rope_inv_freq"),
+    "rope_inv_freq missing": ("model.rope_inv_freq", None, {"layout.key_rotation": "pre"}, "meta.model.rope_inv_freq"),
+    "key_rotation unknown": ("layout.key_rotation", "sideways", {}, "meta.layout.key_rotation"),
+    "args dim a string": ("model.args.dim", "64", {}, "meta.model.args.dim"),
+    "args heads not a multiple": ("model.args.n_kv_heads", 3, {}, "meta.model.args.n_heads"),
+    "tolerance a number": ("tolerance", 1e-3, {}, "meta.tolerance"),
+    "tolerance unknown key": ("tolerance", {"atol": 1e-3, "bogus": 1}, {}, "meta.tolerance.bogus"),
+    "tolerance negative": ("tolerance", {"residual": {"atol": -1}}, {}, "meta.tolerance.residual.atol"),
+    "token_text numbers": ("token_text", {"5": 5}, {}, "meta.token_text.5"),
+    "engine a list": ("engine", ["native"], {}, "meta.engine"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(META_CASES))
+def test_wrong_metadata_is_refused_naming_the_field(run_cli, good, tmp_path, case):
+    field, value, extra, named = META_CASES[case]
+    bad = _copy(good, tmp_path)
+
+    def edit(m):
+        _set(m, field, value)
+        for k, v in extra.items():
+            _set(m, k, v)
+    _edit_meta(bad, edit)
+    for args in (("inspect", bad), ("compare", good, bad), ("compare", bad, good)):
+        out = _one_line(run_cli(*args))
+        assert named in out and str(bad) in out, (args, out)
+        if field == "tolerance":
+            assert "tolerance declared in this trace" in out, out
+
+
+SPEC_CASES = {  # compare BASELINE.h5 PRESET rebuilds the baseline's model from meta.model.spec
+    "unknown override": ("model.spec.overrides", {"bogus": 1}, "meta.model.spec.overrides.bogus"),
+    "string seed": ("model.spec.seed", "7", "meta.model.spec.seed"),
+    "string adapter rank": ("model.spec.adapter", {"id": "a", "rank": "4"}, "meta.model.spec.adapter.rank"),
+    "list source": ("model.spec.source", ["synthetic"], "meta.model.spec.source"),
+    "dim 1e9": ("model.spec.overrides", {"dim": 1e9}, "meta.model.spec.overrides.dim"),
+    "dim 2**63-1": ("model.spec.overrides", {"dim": 2 ** 63 - 1}, "meta.model.spec.overrides.dim"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPEC_CASES))
+def test_wrong_model_spec_is_refused_before_recording_a_candidate(run_cli, good, tmp_path, case):
+    field, value, named = SPEC_CASES[case]
+    bad = _copy(good, tmp_path)
+    _edit_meta(bad, lambda m: _set(m, field, value))
+    out = _one_line(run_cli("compare", bad, "reference"))
+    assert named in out, out
+
+
+@pytest.mark.parametrize("damage", ["missing", "out of range", "fractional", "short", "width wrong"])
+def test_sampled_channels_attribute_is_checked(run_cli, sampled, tmp_path, damage):
+    bad = _copy(sampled, tmp_path)
+    with h5py.File(bad, "a") as f:
+        ds = f["layers/001/sampled/mid"]
+        ch = ds.attrs["channels"]
+        if damage == "missing":
+            del ds.attrs["channels"]
+        elif damage == "out of range":
+            ch[-1] = 64
+            ds.attrs["channels"] = ch
+        elif damage == "fractional":
+            ds.attrs["channels"] = ch + 0.5
+        elif damage == "short":
+            ds.attrs["channels"] = ch[:-1]
+        else:
+            ds.attrs["width"] = 1 << 40
+    for args in (("inspect", bad), ("compare", sampled, bad), ("compare", bad, sampled)):
+        out = _one_line(run_cli(*args))
+        assert "layer 1 sampled mid: attribute" in out, out
+
+
+def test_schema_agrees_with_the_code_it_mirrors():
+    """The reader cannot import the engine (torch) or verify/: its copies of their names must stay equal."""
+    from dataclasses import fields
+    from prefill_diff.dumps import metacheck
+    from prefill_diff.engine.model import ModelArgs
+    from prefill_diff.verify import tolerance
+    assert set(metacheck.MODEL_ARGS) == {f.name for f in fields(ModelArgs)}
+    assert set(metacheck.DTYPES) == set(tolerance.DTYPE_DEFAULTS)
+    assert metacheck.TOL_FIELDS == tolerance.TOL_FIELDS and metacheck.TOL_KINDS == tolerance.KINDS
