@@ -260,3 +260,102 @@ def test_schema_agrees_with_the_code_it_mirrors():
     assert set(metacheck.MODEL_ARGS) == {f.name for f in fields(ModelArgs)}
     assert set(metacheck.DTYPES) == set(tolerance.DTYPE_DEFAULTS)
     assert metacheck.TOL_FIELDS == tolerance.TOL_FIELDS and metacheck.TOL_KINDS == tolerance.KINDS
+
+
+# -- property test: every metadata field mutated by type and range ---------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from conftest import examples  # noqa: E402
+
+POOL = [None, True, False, 0, -1, 1, 2, 3, 7, 2 ** 31, 2 ** 63 - 1, 2 ** 63, -(2 ** 63) - 1, 10 ** 30, 0.5, 1.5, -0.0,
+        1e308, 1e-300, float("nan"), float("inf"), "", "x", "7", "pre", "float16", "[bold]x[/]", "\x1b[2J", [], [1],
+        [1.5], ["a"], [None], [[1, 2]], {}, {"a": 1}, {"sample": 0, "hit": True, "prefix_len": 1}, {"id": "x"}]
+DELETE = object()
+
+
+def _paths(meta, prefix=()):
+    """Every key path in the metadata (containers too), lists sampled at their first items."""
+    yield prefix
+    if isinstance(meta, dict):
+        for k, v in meta.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(meta, list):
+        for i, v in enumerate(meta[:3]):
+            yield from _paths(v, prefix + (i,))
+
+
+def _mutate(meta, path, value):
+    if not path:
+        return value if value is not DELETE else {}
+    d = meta
+    for k in path[:-1]:
+        d = d[k]
+    if value is DELETE:
+        del d[path[-1]]
+    else:
+        d[path[-1]] = value
+    return meta
+
+
+def meta_paths(trace: Path) -> list:
+    with h5py.File(trace) as f:
+        meta = json.loads(f.attrs["meta"])
+    paths = [p for p in _paths(meta) if not (p[:1] == ("token_text",) and len(p) > 1 and p[1] not in ("5", "6"))]
+    return sorted(set(paths), key=lambda p: tuple(map(str, p)))
+
+
+def mutated_exit_codes(run_cli, good: Path, bad: Path, path: tuple, value, baseline_run: bool = False) -> list:
+    """Write ``good`` with one metadata field mutated to ``bad``; inspect and compare both ways; exit codes."""
+    shutil.copy(good, bad)
+    with h5py.File(bad, "a") as f:
+        meta = _mutate(json.loads(f.attrs["meta"]), path, value)
+        del f.attrs["meta"]
+        f.attrs["meta"] = np.bytes_(json.dumps(meta).encode("utf-8", "surrogatepass"))
+    runs = [("inspect", bad), ("compare", good, bad, "-q"), ("compare", bad, good, "--json", bad.with_suffix(".json"))]
+    if baseline_run:
+        runs.append(("compare", bad, "reference", "-q"))
+    codes = []
+    for args in runs:
+        res = run_cli(*args)
+        assert res.exit_code in (0, 1, 2), (path, value, args, res.output[-1500:])
+        codes.append(res.exit_code)
+    return codes
+
+
+@pytest.fixture(scope="module")
+def good_paths(good):
+    return meta_paths(good)
+
+
+@settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_mutated_metadata_exits_0_1_or_2_never_3(run_cli, good, good_paths, tmp_path, data):
+    path = data.draw(st.sampled_from(good_paths), label="path")
+    value = data.draw(st.sampled_from(POOL + [DELETE]) if path else st.sampled_from(POOL), label="value")
+    spec = path[:2] == ("model", "spec")
+    mutated_exit_codes(run_cli, good, tmp_path / "bad.h5", path, value, baseline_run=spec)
+
+
+ATTR_POOL = [None, 0, -1, 64, 1 << 40, 1.5, "x", np.array([0.5, 1.5]), np.array([], np.int64),
+             np.array([3, 1, 2]), np.array([-1, 0]), np.arange(64), np.arange(33), np.array([[0, 1]])]
+
+
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_property_mutated_dataset_attributes_exit_0_1_or_2_never_3(run_cli, sampled, tmp_path, data):
+    with h5py.File(sampled) as f:
+        targets = []
+        f.visititems(lambda n, o: targets.extend((n, k) for k in o.attrs) if o.attrs else None)
+    name, key = data.draw(st.sampled_from(sorted(targets)))
+    value = data.draw(st.sampled_from(ATTR_POOL + [DELETE]))
+    bad = tmp_path / "bad.h5"
+    shutil.copy(sampled, bad)
+    with h5py.File(bad, "a") as f:
+        del f[name].attrs[key]
+        if value is not DELETE and value is not None:
+            f[name].attrs[key] = value
+    for args in (("inspect", bad), ("compare", sampled, bad, "-q"), ("compare", bad, sampled, "-q")):
+        res = run_cli(*args)
+        assert res.exit_code in (0, 1, 2), (name, key, value, args, res.output[-1500:])
