@@ -31,12 +31,23 @@ class Cli(click.Group):
         except PrefillDiffError as e:
             from ..engine.untrusted import visible
             raise BadInput(visible(str(e))) from None
-        except KeyboardInterrupt:
-            from ..dumps.recorder import remove_partial_files
+        except KeyboardInterrupt:  # Ctrl-C (SIGINT) or SIGTERM: exit 128 + the signal's number (130, 143)
+            from ..dumps.recorder import completed_traces, remove_partial_files
+            from ..engine.errors import INTERRUPT
+            from ..engine.untrusted import visible
             n = len(remove_partial_files())
-            click.echo(f"interrupted; the trace being written was not kept ({n} partial file"
-                       f"{'' if n == 1 else 's'} removed); traces completed earlier are kept", err=True)
-            ctx.exit(130)
+            done = completed_traces()
+            said = []
+            if n:
+                said.append(f"the trace being written was not kept ({n} partial file{'' if n == 1 else 's'} removed)")
+            if done:
+                said.append(f"complete trace{'' if len(done) == 1 else 's'} kept: {visible(', '.join(done))}")
+            if not said:
+                said.append("no trace was being written")
+            signum = INTERRUPT.get("signal") or 2
+            name = {2: "interrupted (Ctrl-C)", 15: "terminated (SIGTERM)"}.get(signum, f"stopped by signal {signum}")
+            click.echo(f"{name}; " + "; ".join(said), err=True)
+            ctx.exit(128 + signum)
         except click.ClickException as e:  # its message may quote a foreign value (a file name, an option)
             from ..engine.untrusted import visible
             e.message = visible(e.message)
@@ -74,12 +85,24 @@ def _shared(model, prompts, tokens):
     spec = ModelSpec(model) if model else None
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")
+    from ..engine.untrusted import check_int64
     ids = []
     for t in tokens:
-        try:
-            ids.append(tuple(int(x) for x in t.replace(" ", "").split(",") if x != ""))
-        except ValueError:
-            raise ConfigError(f"--tokens takes comma-separated integers (got {t!r})") from None
+        parts = t.replace(" ", "").split(",")
+        if parts and parts[-1] == "" and len(parts) > 1:
+            parts = parts[:-1]  # one trailing comma, as in a pasted list
+        row = []
+        for i, x in enumerate(parts):
+            if x == "":
+                if len(parts) == 1:
+                    break
+                raise ConfigError(f"--tokens {t!r}: id {i} is empty (two commas in a row, or a leading comma)")
+            try:
+                v = int(x)
+            except ValueError:
+                raise ConfigError(f"--tokens takes comma-separated integers (got {t!r}; id {i} is {x!r})") from None
+            row.append(check_int64(v, f"--tokens {t!r}: id {i}"))
+        ids.append(tuple(row))
         if not ids[-1]:
             raise ConfigError(f"--tokens needs at least one id (got {t!r})")
     inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else None
@@ -114,6 +137,65 @@ def _write(path, text):
             f.write(text)
     except OSError as e:
         raise PrefillDiffError(f"cannot write {path}: {e.strerror}") from None
+
+
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _writable_dir(d: str, what: str) -> None:
+    """d exists, is a directory, and a file can be created in it (probed: permissions, read-only mounts, /proc)."""
+    import tempfile
+    from ..engine.errors import PrefillDiffError
+    if not os.path.isdir(d):
+        raise PrefillDiffError(f"cannot write {what}: {d} is not a directory" if os.path.exists(d) else
+                               f"cannot write {what}: directory {d} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".prefill-diff-probe-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PrefillDiffError(f"cannot write {what}: directory {d} is not writable ({e.strerror})") from None
+
+
+def _check_output_file(path, what: str, force: bool = True) -> None:
+    """An output file can be written where it is asked for; checked before any work, so no verdict is lost."""
+    from ..engine.errors import PrefillDiffError
+    if path is None or path == "-":
+        return
+    path = str(path)
+    if os.path.isdir(path):
+        raise PrefillDiffError(f"cannot write {what} {path}: it is a directory")
+    if os.path.exists(path):
+        if not force:
+            from ..dumps.recorder import TraceExistsError
+            raise TraceExistsError(f"{path} exists; pass --force to overwrite it")
+        if not os.access(path, os.W_OK):
+            raise PrefillDiffError(f"cannot write {what} {path}: permission denied")
+    _writable_dir(os.path.dirname(os.path.abspath(path)), f"{what} {path}")
+
+
+def _check_reports(json_path, junit_path, plot_path) -> None:
+    from ..engine.errors import PrefillDiffError
+    _check_output_file(json_path, "the JSON report")
+    _check_output_file(junit_path, "the JUnit report")
+    if plot_path is not None:
+        ext = os.path.splitext(str(plot_path))[1].lower()
+        if ext not in PLOT_FORMATS:
+            raise PrefillDiffError(f"--plot {plot_path}: unsupported format {ext or '(no extension)'!r} "
+                                   f"(use {', '.join(PLOT_FORMATS)})")
+        _check_output_file(plot_path, "the plot")
+
+
+def _check_out_dir(out_dir) -> None:
+    """run --out DIR: created now (with parents) and probed, before any model is loaded."""
+    from ..engine.errors import PrefillDiffError
+    if out_dir is None:
+        return
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise PrefillDiffError(f"--out {out_dir}: cannot create the directory ({e.strerror})") from None
+    _writable_dir(out_dir, f"traces into --out {out_dir}")
 
 
 def _progress(console, total_layers_hint=None):
@@ -174,6 +256,7 @@ def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path
         prefill-diff run reference fault:gqa-mapping --fail-fast
     """
     from ..verify.pipeline import run_lockstep, run_pair
+    _check_reports(json_path, junit_path, plot_path)
     spec, inputs = _shared(model, prompts, tokens)
     console = _console()
     if fail_fast:
@@ -181,6 +264,7 @@ def run(ref, cand, model, prompts, tokens, tol, json_path, junit_path, plot_path
             raise BadInput("--fail-fast keeps no traces and does not calibrate; drop --out/--calibrate")
         outcome = run_lockstep(ref, cand, spec, inputs, level=level, policy_args=tol)
         _emit(outcome.report, json_path, junit_path, plot_path, quiet, outcome.token_text)
+    _check_out_dir(out_dir)
     prog, progress = _progress(console)
     kw = dict(out_dir=out_dir, level=level, force=force, policy_args=tol, calibrate=calibrate)
     if prog is not None:
@@ -220,6 +304,7 @@ def record(config, output, level, compression, force, model, prompts, tokens, to
     from ..verify.pipeline import prepare_side, record_side
     from ..verify.policy_file import policy_spec
     tol = policy_spec(**tol)
+    _check_output_file(output, "the trace", force=force)  # before the model is loaded
     spec, inputs = _shared(model, prompts, tokens)
     prep = prepare_side(config, spec, inputs)
     console = _console()
@@ -251,6 +336,7 @@ def compare(baseline, candidate, tol, json_path, junit_path, plot_path, quiet,
         prefill-diff compare baseline.h5 batched-left
     """
     from ..verify.pipeline import compare_with
+    _check_reports(json_path, junit_path, plot_path)
     spec, inputs = _shared(model, prompts, tokens)
     outcome = compare_with(baseline, candidate, spec, inputs, fail_fast=fail_fast,
                            policy_args=tol)
@@ -330,15 +416,20 @@ def presets():
         click.echo(f"{name:<{width}}  {desc}")
 
 
-def _on_sigint(signum, frame):
+def _on_signal(signum, frame):
     from ..engine.errors import INTERRUPT  # light: no torch, no h5py
     INTERRUPT["seen"] = True
+    INTERRUPT["signal"] = signum
     raise KeyboardInterrupt
+
+
+_on_sigint = _on_signal
 
 
 def main():
     import signal
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)  # timeout, kill and CI cancellation: cleaned up like Ctrl-C
     cli(prog_name="prefill-diff")
 
 

@@ -359,3 +359,105 @@ def test_property_mutated_dataset_attributes_exit_0_1_or_2_never_3(run_cli, samp
     for args in (("inspect", bad), ("compare", sampled, bad, "-q"), ("compare", bad, sampled, "-q")):
         res = run_cli(*args)
         assert res.exit_code in (0, 1, 2), (name, key, value, args, res.output[-1500:])
+
+
+# -- inputs that are not regular files, and sizes that do not fit ---------------------------------------
+
+def _cli(*args, timeout=120):
+    """The CLI in a subprocess (a hang is a failure, not a stuck test run)."""
+    proc = subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_fifos_devices_and_dev_null_are_refused_before_opening(good, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    zero = tmp_path / "cand.toml"
+    zero.symlink_to("/dev/zero")
+    cases = [(("inspect", fifo), "trace is a FIFO"), (("compare", good, fifo), "is a FIFO"),
+             (("compare", fifo, good), "trace is a FIFO"), (("record", fifo, "-o", tmp_path / "t.h5"), "is a FIFO"),
+             (("compare", good, good, "--tolerance", fifo), "tolerance file is a FIFO"),
+             (("compare", good, zero), "config file is a character device (a link to /dev/zero)"),
+             (("compare", good, "/dev/null"), "config file is a character device"),
+             (("record", "/dev/null", "-o", tmp_path / "t.h5"), "config file is a character device")]
+    for args, want in cases:
+        code, out = _cli(*args, timeout=60)
+        assert code == 2 and want in out and "internal error" not in out, (args, out)
+    assert not (tmp_path / "t.h5").exists()
+
+
+def test_config_and_tolerance_files_are_capped(run_cli, good, tmp_path):
+    big = tmp_path / "big.toml"
+    big.write_text("# padding\n" * 200_000)  # 2 MB of comments: valid TOML, but no config is that large
+    out = _one_line(run_cli("record", big, "-o", tmp_path / "t.h5"))
+    assert "over the 1048576-byte limit" in out
+    out = _one_line(run_cli("compare", good, good, "--tolerance", big))
+    assert "tolerance file" in out and "over the 1048576-byte limit" in out
+
+
+@pytest.mark.parametrize("body", ["dim = 1000000000", "vocab_size = 1000000000", "hidden_dim = 1000000000",
+                                  "dim = 9223372036854775807"])
+def test_model_sizes_are_refused_before_allocation(run_cli, tmp_path, body):
+    cfg = tmp_path / "m.toml"
+    cfg.write_text(f"[model]\n{body}\n")
+    out = _one_line(run_cli("record", cfg, "-o", tmp_path / "t.h5"))
+    assert "needs about" in out and "available; refused before allocating" in out and "--ignore-memory-estimate" in out
+
+
+def test_memory_estimate_uses_the_machine_and_can_be_overridden(run_cli, tmp_path, monkeypatch):
+    from prefill_diff.engine import budget
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("[model]\nn_layers = 100000\n")  # ran for minutes before: refused at once
+    monkeypatch.setattr(budget, "available_bytes", lambda: 8 << 30)
+    out = _one_line(run_cli("record", cfg, "-o", tmp_path / "t.h5"))
+    assert "3,699,212,352 parameters" in out and "n_layers=100000" in out and "7.2 GiB" in out
+    monkeypatch.setattr(budget, "available_bytes", lambda: 1 << 20)  # 1 MiB: even the default model is too big
+    out = _one_line(run_cli("record", "reference", "-o", tmp_path / "t.h5", "--level", "stats"))
+    assert "needs about" in out
+    _one_line(run_cli("record", "reference", "-o", tmp_path / "t.h5", "--level", "stats", "--ignore-memory-estimate"),
+              0)
+    assert budget.CHECK["enabled"] is False
+    other = tmp_path / "other.toml"
+    other.write_text("[model]\nseed = 3\n")  # another model (the last one stays loaded): the next run checks again
+    _one_line(run_cli("record", other, "-o", tmp_path / "u.h5", "--level", "stats"))
+
+
+def test_estimated_parameters_equal_the_model_built():
+    from prefill_diff.engine import budget
+    from prefill_diff.engine.model import MODEL_PRESETS, Transformer
+    import torch
+    for name, args in MODEL_PRESETS.items():
+        for a in (args, args.replace(tie_embeddings=True, qkv_bias=True, lm_head_bias=True)):
+            with torch.device("meta"):
+                m = Transformer(a)
+            built = sum(p.numel() for p in m.parameters())
+            assert budget.param_count(a) == built, (name, a)
+
+
+@pytest.mark.parametrize("tokens,want", [("1,,2", "id 1 is empty"), (",1", "id 0 is empty"),
+                                         ("1,99999999999999999999", "id 1 is 99999999999999999999, outside the 64-bit"),
+                                         ("-9223372036854775809", "outside the 64-bit")])
+def test_token_lists_that_overflow_or_have_holes_are_refused(run_cli, tmp_path, tokens, want):
+    out = _one_line(run_cli("record", "reference", "-o", tmp_path / "t.h5", "--tokens", tokens))
+    assert want in out and repr(tokens) in out, out
+
+
+@pytest.mark.parametrize("key", ["token_ids", "positions"])
+def test_config_integers_that_overflow_int64_are_refused(run_cli, tmp_path, key):
+    cfg = tmp_path / "c.toml"
+    big = 2 ** 64
+    cfg.write_text("[inputs]\n" + ("token_ids = [[1, 2, %d]]\n" % big if key == "token_ids" else
+                                   "token_ids = [[1, 2, 3]]\npositions = [[0, 1, %d]]\n" % big))
+    out = _one_line(run_cli("record", cfg, "-o", tmp_path / "t.h5"))
+    assert f"[inputs] {key} sample 0, position 2 is {big}, outside the 64-bit integer range" in out
+
+
+def test_prompt_that_is_not_utf8_is_refused_naming_the_byte_offset(tmp_path):
+    """Bytes from the command line (a chat template's output) that are not UTF-8 crashed the tokenizer."""
+    proc = subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", "record", "reference", "--model",
+                           "smollm2", "-o", str(tmp_path / "t.h5"), "--prompt", "ok", "--prompt",
+                           os.fsdecode(b"Hello \xff\xfe world")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "prompt 1 is not valid UTF-8 text (byte 0xff at byte offset 6)" in proc.stderr
+    assert not (tmp_path / "t.h5").exists()

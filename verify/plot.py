@@ -8,6 +8,7 @@ scale-free view of the same data, with the row rule's threshold when the policy 
 from __future__ import annotations
 
 from ..engine.errors import PrefillDiffError
+from ..engine.untrusted import visible
 from .report import Report
 
 SERIES = (("attn_update", "attention update"), ("mlp_update", "MLP update"), ("layer_output", "layer output"),
@@ -53,7 +54,8 @@ def plot_errors(report: Report, path: str) -> None:
         for a in (ax, ax2):
             a.axvline(report.first_break.layer, color="grey", linestyle=":")
     res = report.policy.kinds["residual"]
-    ax.set_title(f"{report.ref.get('origin')} vs {report.cand.get('origin')}: {report.verdict} "
+    origins = visible(f"{report.ref.get('origin')} vs {report.cand.get('origin')}").replace("$", r"\$")  # no mathtext
+    ax.set_title(f"{origins}: {report.verdict} "
                  f"({report.policy.name}: atol {res.atol:g} + rtol {res.rtol:g}·|ref| + ntol {res.ntol:g}·rms)",
                  fontsize="medium")
     ax.set_yscale("log")
