@@ -22,6 +22,7 @@ class Cli(click.Group):
 
     def invoke(self, ctx):
         from ..engine.errors import PrefillDiffError
+        done_before = len(getattr(sys.modules.get("prefill_diff.dumps.recorder"), "_COMPLETED", ()))
         try:
             result = super().invoke(ctx)
             from ..engine.errors import INTERRUPT
@@ -36,7 +37,7 @@ class Cli(click.Group):
             from ..engine.errors import INTERRUPT
             from ..engine.untrusted import visible
             n = len(remove_partial_files())
-            done = completed_traces()
+            done = completed_traces(done_before)  # this command's, not earlier ones' in the same process
             said = []
             if n:
                 said.append(f"the trace being written was not kept ({n} partial file{'' if n == 1 else 's'} removed)")

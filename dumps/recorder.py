@@ -75,9 +75,9 @@ def remove_partial_files() -> list:
     return gone
 
 
-def completed_traces() -> list:
-    """Traces this process finished and moved into place that are still there."""
-    return [p for p in _COMPLETED if os.path.exists(p)]
+def completed_traces(start: int = 0) -> list:
+    """Traces this process finished and moved into place (from the ``start``-th on) that are still there."""
+    return [p for p in _COMPLETED[start:] if os.path.exists(p)]
 
 
 class TraceExistsError(PrefillDiffError):

@@ -461,3 +461,120 @@ def test_prompt_that_is_not_utf8_is_refused_naming_the_byte_offset(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "prompt 1 is not valid UTF-8 text (byte 0xff at byte offset 6)" in proc.stderr
     assert not (tmp_path / "t.h5").exists()
+
+
+# -- output paths and concurrent writers -----------------------------------------------------------------
+
+def test_output_errors_exit_2_before_any_work(run_cli, good, tmp_path, monkeypatch):
+    from prefill_diff.verify import pipeline
+    work = []
+    monkeypatch.setattr(pipeline, "prepare_side", lambda *a, **k: work.append(a) or 1 / 0)
+    monkeypatch.setattr(pipeline, "compare_files", lambda *a, **k: work.append(a) or 1 / 0)
+    afile = tmp_path / "file.txt"
+    afile.write_text("x")
+    cases = [(("run", "reference", "sdpa", "--out", "/proc/x"), "--out /proc/x: cannot create the directory"),
+             (("run", "reference", "sdpa", "--out", afile), "is a file"),
+             (("run", "reference", "sdpa", "--plot", tmp_path / "plot.txt"), "unsupported format '.txt'"),
+             (("run", "reference", "sdpa", "--json", afile / "r.json"), "cannot write the JSON report"),
+             (("run", "reference", "sdpa", "--junit", tmp_path / "no" / "r.xml"), "directory " + str(tmp_path / "no")
+              + " does not exist"),
+             (("compare", good, good, "--json", tmp_path), "is a directory"),
+             (("compare", good, good, "--junit", "/proc/r.xml"), "cannot write the JUnit report /proc/r.xml"),
+             (("record", "reference", "-o", good), "exists; pass --force"),
+             (("record", "reference", "-o", afile / "t.h5"), "is not a directory")]
+    for args, want in cases:
+        out = _one_line(run_cli(*args))
+        assert want in out, (args, out)
+    assert work == []  # refused before a model was prepared or a trace compared
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_out_directory_exits_2_before_any_work(run_cli, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        out = _one_line(run_cli("run", "reference", "sdpa", "--out", ro))
+        assert "is not writable" in out
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_trace_that_appears_meanwhile_is_not_replaced(tmp_path):
+    from prefill_diff.dumps.recorder import TraceExistsError
+    target = tmp_path / "t.h5"
+
+    def other_writer(layer):  # another `record` to the same path finishes while this one runs
+        if layer == 1:
+            target.write_bytes(b"the other trace")
+    with pytest.raises(TraceExistsError, match="appeared while this trace was being recorded"):
+        record_side(prepare_side("reference"), target, "stats", progress=other_writer)
+    assert target.read_bytes() == b"the other trace"
+    assert not list(tmp_path.glob(".t.h5.partial-*"))
+
+
+def test_two_concurrent_records_to_one_path_one_wins_one_says_so(tmp_path):
+    target = tmp_path / "t.h5"
+    cmd = [sys.executable, "-m", "prefill_diff.cli.main", "record", "reference", "-o", str(target), "--level", "stats"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(r[0] for r in results)
+    assert codes == [0, 2], results
+    loser = next(r for r in results if r[0] == 2)
+    assert "appeared while this trace was being recorded" in loser[2] or "exists; pass --force" in loser[2], loser
+    assert sum("wrote" in r[1] for r in results) == 1
+    Trace(target).close()
+    assert not list(tmp_path.glob(".t.h5.partial-*"))
+
+
+def test_final_move_refuses_to_replace_with_and_without_hard_links(tmp_path, monkeypatch):
+    from prefill_diff.dumps import recorder
+    for no_links in (False, True):
+        if no_links:  # a file system without hard links: renameat2(RENAME_NOREPLACE), or a last-moment check
+            monkeypatch.setattr(recorder.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no")))
+        src, dst = tmp_path / f"src{no_links}", tmp_path / f"dst{no_links}"
+        src.write_text("new")
+        dst.write_text("old")
+        with pytest.raises(recorder.TraceExistsError):
+            recorder.place(src, dst, force=False)
+        assert dst.read_text() == "old"
+        dst.unlink()
+        recorder.place(src, dst, force=False)
+        assert dst.read_text() == "new" and not src.exists()
+
+
+# -- signals ---------------------------------------------------------------------------------------------
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path):
+    from test_trace_format import BIG, _wait_for_partial
+    cfg = tmp_path / "big.toml"
+    cfg.write_text(BIG.format(ids=list(range(1, 200))))
+    target = tmp_path / "t.h5"
+    proc = subprocess.Popen([sys.executable, "-m", "prefill_diff.cli.main", "record", str(cfg), "-o", str(target)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_partial(tmp_path, proc)
+    assert list(tmp_path.glob(".t.h5.partial-*")), "the recording never started writing"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (out, err)  # 128 + SIGTERM, as shells report it
+    assert "terminated (SIGTERM)" in err and "Traceback" not in err
+    assert not list(tmp_path.glob(".t.h5.partial-*"))
+    if target.exists():
+        Trace(target).close()
+        assert "complete trace kept" in err
+
+
+def test_interrupt_after_the_final_rename_says_the_trace_was_kept(run_cli, tmp_path, monkeypatch):
+    from prefill_diff.dumps.recorder import Recorder
+    close = Recorder.close
+
+    def close_then_ctrl_c(self):
+        close(self)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Recorder, "close", close_then_ctrl_c)
+    target = tmp_path / "t.h5"
+    res = run_cli("record", "reference", "-o", target, "--level", "stats")
+    assert res.exit_code == 130
+    text = " ".join(res.output.split())
+    assert f"complete trace kept: {target}" in text and "not kept" not in text, text
+    Trace(target).close()
