@@ -578,3 +578,38 @@ def test_interrupt_after_the_final_rename_says_the_trace_was_kept(run_cli, tmp_p
     text = " ".join(res.output.split())
     assert f"complete trace kept: {target}" in text and "not kept" not in text, text
     Trace(target).close()
+
+
+# -- also ------------------------------------------------------------------------------------------------
+
+def test_input_positions_are_compared_as_a_break_at_layer_0(run_cli, good, tmp_path):
+    bad = _copy(good, tmp_path)
+    with Trace(good) as t:
+        cols, toks = t.cells(1)
+    with h5py.File(bad, "a") as f:
+        f["inputs/positions"][1, cols[3]] += 5  # valid cell of sample 1, token 3: everything else agrees
+    out_json = tmp_path / "r.json"
+    res = run_cli("compare", good, bad, "--json", out_json)
+    assert res.exit_code == 1, res.output
+    fb = json.loads(out_json.read_text())["first_break"]
+    assert (fb["layer"], fb["kind"], fb["sample"], fb["position"]) == (0, "positions", 1, int(toks[3]))
+    assert "position id" in fb["message"] and "1 of" in fb["message"]
+    with h5py.File(bad, "a") as f:  # padding cells are not compared
+        f["inputs/positions"][1, cols[3]] -= 5
+        pad = np.flatnonzero(f["inputs/valid_mask"][1] == 0)
+        assert pad.size
+        f["inputs/positions"][1, pad[0]] += 5
+    assert run_cli("compare", good, bad).exit_code == 0
+
+
+def test_complex_lengths_are_refused_without_a_warning(good, tmp_path):
+    import warnings
+    bad = _copy(good, tmp_path)
+    with h5py.File(bad, "a") as f:
+        lengths = f["samples/lengths"][()]
+        del f["samples/lengths"]
+        f["samples/lengths"] = lengths.astype(np.complex128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TraceError, match="/samples/lengths holds complex128, not integers"):
+            Trace(bad)

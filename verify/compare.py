@@ -23,9 +23,9 @@ VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn
 SUBLAYER = {"layer_input": "residual", "cache_keys": "attention", "cache_values": "attention",
             "attn_heads": "attention", "attn_update": "attention", "mid": "attention", "mlp_update": "mlp",
             "layer_output": "mlp", "logits": "final", "norm_last": "final", "topk_ids": "final",
-            "cache_lengths": "attention", "cache_positions": "attention"}
+            "cache_lengths": "attention", "cache_positions": "attention", "positions": "attention"}
 ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
-KIND_ORDER = ("shape", "finite_mask", "cache_length", "cache_positions", "value", "top_ids")
+KIND_ORDER = ("shape", "finite_mask", "cache_length", "cache_positions", "positions", "value", "top_ids")
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,30 @@ class Comparator:
         cache, cache_tensors = self._cache(r, c)
         results.update(cache_tensors)
         tensors = tuple(results[n] for n in VALUE_ORDER if n in results)
-        return LayerResult(i, tensors, cache, self._first_break(i, tensors, cache))
+        first = self._first_break(i, tensors, cache)
+        if i == 0 and (first is None or KIND_ORDER.index(first.kind) > KIND_ORDER.index("positions")):
+            first = self.input_positions_break() or first
+        return LayerResult(i, tensors, cache, first)
+
+    def input_positions_break(self) -> Break | None:
+        """/inputs/positions of the cells both sides computed (by token index), exactly: the position ids the
+        model was given. Reported at layer 0, after the cache checks and before values, like cache positions."""
+        rp, cp = self.ref.inputs["positions"], self.cand.inputs["positions"]
+        first, bad = None, []
+        for rs, cs in self.pairs:
+            rsl, csl, toks, _, _ = self._align[rs]
+            a, b = rp[rs, rsl], cp[cs, csl]
+            diff = np.flatnonzero(a != b)
+            if diff.size:
+                bad.append(rs)
+                if first is None:
+                    j = int(diff[0])
+                    first = (rs, int(toks[j]), f"sample {rs}: token {int(toks[j])} was given position id "
+                             f"{int(b[j])} in the candidate, {int(a[j])} in the reference ({diff.size} of "
+                             f"{toks.size} computed tokens differ)")
+        if first is None:
+            return None
+        return Break("layer", "positions", first[2], 0, "positions", first[0], first[1], samples=tuple(bad))
 
     def _first_break(self, layer, tensors, cache: CacheResult) -> Break | None:
         for t in tensors:
