@@ -223,7 +223,8 @@ def cli():
     first layer that breaks tolerance, and how.
 
     Exit status: 0 within tolerance, 1 tolerance broken, 2 bad usage or bad input
-    (including two traces that cannot be compared).
+    (including two traces that cannot be compared), 3 internal error (a bug),
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
     """
 
 

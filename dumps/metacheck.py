@@ -149,7 +149,8 @@ MODEL_ARGS = {
 
 ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer(), "scale": number()}, closed=True,
                    none=True)
-MODEL_SPEC = obj({"source": text(), "seed": integer(), "adapter": ADAPTER_SPEC, "overrides": obj(MODEL_ARGS, closed=True)})
+MODEL_SPEC = obj({"source": text(), "seed": integer(), "adapter": ADAPTER_SPEC,
+                  "overrides": obj(MODEL_ARGS, closed=True)})
 
 TOLERANCE = obj({"base": text(choices=DTYPES), "equal_nan": boolean(), "topk": integer(1, 1 << 20),
                  "name": text(limit=200),

@@ -82,8 +82,9 @@ def check(what: str, need: int, detail: str) -> None:
     avail = available_bytes()
     if avail is None or need <= HEADROOM * avail:
         return
-    raise ConfigError(f"{what} needs about {_gib(need)} of memory ({detail}), more than the {_gib(int(HEADROOM * avail))}"
-                      f" this machine has available; refused before allocating (--ignore-memory-estimate to try anyway)")
+    raise ConfigError(f"{what} needs about {_gib(need)} of memory ({detail}), more than the "
+                      f"{_gib(int(HEADROOM * avail))} this machine has available; refused before allocating "
+                      "(--ignore-memory-estimate to try anyway)")
 
 
 def check_model(args, source: str) -> None:

@@ -11,7 +11,8 @@ def to_junit(report: Report, suite: str = "prefill-diff") -> str:
     cases = []
     for lr in report.layers:
         fb = lr.first_break
-        cases.append((f"layer {lr.layer:03d}", None if fb is None else (visible(report.line(fb)), visible(fb.message))))
+        cases.append((f"layer {lr.layer:03d}",
+                      None if fb is None else (visible(report.line(fb)), visible(fb.message))))
     if report.first_break is not None and report.first_break.stage == "metadata":
         fb = report.first_break
         cases.insert(0, ("metadata", (visible(report.line(fb)), visible(fb.message))))
