@@ -614,3 +614,13 @@ def test_complex_lengths_are_refused_without_a_warning(good, tmp_path):
         warnings.simplefilter("error")
         with pytest.raises(TraceError, match="/samples/lengths holds complex128, not integers"):
             Trace(bad)
+
+
+def test_chat_template_prompt_records_and_inspects_as_plain_text(run_cli, tmp_path):
+    """The issue's reproduction: `--prompt "[INST] Say hi [/INST]"` recorded fine, then `inspect` exited 3."""
+    out = tmp_path / "chat.h5"
+    _one_line(run_cli("record", "reference", "--model", "smollm2", "--prompt", "[INST] Say hi [/INST]", "-o", out,
+                      "--level", "stats"), 0)
+    res = run_cli("inspect", out)
+    assert res.exit_code == 0, res.output[-2000:]
+    assert "[INST] Say hi [/INST]" in res.output
