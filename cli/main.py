@@ -172,6 +172,8 @@ def _check_output_file(path, what: str, force: bool = True) -> None:
             raise TraceExistsError(f"{path} exists; pass --force to overwrite it")
         if not os.access(path, os.W_OK):
             raise PrefillDiffError(f"cannot write {what} {path}: permission denied")
+        if what != "the trace":  # an existing report file (or /dev/stdout) is written in place
+            return
     _writable_dir(os.path.dirname(os.path.abspath(path)), f"{what} {path}")
 
 
