@@ -22,6 +22,7 @@ class Cli(click.Group):
 
     def invoke(self, ctx):
         from ..engine.errors import PrefillDiffError
+        done_before = len(getattr(sys.modules.get("prefill_diff.dumps.recorder"), "_COMPLETED", ()))
         try:
             result = super().invoke(ctx)
             from ..engine.errors import INTERRUPT
@@ -29,14 +30,30 @@ class Cli(click.Group):
                 raise KeyboardInterrupt
             return result
         except PrefillDiffError as e:
-            raise BadInput(str(e)) from None
-        except KeyboardInterrupt:
-            from ..dumps.recorder import remove_partial_files
+            from ..engine.untrusted import visible
+            raise BadInput(visible(str(e))) from None
+        except KeyboardInterrupt:  # Ctrl-C (SIGINT) or SIGTERM: exit 128 + the signal's number (130, 143)
+            from ..dumps.recorder import completed_traces, remove_partial_files
+            from ..engine.errors import INTERRUPT
+            from ..engine.untrusted import visible
             n = len(remove_partial_files())
-            click.echo(f"interrupted; the trace being written was not kept ({n} partial file"
-                       f"{'' if n == 1 else 's'} removed); traces completed earlier are kept", err=True)
-            ctx.exit(130)
-        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            done = completed_traces(done_before)  # this command's, not earlier ones' in the same process
+            said = []
+            if n:
+                said.append(f"the trace being written was not kept ({n} partial file{'' if n == 1 else 's'} removed)")
+            if done:
+                said.append(f"complete trace{'' if len(done) == 1 else 's'} kept: {visible(', '.join(done))}")
+            if not said:
+                said.append("no trace was being written")
+            signum = INTERRUPT.get("signal") or 2
+            name = {2: "interrupted (Ctrl-C)", 15: "terminated (SIGTERM)"}.get(signum, f"stopped by signal {signum}")
+            click.echo(f"{name}; " + "; ".join(said), err=True)
+            ctx.exit(128 + signum)
+        except click.ClickException as e:  # its message may quote a foreign value (a file name, an option)
+            from ..engine.untrusted import visible
+            e.message = visible(e.message)
+            raise
+        except (click.exceptions.Exit, click.exceptions.Abort):
             raise
         except MemoryError:
             raise BadInput("not enough memory for this model and input on this machine "
@@ -48,8 +65,9 @@ class Cli(click.Group):
         except Exception as e:  # a bug, not bad input
             if os.environ.get("PREFILL_DIFF_DEBUG"):
                 raise
-            click.echo(f"internal error: {type(e).__name__}: {e} (set PREFILL_DIFF_DEBUG=1 for the traceback)",
-                       err=True)
+            from ..engine.untrusted import visible
+            click.echo(f"internal error: {type(e).__name__}: {visible(e)} (set PREFILL_DIFF_DEBUG=1 for the "
+                       "traceback)", err=True)
             ctx.exit(EXIT_INTERNAL)
 
 
@@ -82,12 +100,7 @@ def _check_outputs(out: dict) -> None:
     """Report paths that can be found bad before any model loads: two reports on stdout, unwritable paths."""
     if out["json"] == "-" and out["junit"] == "-":
         raise BadInput("--json - and --junit - both ask for stdout; send one of them to a file")
-    for flag, path in (("--json", out["json"]), ("--junit", out["junit"]), ("--plot", out["plot"])):
-        if path and path != "-":
-            parent = os.path.dirname(os.path.abspath(path))
-            if not os.path.isdir(parent) or not os.access(parent, os.W_OK) or (
-                    os.path.exists(path) and not os.access(path, os.W_OK)):
-                raise BadInput(f"{flag} {path}: cannot write there (no such directory, or not writable)")
+    _check_reports(out["json"], out["junit"], out["plot"])
 
 
 def _shared(model, prompts, tokens):
@@ -103,12 +116,24 @@ def _shared(model, prompts, tokens):
     for i, p in enumerate(prompts):
         if not p.strip():
             raise ConfigError(f"--prompt number {i + 1} is empty (got {p!r}); give some text")
+    from ..engine.untrusted import check_int64
     ids = []
     for t in tokens:
-        try:
-            ids.append(tuple(int(x) for x in t.replace(" ", "").split(",") if x != ""))
-        except ValueError:
-            raise ConfigError(f"--tokens takes comma-separated integers (got {t!r})") from None
+        parts = t.replace(" ", "").split(",")
+        if parts and parts[-1] == "" and len(parts) > 1:
+            parts = parts[:-1]  # one trailing comma, as in a pasted list
+        row = []
+        for i, x in enumerate(parts):
+            if x == "":
+                if len(parts) == 1:
+                    break
+                raise ConfigError(f"--tokens {t!r}: id {i} is empty (two commas in a row, or a leading comma)")
+            try:
+                v = int(x)
+            except ValueError:
+                raise ConfigError(f"--tokens takes comma-separated integers (got {t!r}; id {i} is {x!r})") from None
+            row.append(check_int64(v, f"--tokens {t!r}: id {i}"))
+        ids.append(tuple(row))
         if not ids[-1]:
             raise ConfigError(f"--tokens needs at least one id (got {t!r})")
     inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else None
@@ -208,6 +233,69 @@ class Progress:
         return on_layer
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def _writable_dir(d: str, what: str) -> None:
+    """d exists, is a directory, and a file can be created in it (probed: permissions, read-only mounts, /proc)."""
+    import tempfile
+    from ..engine.errors import PrefillDiffError
+    if not os.path.isdir(d):
+        raise PrefillDiffError(f"cannot write {what}: {d} is not a directory" if os.path.exists(d) else
+                               f"cannot write {what}: directory {d} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".prefill-diff-probe-", dir=d)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise PrefillDiffError(f"cannot write {what}: directory {d} is not writable ({e.strerror})") from None
+
+
+def _check_output_file(path, what: str, force: bool = True) -> None:
+    """An output file can be written where it is asked for; checked before any work, so no verdict is lost."""
+    from ..engine.errors import PrefillDiffError
+    if path is None or path == "-":
+        return
+    path = str(path)
+    if os.path.isdir(path):
+        raise PrefillDiffError(f"cannot write {what} {path}: it is a directory")
+    if os.path.exists(path):
+        if not force:
+            from ..dumps.recorder import TraceExistsError
+            raise TraceExistsError(f"{path} exists; pass --force to overwrite it")
+        if not os.access(path, os.W_OK):
+            raise PrefillDiffError(f"cannot write {what} {path}: permission denied")
+        if what != "the trace":  # an existing report file (or /dev/stdout) is written in place
+            return
+    _writable_dir(os.path.dirname(os.path.abspath(path)), f"{what} {path}")
+
+
+def _check_reports(json_path, junit_path, plot_path) -> None:
+    from ..engine.errors import PrefillDiffError
+    _check_output_file(json_path, "the JSON report")
+    _check_output_file(junit_path, "the JUnit report")
+    if plot_path is not None:
+        ext = os.path.splitext(str(plot_path))[1].lower()
+        if ext not in PLOT_FORMATS:
+            raise PrefillDiffError(f"--plot {plot_path}: unsupported format {ext or '(no extension)'!r} "
+                                   f"(use {', '.join(PLOT_FORMATS)})")
+        _check_output_file(plot_path, "the plot")
+
+
+def _check_out_dir(out_dir) -> None:
+    """run --out DIR: created now (with parents) and probed, before any model is loaded."""
+    from ..engine.errors import PrefillDiffError
+    if out_dir is None:
+        return
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise PrefillDiffError(f"--out {out_dir}: cannot create the directory ({e.strerror})") from None
+    _writable_dir(out_dir, f"traces into --out {out_dir}")
+
+
+
+
 from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options,  # noqa: E402
                       tolerance_options)
 
@@ -222,7 +310,8 @@ def cli():
     first layer that breaks tolerance, and how.
 
     Exit status: 0 within tolerance, 1 tolerance broken, 2 bad usage or bad input
-    (including two traces that cannot be compared).
+    (including two traces that cannot be compared), 3 internal error (a bug),
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM).
     """
 
 
@@ -271,14 +360,15 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
               not_reached=[i for i in range(rep.n_layers) if i not in reached] if rep.stopped_early else ())
     after = {"reference": "recording the candidate", "candidate": "comparing (or recording the golden and twin)",
              "golden (float64)": "recording the twin, or comparing"}
+    _check_out_dir(out_dir)
     kw = dict(out_dir=out_dir, level=level, force=force, policy_args=tol, **cal)
     with Progress(out["quiet"]) as prog:
         prog.step("loading the model and preparing both sides")
         progress = (lambda label: prog.side(label, after.get(label, "comparing"))) if prog.prog is not None else None
         outcome = run_pair(ref, cand, spec, inputs, progress=progress, **kw)
     if outcome.ref_path and not out["quiet"] and "-" not in (out["json"], out["junit"]):
-        from rich.text import Text
-        _console().print(Text(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"), soft_wrap=True)
+        from .render import plain
+        _console().print(plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"), soft_wrap=True)
     _emit(outcome.report, out, outcome.token_text)
 
 
@@ -316,6 +406,7 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
         raise BadInput(f"{output} exists; pass --force to overwrite it")
     _quiet_libraries(False)
     tol = policy_spec(**tol)
+    _check_output_file(output, "the trace", force=force)  # before the model is loaded
     spec, inputs = _shared(model, prompts, tokens)
     if twin_of is not None and level != "full":
         raise BadInput(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
@@ -324,9 +415,9 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
         prep = prepare_side(config, spec, inputs)
         output = record_side(prep, output, level, force, compression, progress=prog.side("recording", "writing"),
                              tolerance=tol)  # a tensor-parallel side writes a directory of rank traces
-    from rich.text import Text
+    from .render import plain
     console = _console()
-    console.print(Text(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} "
+    console.print(plain(f"wrote {output} ({level}, {prep.snapshot.args.n_layers} layers, {len(prep.tokens)} "
                        "samples)"), soft_wrap=True)
     if twin_of is not None:
         from ..engine.config import load_side, precision_of
@@ -338,7 +429,7 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
         twin = twin.format(key=precision_key(prec))
         got = record_calibration(prep.side, prec, os.path.dirname(str(output)) or ".", twin_is_ref=same,
                                  force=force, snapshot=prep.snapshot, golden_path=golden, twin_path=twin)
-        console.print(Text(f"wrote {got[0]} (float64 golden)" + ("" if got[1] is None else
+        console.print(plain(f"wrote {got[0]} (float64 golden)" + ("" if got[1] is None else
                                                                  f" and {got[1]} (twin in {precision_label(prec)})")),
                       soft_wrap=True)
 
@@ -481,15 +572,20 @@ def presets():
             click.echo(f"{name:<{width}}  {desc}")
 
 
-def _on_sigint(signum, frame):
+def _on_signal(signum, frame):
     from ..engine.errors import INTERRUPT  # light: no torch, no h5py
     INTERRUPT["seen"] = True
+    INTERRUPT["signal"] = signum
     raise KeyboardInterrupt
+
+
+_on_sigint = _on_signal
 
 
 def main():
     import signal
-    signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)  # timeout, kill and CI cancellation: cleaned up like Ctrl-C
     cli(prog_name="prefill-diff")
 
 

@@ -14,9 +14,17 @@ def _compose(*decorators):
     return apply
 
 
+def _memory_check(ctx, param, value):
+    from ..engine import budget  # light: no torch
+    budget.CHECK["enabled"] = not value
+    return value
+
+
 def model_options(f):
     """--model, --prompt, --tokens: *what* to prefill, shared by both sides unless a config sets its own."""
     return _compose(
+        click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
+                     help="Build the model even if its estimated memory exceeds what this machine has available."),
         click.option("--model", "model", default=None, metavar="SOURCE",
                      help="synthetic (default), seed-2.8, hf:DIR, gguf:FILE or smollm2."),
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",

@@ -15,6 +15,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..engine.untrusted import visible
+
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
 # (the same name folded at its underscore), priority (lower is dropped last when the width is short).
 COLUMNS = (("layer_input", "layer_\ninput", 6), ("cache_keys", "cache_\nkeys", 4),
@@ -24,6 +26,12 @@ SPARK = "▁▂▃▄▅▆▇█"
 BAD = "✗"  # marks an out-of-tolerance cell (coloured red as well where there is colour)
 NEIGHBOURS = 2  # --layers auto: layers shown on each side of the first break
 AUTO_ALL = 12  # --layers auto: tables of at most this many layers are shown whole
+
+
+def plain(text, style: str = "") -> Text:
+    """Foreign text (trace metadata, prompts, token text, notes, file names) as a renderable: never parsed as
+    rich markup, control characters and bidirectional overrides shown as escapes (\\x1b, \\u202e)."""
+    return Text(visible(text), style=style)
 
 
 def _fmt(x) -> str:
@@ -70,14 +78,14 @@ def layer_max(lr) -> float | None:
 
 def verdict_text(report, strict: bool = False) -> Text:
     ok = bool(report) and not (strict and report.inconclusive)
-    return Text(report.verdict_line(), style="bold green" if ok else "bold red")
+    return plain(report.verdict_line(), style="bold green" if ok else "bold red")
 
 
 def header_text(report) -> Text:
     def side(d):
         return f"{d.get('origin')} ({d.get('file') or 'trace not kept'}, {d.get('level')} level)"
-    return Text(f"reference: {side(report.ref)}  candidate: {side(report.cand)}  policy: {report.policy.name}",
-                style="dim")
+    return plain(f"reference: {side(report.ref)}  candidate: {side(report.cand)}  policy: {report.policy.name}",
+                 style="dim")
 
 
 # -- fitting tables to the width -------------------------------------------------------------------
@@ -248,7 +256,7 @@ def final_table(report, token_text: dict | None = None, width: int = 120):
     for s, r, c in report.final.top:
         err = _fmt(errs.get(s))
         cells = [str(s), Text(err + " " + BAD, style="red") if s in bad else Text(err + "  ")]
-        cells += [Text.assemble("ref  ", show(r), "\ncand ", show(c))] if narrow else [show(r), show(c)]
+        cells += [Text.assemble("ref  ", plain(show(r)), "\ncand ", plain(show(c)))] if narrow else [plain(show(r)), plain(show(c))]
         t.add_row(*cells)
     return t
 
@@ -256,7 +264,7 @@ def final_table(report, token_text: dict | None = None, width: int = 120):
 def _metrics_lines(tr) -> Text:
     """Every metric of one tensor, as words (the -v view)."""
     if tr.level == "none":
-        return Text(f"{tr.tensor}: not compared ({tr.note or 'no values'})")
+        return plain(f"{tr.tensor}: not compared ({tr.note or 'no values'})")
     if tr.level == "stats":
         head = (f"{tr.tensor} (stats level, {tr.compared} statistics): largest statistic error "
                 f"{_g(tr.max_abs)}, {tr.n_bad} statistics out of tolerance")
@@ -294,7 +302,7 @@ def verbose_renderable(report):
         parts.append(Text(f"layer {target.layer} ({why}), every metric per tensor:", style="bold"))
         parts += [_metrics_lines(tr) for tr in target.tensors]
         if target.cache.detail:
-            parts.append(Text(f"cache: {target.cache.detail}", style="red"))
+            parts.append(plain(f"cache: {target.cache.detail}", style="red"))
     if report.final is not None and (fb is None or fb.stage == "final"):
         parts.append(Text("final stage, every metric per tensor:", style="bold"))
         parts += [_metrics_lines(tr) for tr in report.final.tensors]
@@ -304,15 +312,15 @@ def verbose_renderable(report):
 def first_break_panel(report):
     fb = report.first_break
     line = report.line(fb)
-    body = [Text(line, style="bold red")]
+    body = [plain(line, style="bold red")]
     if fb.message and fb.message not in line and fb.message.split(": ", 1)[-1] not in line:
-        body.append(Text(fb.message))
+        body.append(plain(fb.message))
     if fb.sublayer:
         body.append(Text(f"stage {fb.stage}, sub-layer {fb.sublayer}, kind {fb.kind}"
                          + (f", query heads {', '.join(map(str, fb.heads))}" if fb.heads else "")
                          + (f", KV heads {', '.join(map(str, fb.kv_heads))}" if fb.kv_heads else "")))
     if report.diagnosis:
-        body.append(Text("hint: " + report.diagnosis, style="yellow"))
+        body.append(plain("hint: " + report.diagnosis, style="yellow"))
     return Panel(Group(*body), title="first break", border_style="red")
 
 
@@ -324,7 +332,7 @@ def report_parts(report, token_text: dict | None = None, width: int = 120, which
         yield Text(f"rule: {report.calibration}", style="dim"), True
     for n in report.notes:
         if n.startswith("MODEL IDENTITY DIFFERS"):
-            yield Text(n, style="bold yellow"), True
+            yield plain(n, style="bold yellow"), True
     if report.layers:
         table, below = layer_table(report, width, which)
         yield table, False
@@ -341,11 +349,11 @@ def report_parts(report, token_text: dict | None = None, width: int = 120, which
     if report.first_break is not None:
         yield first_break_panel(report), False
     for n in report.inconclusive:
-        yield Text("INCONCLUSIVE: " + n, style="bold yellow"), True
+        yield plain("INCONCLUSIVE: " + n, style="bold yellow"), True
     for n in report.notes:
-        yield Text("note: " + n, style="yellow"), True
+        yield plain("note: " + n, style="yellow"), True
     for n in report.skipped:
-        yield Text("not checked: " + n, style="dim"), True
+        yield plain("not checked: " + n, style="dim"), True
     yield verdict_text(report, strict), True
 
 
@@ -371,7 +379,7 @@ def ledger_renderable(ledgers, model_name: str, chunk_size: int = 0):
         which = (f"prefill call {i + 1} of {n}" if n > 1 else "one prefill call")
         if chunk_size:
             which += f" (chunked: shapes of its first chunk of up to {chunk_size} tokens)"
-        t = Table(title=Text(f"shape ledger (seed §2.8) — model {model_name}, {which}, input rectangle "
+        t = Table(title=plain(f"shape ledger (seed §2.8) — model {model_name}, {which}, input rectangle "
                              f"{list(lg.rect)}"), title_justify="left")
         t.add_column("object")
         t.add_column("shape")
@@ -401,27 +409,27 @@ def print_inspect(console, s: dict) -> None:
     a = m.get("args") or {}
     eng = run.get("engine") or {}
     p = lambda x, **kw: console.print(x, soft_wrap=True, **kw)  # noqa: E731
-    p(Text(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle'][0]} "
+    p(plain(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle'][0]} "
            f"samples x {s['rectangle'][1]} columns)", style="bold"))
-    p(Text(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
+    p(plain(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
            f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
            f"weights {str(m.get('weights_digest'))[:23]}…"
            + (f"  adapter {m['adapter'].get('id')}" if m.get("adapter") else "")))
-    p(Text(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
+    p(plain(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
            f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache: {_words(run.get('layout')) or 'default'}"))
     rec = s.get("record") or {}
     fault = run.get("fault") or rec.get("fault")
     if fault:
-        p(Text(f"fault injected: {_words(fault)}", style="red"))
+        p(plain(f"fault injected: {_words(fault)}", style="red"))
     for o in rec.get("reuse") or ():
         what = "reused" if o.get("hit") else "not reused"
-        p(Text(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
+        p(plain(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
                + (" (FORCED)" if o.get("forced") else "") + (f" ({o['reason']})" if o.get("reason") else ""),
                style="red" if o.get("forced") else ""))
     if s.get("tolerance"):
-        p(Text(f"declared tolerance: {_words(s['tolerance'])}"))
+        p(plain(f"declared tolerance: {_words(s['tolerance'])}"))
     for v in rec.get("invariant_violations") or ():
-        p(Text(f"cache invariant violation: {v}", style="red"))
+        p(plain(f"cache invariant violation: {v}", style="red"))
     rep = s.get("repro") or {}
     if rep:
         p(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
@@ -434,7 +442,7 @@ def print_inspect(console, s: dict) -> None:
     for x in s["samples"]:
         toks = x["text"] if x.get("text") else " ".join(map(str, x["token_ids"][:16])) + (
             " …" if len(x["token_ids"]) > 16 else "")
-        samples.add_row(str(x["sample"]), str(x["length"]), Text(toks))
+        samples.add_row(str(x["sample"]), str(x["length"]), plain(toks))
     console.print(samples)
     cols = [("layer", "right", 0), ("tensor", "left", 0), ("min", "right", 1), ("max", "right", 1),
             ("mean", "right", 2), ("l2", "right", 3), ("nonfinite\nvalid/pad", "right", 0),
@@ -444,7 +452,7 @@ def print_inspect(console, s: dict) -> None:
         first = True
         for name, st in row["tensors"].items():
             nf = f"{st['nonfinite']}/{st['pad_nonfinite']}"
-            rows.append([Text(str(row["layer"]) if first else ""), Text(name), Text(_g(st["min"])),
+            rows.append([Text(str(row["layer"]) if first else ""), plain(name), Text(_g(st["min"])),
                          Text(_g(st["max"])), Text(_g(st["mean"])), Text(_g(st["l2"])),
                          Text(nf + " " + BAD, style="red") if nf != "0/0" else Text(nf + "  "),
                          Text(",".join(map(str, row["cache_lengths"])) if first else "")])
@@ -464,10 +472,10 @@ def print_inspect(console, s: dict) -> None:
         ids = f["top_ids"][:5]
         shown = " ".join(f"{i}:{token_repr(t)}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
             " ".join(map(str, ids))
-        final.add_row(str(f["sample"]), str(f["gathered_token"]), Text(shown))
+        final.add_row(str(f["sample"]), str(f["gathered_token"]), plain(shown))
     console.print(final)
     for line in s.get("levels_note") or ():
-        p(Text(line, style="yellow"))
+        p(plain(line, style="yellow"))
     if "values" in s:
         v = s["values"]
         where = f"{v['tensor']}" + (f", layer {v['layer']}" if v.get("layer") is not None else "") + \

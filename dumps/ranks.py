@@ -219,6 +219,8 @@ def _attr(ds, key, default=None):
 class RankTrace(Trace):
     """A directory of rank traces, read as one logical trace (see the module docstring)."""
 
+    _built_here = True  # the logical view's virtual datasets point only at rank files opened as Traces
+
     def __init__(self, path):
         self.dir = str(path).rstrip("/") or str(path)
         self.ranks: list[Trace] = []

@@ -14,6 +14,8 @@ import h5py
 import numpy as np
 
 from ..engine.errors import PrefillDiffError
+from ..engine.untrusted import regular_file, visible
+from .metacheck import MetaError, check_meta, check_meta_against_file
 from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
                      STAT_COLUMNS, STATES, layer_group)
 
@@ -58,6 +60,64 @@ def _json_attr(f, key: str, where: str):
         return json.loads(raw)
     except ValueError as e:
         raise TraceError(f"{where}: attribute {key!r} is not valid JSON ({e})") from None
+
+
+# Filters the recorder writes (gzip with shuffle); anything else is a file this tool did not write, and an
+# unknown filter is code run on read (HDF5 loads filter plugins by id).
+ALLOWED_FILTERS = {h5py.h5z.FILTER_DEFLATE: "gzip", h5py.h5z.FILTER_SHUFFLE: "shuffle"}
+OBJECT_LIMIT = 100_000  # links a reader walks before it gives up on a file
+
+
+def check_storage(f: h5py.File, where: str) -> None:
+    """Refuse, before reading any data, every object that would make HDF5 read outside this file or run code
+    this tool does not ship: external links, soft links (the recorder writes none; one may lead to an external
+    link), user-defined links, datasets with external storage, virtual datasets, filters other than gzip and
+    shuffle. Raises TraceError naming the object and why. Hard links are walked once each (cycles are cut)."""
+    seen, stack, n = set(), [("/", f)], 0
+    while stack:
+        path, g = stack.pop()
+        for name in g.keys():  # link names only: listing follows nothing
+            n += 1
+            if n > OBJECT_LIMIT:
+                raise TraceError(f"{where}: more than {OBJECT_LIMIT} objects; not a trace this tool wrote")
+            full = path.rstrip("/") + "/" + name
+            shown = visible(full)[:200]
+            link = g.get(name, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                raise TraceError(f"{where}: {shown} is an external link to {visible(link.filename)[:200]}:"
+                                 f"{visible(link.path)[:100]}; refused (a trace never reads other files)")
+            if isinstance(link, h5py.SoftLink):
+                raise TraceError(f"{where}: {shown} is a soft link to {visible(link.path)[:200]}; refused "
+                                 "(traces hold no links, and a link may lead out of the file)")
+            if not isinstance(link, h5py.HardLink):
+                raise TraceError(f"{where}: {shown} is a {type(link).__name__} link; refused")
+            oid = h5py.h5o.open(g.id, name.encode("utf-8") if isinstance(name, str) else name)
+            info = h5py.h5o.get_info(oid)
+            key = (info.fileno, getattr(info, "addr", None) or repr(getattr(info, "token", None)))
+            if key in seen:
+                continue
+            seen.add(key)
+            if info.type == h5py.h5o.TYPE_GROUP:
+                stack.append((full, g[name]))
+            elif info.type == h5py.h5o.TYPE_DATASET:
+                _check_dataset_storage(g[name], shown, where)
+
+
+def _check_dataset_storage(ds: h5py.Dataset, shown: str, where: str) -> None:
+    plist = ds.id.get_create_plist()
+    if plist.get_layout() == h5py.h5d.VIRTUAL:
+        raise TraceError(f"{where}: dataset {shown} is a virtual dataset (it maps data from other files); refused")
+    if plist.get_external_count() > 0:
+        target = plist.get_external(0)[0]
+        target = target.decode("utf-8", "replace") if isinstance(target, bytes) else str(target)
+        raise TraceError(f"{where}: dataset {shown} keeps its data in external file {visible(target)[:200]}; "
+                         "refused (a trace never reads other files)")
+    for i in range(plist.get_nfilters()):
+        code, _flags, _values, fname = plist.get_filter(i)
+        if code not in ALLOWED_FILTERS:
+            fname = fname.decode("utf-8", "replace") if isinstance(fname, bytes) else str(fname)
+            raise TraceError(f"{where}: dataset {shown} uses HDF5 filter {code} ({visible(fname)[:60] or 'unnamed'})"
+                             f"; refused (traces use only {', '.join(ALLOWED_FILTERS.values())})")
 
 
 _local = threading.local()
@@ -139,6 +199,10 @@ class LayerView:
 class Trace:
     """A trace file opened for reading. Raises TraceError with the file name on any problem."""
 
+    # True only for the in-memory view dumps.ranks builds over rank files it has opened (and checked) as
+    # traces one by one: its virtual datasets are ours, so check_storage would refuse them for no reason
+    _built_here = False
+
     def __init__(self, source, name: str | None = None):
         if isinstance(source, h5py.File):
             self.f, self.name = source, name or "<in-memory trace>"
@@ -148,6 +212,10 @@ class Trace:
                 raise TraceError(f"{self.name}: no such file")
             if os.path.isdir(self.name):
                 raise TraceError(f"{self.name}: is a directory, not a trace")
+            try:
+                regular_file(self.name, "trace")  # a FIFO would block h5py forever; a device never ends
+            except PrefillDiffError as e:
+                raise TraceError(str(e)) from None
             try:
                 self.f = h5py.File(self.name, "r")
             except OSError as e:
@@ -198,6 +266,8 @@ class Trace:
         return buf
 
     def _check(self):
+        if not self._built_here:  # a file we did not build ourselves: nothing outside it is followed
+            check_storage(self.f, self.name)
         self._check_header(require_complete=True)
         self._check_inputs()
         self._check_final()
@@ -232,6 +302,7 @@ class Trace:
         self.meta = _json_attr(f, "meta", where) or {}
         if not isinstance(self.meta, dict):
             raise TraceError(f"{where}: attribute 'meta' must be a JSON object")
+        _check_meta(self.meta, where)
         for key in ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text"):
             if self.meta.get(key) is not None and not isinstance(self.meta[key], dict):
                 raise TraceError(f"{where}: meta.{key} must be a JSON object (got {type(self.meta[key]).__name__})")
@@ -258,9 +329,25 @@ class Trace:
         if f["samples/lengths"].shape != (S,) or f["samples/token_ids"].ndim != 2 or \
                 f["samples/token_ids"].shape[0] != S:
             raise TraceError(f"{where}: /samples datasets do not match {S} samples")
+        for path in ("samples/token_ids", "samples/lengths", "inputs/input_ids", "inputs/valid_mask",
+                     "inputs/computed", "inputs/positions", "inputs/token_index"):
+            if f[path].dtype.kind not in "iu":
+                raise TraceError(f"{where}: /{path} holds {f[path].dtype}, not integers")
         self.lengths = self.read(f["samples/lengths"]).astype(np.int64)
         if (self.lengths < 1).any() or (self.lengths > f["samples/token_ids"].shape[1]).any():
             raise TraceError(f"{where}: /samples/lengths out of range")
+        try:
+            check_meta_against_file(self.meta, S, self.lengths)
+        except MetaError as e:
+            raise TraceError(_meta_message(where, e)) from None
+        if self.level == "sampled":
+            ti = f.get("sampled/token_index")
+            if not isinstance(ti, h5py.Dataset) or ti.ndim != 2 or ti.shape[0] != S or ti.dtype.kind not in "iu":
+                raise TraceError(f"{where}: /sampled/token_index must be integers of shape ({S}, slots)")
+            toks = self.read(ti)
+            if ((toks < -1) | (toks >= self.lengths[:, None])).any():
+                raise TraceError(f"{where}: /sampled/token_index holds token indices outside [-1, length)")
+            self.sampled_slots = ti.shape[1]
 
     def _check_final(self):
         f, where, S = self.f, self.name, self.n_samples
@@ -337,6 +424,10 @@ class Trace:
         pos, lens = g["cache/positions"], g["cache/lengths"]
         if pos.ndim != 2 or pos.shape[0] != S or lens.shape != (S,):
             raise TraceError(f"{where}: layer {i} cache positions/lengths do not match {S} samples")
+        if pos.dtype.kind not in "iu" or lens.dtype.kind not in "iu":
+            raise TraceError(f"{where}: layer {i} cache positions/lengths hold {pos.dtype}/{lens.dtype}, not integers")
+        if isinstance(g.get("sampled"), h5py.Group):
+            self._check_sampled(i, g["sampled"])
         if self.level == "full":
             for name in CACHE_TENSORS:
                 ds = g.get(f"cache/{name}")
@@ -349,6 +440,37 @@ class Trace:
                                      f"{a.get('n_kv_heads')} KV heads of {a.get('head_dim')}")
                 if int(np.prod(ds.shape[1:])) * ds.dtype.itemsize > ROW_LIMIT:
                     raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
+
+    def _check_sampled(self, i: int, group: h5py.Group):
+        """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""
+        where, a = self.name, self.args
+        kv = a["n_kv_heads"] * a["head_dim"] if a.get("n_kv_heads") and a.get("head_dim") else None
+        widths = {**{n: a.get("dim") for n in REQUIRED_STATES}, "cache_keys": kv, "cache_values": kv,
+                  "attn_heads": a["n_heads"] * a["head_dim"] if a.get("n_heads") and a.get("head_dim") else None}
+        for name, want in widths.items():
+            ds = group.get(name)
+            if ds is None:
+                continue
+            what = f"{where}: layer {i} sampled {name}"
+            slots = getattr(self, "sampled_slots", None)
+            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind != "f" or ds.ndim != 3 or \
+                    ds.shape[0] != self.n_samples or (slots is not None and ds.shape[1] != slots):
+                raise TraceError(f"{what} must be floats of shape ({self.n_samples}, {slots}, channels)")
+            width = ds.attrs.get("width")
+            if width is None or np.ndim(width) != 0 or np.asarray(width).dtype.kind not in "iu" or int(width) < 1 \
+                    or (want is not None and int(width) != want):
+                raise TraceError(f"{what}: attribute 'width' must be the tensor's width {want} (got "
+                                 f"{visible(repr(width))[:60]})")
+            ch = ds.attrs.get("channels")
+            if ch is None:
+                raise TraceError(f"{what}: attribute 'channels' is missing")
+            ch = np.asarray(ch)
+            if ch.ndim != 1 or ch.dtype.kind not in "iu" or ch.shape[0] != ds.shape[2]:
+                raise TraceError(f"{what}: attribute 'channels' must be {ds.shape[2]} integer channel indices "
+                                 f"(got {ch.dtype} of shape {ch.shape})")
+            if ch.size and (ch[0] < 0 or ch[-1] >= int(width) or (np.diff(ch) <= 0).any()):
+                raise TraceError(f"{what}: attribute 'channels' must be increasing indices in [0, {int(width)}) "
+                                 f"(got {ch.tolist()[:8]}…)")
 
     # -- logical view ---------------------------------------------------------------------------
     @cached_property
@@ -432,7 +554,11 @@ class Trace:
 
     def source_dtype(self, ds) -> str:
         v = ds.attrs.get("source_dtype", ds.dtype.name)
-        return v.decode() if isinstance(v, bytes) else str(v)
+        v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+        if not isinstance(v, str) or len(v) > 32:
+            raise TraceError(f"{self.name}: {ds.name} attribute 'source_dtype' must be a dtype name (got "
+                             f"{visible(repr(v))[:60]})")
+        return v
 
 
 class LiveTrace(Trace):
@@ -456,8 +582,24 @@ class LiveTrace(Trace):
     def refresh(self) -> None:
         """Re-read what the recorder finished since: meta and the final outputs."""
         self.meta = _json_attr(self.f, "meta", self.name) or {}
+        _check_meta(self.meta, self.name)
         self._check_final()
         self.__dict__.pop("final", None)
+
+
+def _meta_message(where: str, e: MetaError) -> str:
+    if e.path.startswith("meta.tolerance"):
+        return (f"{where}: the tolerance declared in this trace is invalid: {visible(e)} (the trace's "
+                "meta.tolerance, written by `record --atol/--tolerance ...`; give a tolerance on the command line "
+                "or fix the trace)")
+    return f"{where}: damaged trace metadata: {visible(e)}"
+
+
+def _check_meta(meta, where: str) -> None:
+    try:
+        check_meta(meta)
+    except MetaError as e:
+        raise TraceError(_meta_message(where, e)) from None
 
 
 def open_trace(path) -> Trace:

@@ -78,6 +78,7 @@ _MASK64 = (1 << 64) - 1
 # corrupted file); "v110" as the newest keeps files readable by HDF5 1.10 tools such as Debian's h5dump.
 LIBVER = ("v108", "v110")
 _PARTIAL: set = set()  # temporary files of this process not yet renamed into place
+_COMPLETED: list = []  # traces this process moved into place (what an interrupt must not call "not kept")
 
 
 def _check_interrupt() -> None:
@@ -110,8 +111,60 @@ def remove_partial_files() -> list:
     return gone
 
 
+def completed_traces(start: int = 0) -> list:
+    """Traces this process finished and moved into place (from the ``start``-th on) that are still there."""
+    return [p for p in _COMPLETED[start:] if os.path.exists(p)]
+
+
 class TraceExistsError(PrefillDiffError):
     """The target trace exists and --force was not given."""
+
+
+def _renameat2_noreplace(src: str, dst: str) -> bool:
+    """rename(src, dst) failing if dst exists (Linux renameat2 RENAME_NOREPLACE); False if unavailable here."""
+    import ctypes
+    import errno
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_NOREPLACE = -100, 1
+    if fn(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        raise FileExistsError(err, os.strerror(err), dst)
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), dst)
+
+
+def place(tmp, path, force: bool) -> None:
+    """Move a finished trace into place atomically. Without ``force`` it never replaces a file, not even one
+    that appeared while this trace was recorded (two `record`s to one path at once): a hard link to the target
+    fails if the target exists (then the temporary name is removed); where hard links are not supported,
+    renameat2(RENAME_NOREPLACE); where neither is, a check just before the rename (the one window left)."""
+    tmp, path = str(tmp), str(path)
+    if force:
+        os.replace(tmp, path)
+        return
+    try:
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links on this file system
+            if not _renameat2_noreplace(tmp, path):
+                if os.path.exists(path):
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+            return
+        os.unlink(tmp)
+    except FileExistsError:
+        raise TraceExistsError(f"{path} appeared while this trace was being recorded (another process writing "
+                               "the same path?); it was not replaced and this trace was not kept; pass --force to "
+                               "overwrite") from None
 
 
 class RecorderError(PrefillDiffError):
@@ -311,7 +364,7 @@ class Recorder:
         self.compression = None if compression in (None, "none") else compression
         self.sample_tokens, self.sample_channels, self.sample_seed = sample_tokens, sample_channels, sample_seed
         self.path = Path(path) if path is not None else None
-        self.in_memory = in_memory
+        self.in_memory, self.force = in_memory, force
         if in_memory or path is None:
             self.in_memory, self.tmp = True, None
             self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False,
@@ -640,7 +693,16 @@ class Recorder:
         self.f.close()
         self._closed = True
         _check_interrupt()  # the interrupt may have been swallowed: never move an interrupted trace into place
-        os.replace(self.tmp, self.path)  # atomic: readers see the old state or the whole trace
+        try:
+            place(self.tmp, self.path, self.force)  # atomic: readers see the old state or the whole trace
+        except BaseException:
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
+            _PARTIAL.discard(self.tmp)
+            raise
+        _COMPLETED.append(str(self.path))
         _PARTIAL.discard(self.tmp)
 
     def _check_complete(self) -> None:

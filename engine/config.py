@@ -41,7 +41,8 @@ import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .cache import CacheLayout
-from .errors import ConfigError
+from .errors import ConfigError, PrefillDiffError
+from .untrusted import check_int64, check_prompt_text, read_small_file
 from .prefill import CacheConfig, NumericalConfig
 from .snapshot import ModelSpec
 
@@ -65,6 +66,11 @@ class Inputs:
     segments: tuple | None = None
     pad_id: int | None = None
     attention_mask: tuple | None = None  # per sample, aligned with token_ids: 0 marks padding in the row
+
+    def __post_init__(self):
+        for i, p in enumerate(self.prompts if isinstance(self.prompts, (list, tuple)) else ()):
+            if isinstance(p, str):
+                check_prompt_text(p, i)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v not in ((), None)}
@@ -282,11 +288,14 @@ def _check_keys(section: str, got: dict, known: set, where: str) -> None:
 
 
 def read_toml(path: str) -> dict:
+    """A config file: a regular file of at most CONFIG_LIMIT bytes (never a FIFO, a device or /dev/null)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{path}: no such config file (and not a preset; see `prefill-diff presets`)")
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file (and not a preset; see `prefill-diff presets`)") from None
+        raw = read_small_file(path, "config file")
+        return tomllib.loads(raw.decode("utf-8"))
+    except PrefillDiffError as e:
+        raise ConfigError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config file ({e})") from None
     except tomllib.TOMLDecodeError as e:
@@ -411,7 +420,15 @@ def parse_inputs(section: dict, where: str) -> Inputs:
         for t in row:
             if not isinstance(t, int) or isinstance(t, bool):
                 raise ConfigError(f"{where}: [inputs] token_ids must be integers (sample {b} has {t!r})")
-    return Inputs(ids, prompts, nested("positions", 2), nested("segments", 3), pad_id,
+    positions = nested("positions", 2)
+    for key, rows in (("token_ids", ids), ("positions", positions), ("attention_mask", nested("attention_mask", 2))):
+        for b, row in enumerate(rows or ()):
+            for i, t in enumerate(row):
+                if isinstance(t, int):
+                    check_int64(t, f"{where}: [inputs] {key} sample {b}, position {i}")
+    if pad_id is not None:
+        check_int64(pad_id, f"{where}: [inputs] pad_id")
+    return Inputs(ids, prompts, positions, nested("segments", 3), pad_id,
                   nested("attention_mask", 2))
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import contract
+from . import budget, contract
 from .cache import PrefixKV
 from .config import Inputs, RunConfig, Side
 from .errors import ConfigError, PreconditionError
@@ -310,6 +310,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": note},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
     torch.use_deterministic_algorithms(run.numerical.deterministic, warn_only=True)
+    budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
     positions = sample_positions(side.inputs, tokens)
     pad = side.inputs.pad_id
     if pad is None:

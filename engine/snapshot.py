@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import budget
 from .cache import torch_dtype
 from .errors import ConfigError, ModelLoadError
 from .model import MODEL_PRESETS, ModelArgs, Transformer
@@ -215,6 +216,7 @@ def _load(spec: ModelSpec) -> Snapshot:
     src = spec.source
     if src in MODEL_PRESETS:
         args = MODEL_PRESETS[src].replace(**dict(spec.overrides)) if spec.overrides else MODEL_PRESETS[src]
+        budget.check_model(args, src)  # before a single weight is allocated
         snap = Snapshot(src, args, synthetic_state(args, spec.seed))
     elif src.startswith(("hf:", "gguf:")) or src == "smollm2":
         if spec.overrides:

@@ -24,9 +24,9 @@ VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn
 SUBLAYER = {"layer_input": "residual", "cache_keys": "attention", "cache_values": "attention",
             "attn_heads": "attention", "attn_update": "attention", "mid": "attention", "mlp_update": "mlp",
             "layer_output": "mlp", "logits": "final", "norm_last": "final", "topk_ids": "final",
-            "cache_lengths": "attention", "cache_positions": "attention"}
+            "cache_lengths": "attention", "cache_positions": "attention", "positions": "attention"}
 ARCH_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
-KIND_ORDER = ("coverage", "shape", "finite_mask", "cache_length", "cache_positions", "value", "top_ids")
+KIND_ORDER = ("coverage", "shape", "finite_mask", "cache_length", "cache_positions", "positions", "value", "top_ids")
 # In a calibrated comparison the values are judged by the candidate's row error against the float64 golden,
 # relative to the twin's; this tolerance only gathers the candidate-vs-reference metrics for the report.
 METRICS_ONLY = Tolerance(float("inf"), 0.0)
@@ -371,10 +371,32 @@ class Comparator:
         if self.numerics is not None:
             numerics = self.numerics.layer(r, self.calib.twin.layer(i))
         first = self._first_break(i, tensors, cache, numerics)
+        if i == 0 and (first is None or KIND_ORDER.index(first.kind) > KIND_ORDER.index("positions")):
+            first = self.input_positions_break() or first
         if getattr(self.ref, "ranks", None) or getattr(self.cand, "ranks", None):  # tensor-parallel rank traces
             from .ranks import rank_checks
             first = rank_checks(self, i, first)
         return LayerResult(i, tensors, cache, first, numerics)
+
+    def input_positions_break(self) -> Break | None:
+        """/inputs/positions of the cells both sides computed (by token index), exactly: the position ids the
+        model was given. Reported at layer 0, after the cache checks and before values, like cache positions."""
+        rp, cp = self.ref.inputs["positions"], self.cand.inputs["positions"]
+        first, bad = None, []
+        for rs, cs in self.pairs:
+            rsl, csl, toks, _, _ = self._align[rs]
+            a, b = rp[rs, rsl], cp[cs, csl]
+            diff = np.flatnonzero(a != b)
+            if diff.size:
+                bad.append(rs)
+                if first is None:
+                    j = int(diff[0])
+                    first = (rs, int(toks[j]), f"sample {rs}: token {int(toks[j])} was given position id "
+                             f"{int(b[j])} in the candidate, {int(a[j])} in the reference ({diff.size} of "
+                             f"{toks.size} computed tokens differ)")
+        if first is None:
+            return None
+        return Break("layer", "positions", first[2], 0, "positions", first[0], first[1], samples=tuple(bad))
 
     def _first_break(self, layer, tensors, cache: CacheResult, numerics: LayerResult | None = None) -> Break | None:
         """The check order of a layer: shape, finite mask, cache length, cache positions, values."""

@@ -62,6 +62,10 @@ def diagnose(report, ref, cand) -> str | None:
                     "'token/position mapping'.")
         return (f"Cache positions differ from layer {fb.layer}: the position descriptor (or its offset after a "
                 "reused prefix or chunk) is not the reference's.")
+    if fb.kind == "positions":
+        return ("The position ids given to the model differ while the cache positions agree: the position "
+                "descriptor (or its offset after a reused prefix or chunk) is not the reference's, or one trace's "
+                "/inputs/positions does not record what was run.")
     if fb.kind == "finite_mask":
         if fb.padding:
             return ("NaN/Inf first appear in padding rows: consistent with a fully masked padding query row "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ..engine.errors import PrefillDiffError
+from ..engine.untrusted import visible
 from .report import Report
 
 SERIES = (("attn_update", "attention update"), ("mlp_update", "MLP update"), ("layer_output", "layer output"),
@@ -132,7 +133,8 @@ def plot_errors(report: Report, path: str) -> None:
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="purple", alpha=0.9), zorder=5)
     res = report.policy.kinds["residual"]
     stats = any(s["stats"] for s in data.values())
-    ax.set_title(f"{report.ref.get('origin')} vs {report.cand.get('origin')}: {report.verdict} "
+    origins = visible(f"{report.ref.get('origin')} vs {report.cand.get('origin')}").replace("$", r"\$")  # no mathtext
+    ax.set_title(f"{origins}: {report.verdict} "
                  f"({report.policy.name}: atol {res.atol:g} + rtol {res.rtol:g}·|ref| + ntol {res.ntol:g}·rms)",
                  fontsize="medium", pad=22 if fb is not None and fb.layer is not None else 6)
     ax.set_ylabel("max abs error" + (" (of statistics)" if stats else ""))

@@ -13,7 +13,8 @@ Policy file (every key optional; unknown keys are errors)::
 """
 from __future__ import annotations
 
-from ..engine.errors import ConfigError
+from ..engine.errors import ConfigError, PrefillDiffError
+from ..engine.untrusted import read_small_file
 from .tolerance import KINDS, TOL_FIELDS, Policy, default_policy, dtype_policy
 
 try:
@@ -24,10 +25,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 def read_policy_file(path: str) -> dict:
     try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such tolerance file") from None
+        raw = tomllib.loads(read_small_file(path, "tolerance file").decode("utf-8"))
+    except PrefillDiffError as e:  # missing, not a regular file (FIFO, device), or over the size limit
+        raise ConfigError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read tolerance file ({e})") from None
     except tomllib.TOMLDecodeError as e:

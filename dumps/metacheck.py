@@ -1,0 +1,225 @@
+"""The schema of a trace's ``meta`` JSON, checked when a trace is opened (docs/trace-format.md).
+
+A trace from a stranger is well-formed HDF5 whose metadata may still be wrong: a number where text is
+expected, a list where an object is, an index out of range, two fields that disagree. Every field the
+tools read is checked here for type, range and shape, and against the fields it must agree with, so bad
+content is refused as a damaged trace naming the field, instead of failing deep inside a command.
+
+Fields a third-party engine does not write may be missing (every field is optional unless a rule says
+otherwise); unknown keys are allowed, as a newer 1.x writer may add some. Does not import torch.
+"""
+from __future__ import annotations
+
+import math
+
+INT64 = (-(1 << 63), (1 << 63) - 1)
+TEXT_LIMIT = 1 << 16  # characters of one metadata string
+LIST_LIMIT = 1 << 20  # items of one metadata list
+
+DTYPES = ("float64", "float32", "bfloat16", "float16", "int8")  # verify.tolerance.DTYPE_DEFAULTS (a test checks)
+TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # verify.tolerance.TOL_FIELDS
+TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits")  # verify.tolerance
+
+
+class MetaError(ValueError):
+    """One field of the metadata breaks the schema: ``path`` names it."""
+
+    def __init__(self, path: str, rule: str, value=None, show_value: bool = True):
+        self.path, self.rule = path, rule
+        got = f" (got {_brief(value)})" if show_value else ""
+        super().__init__(f"{path} {rule}{got}")
+
+
+def _brief(v) -> str:
+    s = repr(v) if not isinstance(v, (dict, list)) else type(v).__name__ + " " + repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+# -- value checks: each takes (value, path) and raises MetaError --------------------------------------------
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def integer(lo=INT64[0], hi=INT64[1], none=False):
+    def check(v, path):
+        if v is None and none:
+            return
+        if not _is_int(v) or not lo <= v <= hi:
+            raise MetaError(path, f"must be an integer in [{lo}, {hi}]" + (" or null" if none else ""), v)
+    return check
+
+
+def number(lo=-math.inf, hi=math.inf, none=False, lo_open=False, hi_open=False):
+    def check(v, path):
+        if v is None and none:
+            return
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
+        if not ok:
+            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            raise MetaError(path, f"must be a finite number in {rng}" + (" or null" if none else ""), v)
+    return check
+
+
+def text(none=False, choices=None, limit=TEXT_LIMIT):
+    def check(v, path):
+        if v is None and none:
+            return
+        if not isinstance(v, str) or len(v) > limit:
+            raise MetaError(path, "must be text" + (f" of at most {limit} characters" if isinstance(v, str) else "")
+                            + (" or null" if none else ""), v)
+        if choices is not None and v not in choices:
+            raise MetaError(path, f"must be one of {', '.join(choices)}", v)
+    return check
+
+
+def boolean(none=False):
+    def check(v, path):
+        if not (isinstance(v, bool) or (v is None and none)):
+            raise MetaError(path, "must be true or false" + (" or null" if none else ""), v)
+    return check
+
+
+def anything(v, path):
+    """Any JSON value (printed only as plain text)."""
+
+
+def array(item, none=False, limit=LIST_LIMIT):
+    def check(v, path):
+        if v is None and none:
+            return
+        if not isinstance(v, list) or len(v) > limit:
+            raise MetaError(path, "must be a list" + (" or null" if none else ""), v)
+        for i, x in enumerate(v):
+            item(x, f"{path}[{i}]")
+    return check
+
+
+def obj(fields: dict | None = None, none=False, values=None, closed=False, required=()):
+    """A JSON object; ``fields`` checks known keys, ``values`` every value (a map), ``closed`` refuses others."""
+    def check(v, path):
+        if v is None and none:
+            return
+        if not isinstance(v, dict):
+            raise MetaError(path, "must be a JSON object" + (" or null" if none else ""), v)
+        for k in required:
+            if k not in v:
+                raise MetaError(f"{path}.{k}", "is required", show_value=False)
+        for k, x in v.items():
+            if fields and k in fields:
+                fields[k](x, f"{path}.{k}")
+            elif closed:
+                known = ", ".join(sorted(fields or ()))
+                raise MetaError(f"{path}.{_brief(k)[1:-1]}", f"is not a known key (known: {known})",
+                                show_value=False)
+            elif values is not None:
+                values(x, f"{path}.{k}")
+    return check
+
+
+def either(*checks, rule: str):
+    def check(v, path):
+        for c in checks:
+            try:
+                c(v, path)
+                return
+            except MetaError:
+                pass
+        raise MetaError(path, rule, v)
+    return check
+
+
+# -- the schema ----------------------------------------------------------------------------------------------
+
+_POS = integer(1, INT64[1])
+# engine.model.ModelArgs, field by field (a test checks that the names agree). Upper bounds are far beyond any
+# real model; memory is checked separately, before anything is allocated.
+MODEL_ARGS = {
+    "dim": integer(1, 1 << 20), "n_layers": integer(1, 10_000), "n_heads": integer(1, 1 << 12),
+    "n_kv_heads": integer(1, 1 << 12), "head_dim": integer(1, 1 << 14), "hidden_dim": integer(1, 1 << 22),
+    "vocab_size": integer(1, 1 << 26), "norm_eps": number(0, 1, lo_open=True), "rope_theta": number(0, lo_open=True),
+    "rope_scaling": either(obj(values=either(number(none=True), text(), boolean(), array(number(), limit=1 << 16),
+                                             rule="a number, text, boolean or list of numbers")),
+                           array(array(anything, limit=2), limit=64),
+                           rule="must be a JSON object of rope scaling parameters"),
+    "tie_embeddings": boolean(), "qkv_bias": boolean(), "lm_head_bias": boolean(),
+    "dropout": number(0, 1, hi_open=True), "max_position": integer(1, 1 << 40),
+    "tokenizer_vocab_size": integer(1, 1 << 26, none=True), "attention_rule": text(), "arch": text(),
+}
+
+ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer(), "scale": number()}, closed=True,
+                   none=True)
+MODEL_SPEC = obj({"source": text(), "seed": integer(), "adapter": ADAPTER_SPEC,
+                  "overrides": obj(MODEL_ARGS, closed=True)})
+
+TOLERANCE = obj({"base": text(choices=DTYPES), "equal_nan": boolean(), "topk": integer(1, 1 << 20),
+                 "name": text(limit=200),
+                 **{k: number(0) for k in TOL_FIELDS},
+                 **{k: obj({f: number(0) for f in TOL_FIELDS}, closed=True) for k in TOL_KINDS}},
+                closed=True, none=True)
+
+REUSE_OUTCOME = obj({"sample": integer(0), "prefix_len": integer(0), "hit": boolean(), "forced": boolean(),
+                     "reason": text(none=True)})
+
+META = obj({
+    "model": obj({
+        "source": text(), "spec": MODEL_SPEC, "args": obj(MODEL_ARGS), "weights_digest": text(none=True),
+        "adapter": obj({"id": text(), "digest": text(), "rank": integer(1, 1 << 16)}, none=True, required=("id",)),
+        "rope_inv_freq": array(number(), none=True, limit=1 << 13),
+    }, none=True),
+    "side": obj({"origin": text(none=True), "model": obj(none=True), "inputs": obj(none=True),
+                 "run": obj({"reuse": obj(none=True), "fault": obj(none=True)}, none=True)}, none=True),
+    "engine": obj({"name": text(none=True), "kernel": text(none=True), "dtype": text(none=True),
+                   "batching": text(none=True), "chunk_size": integer(0, none=True)}, none=True),
+    "layout": obj({"dtype": text(none=True), "key_rotation": text(choices=("post", "pre")),
+                   "kind": text(none=True), "page_size": integer(1, none=True), "int8_scales": text(none=True),
+                   "version": integer(none=True)}, none=True),
+    "texts": array(text(none=True), none=True),
+    "token_text": obj(values=text(none=True), none=True),
+    "repro": obj(none=True),
+    "run": obj(none=True),
+    "tolerance": TOLERANCE,
+    "record": obj({
+        "fault": obj({"name": text(), "cannot_show": text(none=True)}, none=True),
+        "reuse": array(REUSE_OUTCOME, none=True),
+        "invariant_violations": array(text(), none=True),
+        "quantized_weights_digest": text(none=True),
+    }, none=True),
+})
+
+
+def check_meta(meta) -> None:
+    """Types and ranges of every field, then the rules between fields. Raises MetaError."""
+    META(meta, "meta")
+    model = meta.get("model") or {}
+    args = model.get("args") or {}
+    if _is_int(args.get("n_heads")) and _is_int(args.get("n_kv_heads")) and args["n_heads"] % args["n_kv_heads"]:
+        raise MetaError("meta.model.args.n_heads", f"must be a multiple of n_kv_heads={args['n_kv_heads']}",
+                        args["n_heads"])
+    if _is_int(args.get("head_dim")) and args["head_dim"] % 2:
+        raise MetaError("meta.model.args.head_dim", "must be even (RoPE rotates pairs)", args["head_dim"])
+    inv = model.get("rope_inv_freq")
+    if inv is not None and _is_int(args.get("head_dim")) and len(inv) != args["head_dim"] // 2:
+        raise MetaError("meta.model.rope_inv_freq", f"must hold head_dim/2 = {args['head_dim'] // 2} frequencies "
+                        f"(it holds {len(inv)})", show_value=False)
+    if (meta.get("layout") or {}).get("key_rotation") == "pre":
+        if inv is None:
+            raise MetaError("meta.model.rope_inv_freq", "is required when meta.layout.key_rotation is 'pre' "
+                            "(keys are stored before rotation and compared after it)", show_value=False)
+        if not _is_int(args.get("head_dim")):
+            raise MetaError("meta.model.args.head_dim", "is required when meta.layout.key_rotation is 'pre'",
+                            show_value=False)
+
+
+def check_meta_against_file(meta, n_samples: int, lengths) -> None:
+    """The rules between metadata and the datasets: one text per sample, reuse outcomes of real samples."""
+    texts = meta.get("texts")
+    if texts is not None and len(texts) not in (0, n_samples):
+        raise MetaError("meta.texts", f"must hold one text per sample ({n_samples}; it holds {len(texts)})",
+                        show_value=False)
+    rec = meta.get("record") or {}
+    for i, o in enumerate(rec.get("reuse") or ()):
+        s = o.get("sample")
+        if s is not None and s >= n_samples:
+            raise MetaError(f"meta.record.reuse[{i}].sample", f"must name one of the {n_samples} samples", s)
