@@ -314,7 +314,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     if pad is None:
         tok = snapshot.tokenizer
         pad = tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
-    if run.engine == "transformers":  # transformers' own model runs these calls (engine/hf_engine.py)
+    if run.engine in ("transformers", "llama.cpp"):  # a foreign engine runs these calls (hf_engine, llamacpp_engine)
         check_request(tokens, positions, snapshot)
         prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
         return prep

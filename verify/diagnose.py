@@ -77,6 +77,12 @@ def diagnose(report, ref, cand) -> str | None:
         return (f"Cache values of the reused prefix differ at layer {fb.layer}, and the candidate forced a prefix "
                 f"reuse that the metadata check refused ({forced[0]['reason']}): a cache built under another "
                 "adapter or weights was reused? — §2.11 row 6, 'snapshot identity'.")
+    rope = [k for k in ("rope_theta", "rope_scaling") if ref.args.get(k) != cand.args.get(k)]
+    if fb.tensor == "cache_keys" and rope:
+        what = ", ".join(f"{k} {ref.args.get(k)!r} vs {cand.args.get(k)!r}" for k in rope)
+        return (f"Keys in the cache differ from layer {fb.layer} and the two sides' RoPE parameters differ "
+                f"({what}): one side's model metadata (e.g. an edited GGUF rope.freq_base) does not match "
+                "the other's, so keys after position 0 are rotated by other angles.")
     if fb.tensor in ("attn_update", "attn_heads") and fb.layer == 0:
         n_heads = ref.args.get("n_heads")
         if fb.heads is not None and 0 < len(fb.heads) < (n_heads or 0):

@@ -170,6 +170,16 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     return notes, inconclusive
 
 
+# Model metadata beyond the architecture (compare.ARCH_KEYS): equal shapes, another model all the same
+META_KEYS = ("rope_theta", "rope_scaling", "norm_eps", "qkv_bias", "tie_embeddings", "lm_head_bias", "max_position")
+
+
+def model_meta_notes(ref_args: dict, cand_args: dict) -> list[str]:
+    """One note per model parameter the two sides' metadata disagree on (e.g. a GGUF's edited rope.freq_base)."""
+    return [f"model metadata differs: {k} = {ref_args.get(k)!r} (reference) vs {cand_args.get(k)!r} (candidate)"
+            for k in META_KEYS if ref_args.get(k) != cand_args.get(k)]
+
+
 class Session:
     """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
 
@@ -202,6 +212,8 @@ class Session:
         if rd.get("weights_digest") != cd.get("weights_digest"):
             notes.append(f"weights differ: reference {rd.get('weights_digest', '?')[:19]}…, "
                          f"candidate {cd.get('weights_digest', '?')[:19]}…")
+        for note in model_meta_notes(self.ref.args, self.cand.args):
+            notes.append(note)
         if self.ref.level != self.cand.level:
             notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
                          "checks use what both traces have")
