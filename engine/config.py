@@ -22,6 +22,8 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     kernel = "eager"                 # eager | sdpa | tiled
     dtype = "float32"                # float64 | float32 | bfloat16 | float16
     chunk_size = 0
+    flash_attn = false               # engine = "llama.cpp" only: flash_attn, n_ubatch, n_batch, type_k,
+    type_k = "f32"                   #   type_v, n_threads, gguf_type (LlamaCppConfig; defaults: llama.cpp's)
 
     [cache]                          # KV layout
     kind = "contiguous"              # contiguous | paged

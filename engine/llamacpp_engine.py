@@ -4,7 +4,7 @@ The model runs in llama.cpp unchanged. ``context_params.cb_eval`` is asked once 
 observe the nodes we need and copy each after it is computed (CPU backend, f32):
 
     inp_embd (layer 0) / l_out-(i-1)    -> layer_input
-    attn_out-i                         -> attn_update      kqv_out-i -> attn_heads (per-head output)
+    the matmul by blk.i.attn_output    -> attn_update      kqv_out-i -> attn_heads (per-head output)
     ffn_inp-i                          -> mid (the residual after attention)
     the matmul by blk.i.ffn_down       -> mlp_update (llama's "ffn_out-i" already has the residual added)
     l_out-i                            -> layer_output
@@ -166,24 +166,26 @@ class GgufFile:
 
     def _describe(self) -> dict:
         """Architecture, weight types (counted over matrices) and, if quantized, a digest of those weights."""
-        import gguf
-        reader = gguf.GGUFReader(self.path)
-        f = reader.fields.get("general.architecture")
-        arch = f.contents() if f is not None else None
-        counts, h, quant = {}, hashlib.sha256(), []
+        try:
+            arch, tensors, data = gguf_index(self.path)
+        except (ValueError, KeyError, IndexError, OSError) as e:  # struct.error is a ValueError
+            raise ModelLoadError(f"{self.path}: not a GGUF file llama.cpp can run ({type(e).__name__}: {e})") from None
+        counts, quant = {}, []
         float_types = {"F32", "F16", "BF16", "F64"}
-        for t in reader.tensors:
-            if len(t.shape) < 2:
+        for t in tensors:
+            if len(t["shape"]) < 2:
                 continue
-            name = t.tensor_type.name
-            counts[name] = counts.get(name, 0) + 1
-            if name not in float_types:
+            counts[t["type"]] = counts.get(t["type"], 0) + 1
+            if t["type"] not in float_types:
                 quant.append(t)
         digest = None
         if quant:
-            for t in sorted(quant, key=lambda t: t.name):
-                h.update(f"{t.name}|{t.tensor_type.name}|{tuple(int(x) for x in t.shape)}|".encode())
-                h.update(np.ascontiguousarray(t.data).view(np.uint8).data)
+            h = hashlib.sha256()
+            with open(self.path, "rb") as f:
+                for t in sorted(quant, key=lambda t: t["name"]):
+                    h.update(f"{t['name']}|{t['type']}|{t['shape']}|".encode())
+                    f.seek(data + t["offset"])
+                    h.update(f.read(t["nbytes"]))
             digest = "sha256:" + h.hexdigest()
         names = set(counts)
         wdtype = ("float16" if "F16" in names else "bfloat16" if "BF16" in names else "float32")
@@ -197,6 +199,73 @@ class GgufFile:
             self.tmpdir = None
 
 
+def gguf_index(path: str):
+    """(architecture, tensor infos, offset of the data section) from a GGUF header, without parsing values.
+
+    gguf.GGUFReader builds every metadata field (tens of seconds for a 49k-token vocabulary on a busy
+    machine); this walks the header once, skipping the values, as the GGUF format allows.
+    """
+    import struct
+
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    import mmap
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # only the header pages are read
+    if buf[:4] != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file")
+    _, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    at = 24
+
+    def string():
+        nonlocal at
+        n, = struct.unpack_from("<Q", buf, at)
+        at += 8 + n
+        return buf[at - n:at].decode("utf-8", "replace")
+
+    def skip(vtype):
+        nonlocal at
+        if vtype in scalar:
+            at += scalar[vtype]
+        elif vtype == 8:
+            string()
+        elif vtype == 9:
+            etype, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if etype in scalar:
+                at += scalar[etype] * count
+            else:
+                for _ in range(count):
+                    skip(etype)
+        else:
+            raise ModelLoadError(f"{path}: unknown GGUF value type {vtype}")
+
+    arch, alignment = None, 32
+    for _ in range(n_kv):
+        key = string()
+        vtype, = struct.unpack_from("<I", buf, at)
+        at += 4
+        if key == "general.architecture" and vtype == 8:
+            arch = string()
+        elif key == "general.alignment" and vtype == 4:
+            alignment, = struct.unpack_from("<I", buf, at)
+            at += 4
+        else:
+            skip(vtype)
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        nd, = struct.unpack_from("<I", buf, at)
+        dims = struct.unpack_from(f"<{nd}Q", buf, at + 4)
+        ttype, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * nd)
+        at += 4 + 8 * nd + 12
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        tensors.append({"name": name, "shape": tuple(reversed(dims)), "type": GGMLQuantizationType(ttype).name,
+                        "offset": offset, "nbytes": int(np.prod(dims)) // block * size})
+    buf.close()
+    return arch, tensors, -(-at // alignment) * alignment
+
+
 # -- capture ------------------------------------------------------------------------------------------
 def _layer_name(name: str):
     base, sep, idx = name.rpartition("-")
@@ -208,7 +277,7 @@ def _layer_name(name: str):
 class Capture:
     """The cb_eval callback: which nodes to observe, and their values per micro-batch (ubatch)."""
 
-    WANT = {"attn_out", "ffn_inp", "l_out", "kqv_out", "Kcur", "Vcur"}
+    WANT = {"ffn_inp", "l_out", "kqv_out", "Kcur", "Vcur"}
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
@@ -235,6 +304,8 @@ class Capture:
                 return ("inp_embd", None)
             if s.startswith("blk.") and s.endswith(".ffn_down.weight"):
                 return ("ffn_down", int(s.split(".")[1]))
+            if s.startswith("blk.") and s.endswith(".attn_output.weight"):  # o_proj: named attn_out-i by llama only
+                return ("attn_out", int(s.split(".")[1]))
         return None
 
     def _check_layout(self, t: GgmlTensor, addr: int) -> None:

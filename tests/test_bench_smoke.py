@@ -16,3 +16,5 @@ def test_benchmarks_run_at_smoke_size():
     assert out["compare"]["peak RSS, 1x traces (MiB)"] > 0
     assert out["engine"]["eager: logits max abs difference"] < 1e-4
     assert out["failfast"]["first break layer, layers compared, stopped early"] == (0, 1, True)
+    assert out["llamacpp"]["capture / plain (median of rounds)"] > 0
+    assert out["llamacpp"]["logits max abs, capture vs plain"] < 1e-4

@@ -98,7 +98,7 @@ def test_smollm2_q4_1_all_30_layers_and_both_rank_paris_first(run_cli, tmp_path)
         assert t.meta["token_text"][str(int(t.final["topk_ids"][0, 0]))] == " Paris"
 
 
-def test_flash_against_no_flash_on_q4_1_reports_where_they_part(run_cli):
+def test_flash_against_no_flash_on_q4_1_reports_where_they_part(run_cli, tmp_path):
     """Both sides llama.cpp on the same quantized weights: under the float32 policy the report names layer 0,
     where the f16 cache and flash attention first change what attention reads."""
     res = run_cli("run", "llama.cpp", "llama.cpp-flash", "--model", "smollm2", "--prompt", FRANCE,
@@ -108,10 +108,16 @@ def test_flash_against_no_flash_on_q4_1_reports_where_they_part(run_cli):
     fb = rep["first_break"]
     assert fb["layer"] == 0 and fb["tensor"] == "cache_keys", rep["verdict_line"]
     assert len(rep["layers"]) == 30
-    # flash attention alone (f32 cache on both sides) parts at layer 0's attention output
-    res = run_cli("run", "llama.cpp", "llama.cpp-flash-f32cache.toml" if False else "llama.cpp-flash",
-                  "--model", "smollm2", "--prompt", FRANCE, "--json", "-")
-    assert _json(res)["layers"][0]["tensors"]
+    # flash attention alone (an f32 cache on both sides) parts at layer 0's attention output
+    flash = tmp_path / "flash-f32.toml"
+    flash.write_text('preset = "llama.cpp-flash"\n[run]\ntype_k = "f32"\ntype_v = "f32"\n')
+    res = run_cli("run", "llama.cpp", flash, "--model", "smollm2", "--prompt", FRANCE, "--policy", "float32",
+                  "--json", "-")
+    rep = _json(res)
+    assert res.exit_code == 1, rep["verdict_line"]
+    fb = rep["first_break"]
+    assert fb["layer"] == 0 and fb["tensor"] in ("attn_update", "attn_heads"), rep["verdict_line"]
+    assert rep["layers"][0]["tensors"]["cache_keys"]["max_abs"] == 0  # the keys are the same, attention is not
 
 
 # -- F32 GGUF made from SmolLM2: float32 agreement, and the edited-metadata fault ---------------------
@@ -156,7 +162,7 @@ def test_converted_models_agree_with_our_engine_in_float32(model, run_cli, tmp_p
     rep = _json(res)
     assert res.exit_code == 0, rep["verdict_line"]
     assert rep["policy"]["name"] == "float32"
-    names = {t["tensor"] for t in rep["layers"][0]["tensors"]}
+    names = set(rep["layers"][0]["tensors"])
     assert {"layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output", "cache_keys",
             "cache_values"} <= names
 

@@ -1,4 +1,4 @@
-"""Run the benchmarks: python tests/bench/run.py [record|compare|engine|failfast|all] [--smoke]
+"""Run the benchmarks: python tests/bench/run.py [record|compare|engine|failfast|llamacpp|all] [--smoke]
 
 Each benchmark prints ratios measured side by side in this one process, with the machine, thread count
 and sizes. --smoke runs seconds-long sizes (the test suite does this, to keep the benchmarks working);
@@ -17,10 +17,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_compare  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_failfast  # noqa: E402
+import bench_llamacpp  # noqa: E402
 import bench_record  # noqa: E402
 
 BENCHES = {"record": bench_record.run, "compare": bench_compare.run, "engine": bench_engine.run,
-           "failfast": bench_failfast.run}
+           "failfast": bench_failfast.run, "llamacpp": bench_llamacpp.run}
 
 
 def machine() -> dict:
