@@ -111,7 +111,7 @@ class LlamaCppConfig:
     n_batch: int = 2048  # logical batch: tokens per llama_decode call
     type_k: str = "f16"  # KV cache types (ggml names)
     type_v: str = "f16"
-    n_threads: int = 0  # 0: the CPUs this process may use, at most 4 (llama.cpp's own default is 4)
+    n_threads: int = 0  # 0: the CPUs this process may use that the load leaves free, 1-4 (llama.cpp's default: 4)
     gguf_type: str = "f32"  # a model that is not a GGUF file is converted to one with these weights: f32 | f16
 
     def __post_init__(self):

@@ -379,13 +379,23 @@ def _cache_round(x: np.ndarray, ggml_type: str) -> np.ndarray:
 
 # -- running ------------------------------------------------------------------------------------------
 def _threads(n: int) -> int:
+    """n, or automatic: the CPUs this process may use that the machine's load leaves free, 1 to 4.
+
+    The thread count does not change llama.cpp's results (each output row is one thread's dot product;
+    tested), only its speed: on an oversubscribed machine every extra OpenMP thread waits at each node's
+    barrier for a CPU (2 threads were 3x slower than 1 on a 2-CPU machine at load 8).
+    """
     if n:
         return n
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count() or 1
-    return max(1, min(4, cpus))
+    try:
+        busy = max(0.0, os.getloadavg()[0] - 1.0)  # this process's own run counts as one
+    except OSError:
+        busy = 0.0
+    return max(1, min(4, cpus, int(cpus - busy + 0.5)))
 
 
 class Model:

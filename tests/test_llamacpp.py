@@ -288,3 +288,14 @@ def test_presets_say_how_they_differ_from_llamacpp_defaults():
     from prefill_diff.engine.config import LlamaCppConfig
     d = LlamaCppConfig()
     assert (d.flash_attn, d.type_k, d.type_v, d.n_ubatch, d.n_batch) == ("auto", "f16", "f16", 512, 2048)
+
+
+def test_thread_count_does_not_change_the_results(run_cli, tmp_path):
+    """Why n_threads may follow the machine's load: one and two threads give identical tensors."""
+    for n in (1, 2):
+        (tmp_path / f"t{n}.toml").write_text(f'preset = "llama.cpp-batched"\n[run]\nn_threads = {n}\n')
+    res = run_cli("run", tmp_path / "t1.toml", tmp_path / "t2.toml", "--json", "-")
+    rep = _json(res)
+    assert res.exit_code == 0, rep["verdict_line"]
+    assert all(t["max_abs"] == 0 for lr in rep["layers"] for t in lr["tensors"].values())
+    assert all(t["max_abs"] == 0 for t in rep["final"]["tensors"].values())
