@@ -425,56 +425,66 @@ class Model:
             self.ptr = None
 
 
-def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int):
-    """One llama.cpp context: ``seqs`` is a list of (token ids, positions), each its own seq_id.
-
-    Returns (Capture with the ubatches, logits per sequence at its last token, resolved flash flag,
-    cache positions per sequence).
-    """
+def _context(model: Model, cfg, n_tokens: int, n_seqs: int, threads: int, cb):
+    """A llama.cpp context for one call: every sequence in one unified KV cache, CPU only, cb_eval set."""
     lib = model.lib
-    stream = [(s, int(t), int(p)) for s, (ids, pos) in enumerate(seqs) for t, p in zip(ids, pos)]
-    n = len(stream)
-    cap = Capture(n_layers)
-    cb = lib.ggml_backend_sched_eval_callback(cap)
     cp = lib.llama_context_default_params()
-    cp.n_ctx = max(256, -(-n // 256) * 256)
+    cp.n_ctx = max(256, -(-n_tokens // 256) * 256)
     cp.n_batch = cfg.n_batch
     cp.n_ubatch = min(cfg.n_ubatch, cfg.n_batch)
-    cp.n_seq_max = len(seqs)
-    cp.n_threads = cp.n_threads_batch = _threads(cfg.n_threads)
+    cp.n_seq_max = n_seqs
+    cp.n_threads = cp.n_threads_batch = threads
     cp.flash_attn_type = FLASH[cfg.flash_attn]
     cp.type_k, cp.type_v = GGML_TYPES[cfg.type_k], GGML_TYPES[cfg.type_v]
     cp.kv_unified = True  # one stream: ubatches are consecutive tokens of the batch (split_simple)
-    cp.offload_kqv = False
-    cp.op_offload = False
+    cp.offload_kqv = cp.op_offload = False
     cp.no_perf = True
     cp.cb_eval = cb
     cp.cb_eval_user_data = None
     ctx = lib.llama_init_from_model(model.ptr, cp)
     if not ctx:
         raise ConfigError(f"llama.cpp refused the context settings ({_log_tail()})")
+    return ctx
+
+
+def _decode(lib, ctx, batch, chunk, cap: Capture) -> None:
+    """One llama_decode of stream entries (seq, token, position), logits requested for every row."""
+    for j, (s, t, p) in enumerate(chunk):
+        batch.token[j], batch.pos[j], batch.n_seq_id[j] = t, p, 1
+        batch.seq_id[j][0] = s
+        batch.logits[j] = 1  # every row: otherwise the last layer keeps only the output rows
+    batch.n_tokens = len(chunk)
+    rc = lib.llama_decode(ctx, batch)
+    if cap.error is not None:
+        raise cap.error
+    if rc != 0:
+        raise ConfigError(f"llama_decode refused the batch (status {rc}): {_log_tail()}")
+
+
+def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int | None = None):
+    """One llama.cpp context: ``seqs`` is a list of (token ids, positions), each its own seq_id.
+
+    Returns (Capture with the ubatches, logits per sequence at its last token, resolved flash flag,
+    cache positions per sequence from llama.cpp's memory).
+    """
+    lib = model.lib
+    stream = [(s, int(t), int(p)) for s, (ids, pos) in enumerate(seqs) for t, p in zip(ids, pos)]
+    n = len(stream)
+    cap = Capture(n_layers)
+    cb = lib.ggml_backend_sched_eval_callback(cap)  # referenced until the context is freed
+    ctx = _context(model, cfg, n, len(seqs), threads or _threads(cfg.n_threads), cb)
     batch = lib.llama_batch_init(min(n, cfg.n_batch), 0, 1)
     last = {s: i for i, (s, _, _) in enumerate(stream)}  # stream index of each sequence's last token
-    logits = {}
+    logits, cache_pos = {}, []
     try:
         for c0 in range(0, n, cfg.n_batch):
             chunk = stream[c0:c0 + cfg.n_batch]
-            for j, (s, t, p) in enumerate(chunk):
-                batch.token[j], batch.pos[j], batch.n_seq_id[j] = t, p, 1
-                batch.seq_id[j][0] = s
-                batch.logits[j] = 1  # every row: otherwise the last layer keeps only the output rows
-            batch.n_tokens = len(chunk)
-            rc = lib.llama_decode(ctx, batch)
-            if cap.error is not None:
-                raise cap.error
-            if rc != 0:
-                raise ConfigError(f"llama_decode refused the batch (status {rc}): {_log_tail()}")
+            _decode(lib, ctx, batch, chunk, cap)
             for s, i in last.items():
                 if c0 <= i < c0 + len(chunk):
                     ptr = lib.llama_get_logits_ith(ctx, i - c0)
                     logits[s] = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
         mem = lib.llama_get_memory(ctx)
-        cache_pos = []
         for s in range(len(seqs)):
             lo, hi = lib.llama_memory_seq_pos_min(mem, s), lib.llama_memory_seq_pos_max(mem, s)
             cache_pos.append(np.arange(lo, hi + 1, dtype=np.int64) if hi >= lo >= 0 else np.zeros(0, np.int64))
@@ -503,97 +513,80 @@ def _ours(k: np.ndarray, permuted: bool) -> np.ndarray:
     return np.concatenate([k[..., 0::2], k[..., 1::2]], axis=-1) if permuted else k
 
 
-def emit_call(call, placement, cap: Capture, logits: dict, cache_pos, snapshot, cfg, permuted: bool) -> None:
-    """Hand one context's nodes to the recorder, in the call's (row, column) coordinates."""
-    a = snapshot.args
-    ids, mask, pos = call.ids, call.mask, call.positions
-    valid = mask.bool()
-    seq = (call.segments if call.segments is not None
-           else torch.arange(ids.shape[0])[:, None].expand_as(ids)).clone()
-    seq = torch.where(valid, seq, torch.full_like(ids, -1))
-    tok = torch.full_like(ids, -1)
-    runs = []  # (row, seq, first column, end column), in stream order
-    for s in range(len(call.samples)):
-        cells = (seq == s).nonzero()
-        r, c0, c1 = int(cells[0, 0]), int(cells[0, 1]), int(cells[-1, 1]) + 1
-        tok[r, c0:c1] = torch.arange(c1 - c0)
-        runs.append((r, s, c0, c1))
-    placement.inputs(ids, valid, pos, tok, seq)
-    n = sum(c1 - c0 for _, _, c0, c1 in runs)
-    B, W = ids.shape
+class CallCells:
+    """Where a call's sequences sit: stream order (how llama.cpp got them) <-> the call's (row, column)."""
 
-    def grid(rows: np.ndarray) -> np.ndarray:  # stream rows -> (B, W, width) in the call's cells
-        out = np.zeros((B, W, rows.shape[1]), dtype=rows.dtype)
+    def __init__(self, call):
+        ids, valid = call.ids, call.mask.bool()
+        seq = (call.segments if call.segments is not None
+               else torch.arange(ids.shape[0])[:, None].expand_as(ids)).clone()
+        self.valid, self.seq = valid, torch.where(valid, seq, torch.full_like(ids, -1))
+        self.tok = torch.full_like(ids, -1)
+        self.runs = []  # (row, seq, first column, end column), in stream order
+        for s in range(len(call.samples)):
+            cells = (self.seq == s).nonzero()
+            r, c0, c1 = int(cells[0, 0]), int(cells[0, 1]), int(cells[-1, 1]) + 1
+            self.tok[r, c0:c1] = torch.arange(c1 - c0)
+            self.runs.append((r, s, c0, c1))
+        self.shape, self.n = tuple(ids.shape), sum(c1 - c0 for _, _, c0, c1 in self.runs)
+
+    def sequences(self, call) -> list:
+        """(token ids, positions) per sequence, for llama.cpp."""
+        return [(call.ids[r, c0:c1].tolist(), call.positions[r, c0:c1].tolist()) for r, _, c0, c1 in self.runs]
+
+    def grid(self, rows: np.ndarray) -> np.ndarray:
+        """Stream rows (n, width) -> (B, W, width) in the call's cells."""
+        out = np.zeros((*self.shape, rows.shape[1]), dtype=rows.dtype)
         at = 0
-        for r, _, c0, c1 in runs:
+        for r, _, c0, c1 in self.runs:
             out[r, c0:c1] = rows[at:at + c1 - c0]
             at += c1 - c0
         return out
 
-    prev = _stack(cap, ("inp_embd", None), n, 0)
-    for layer in range(a.n_layers):
-        out = _stack(cap, ("l_out", layer), n, layer)
-        states = {"layer_input": prev, "attn_update": _stack(cap, ("attn_out", layer), n, layer),
-                  "mid": _stack(cap, ("ffn_inp", layer), n, layer),
-                  "mlp_update": _stack(cap, ("ffn_down", layer), n, layer), "layer_output": out,
-                  "attn_heads": _stack(cap, ("kqv_out", layer), n, layer)}
-        for name, x in states.items():
-            placement.state(layer, name, grid(x.reshape(n, -1)), 0)
-        k = _stack(cap, ("Kcur", layer), n, layer)  # (tokens, H_kv, d_h), llama's layout
-        v = _stack(cap, ("Vcur", layer), n, layer)
-        hk, dh = k.shape[1], k.shape[2]
-        k = _ours(_cache_round(k.reshape(n, hk * dh), cfg.type_k).reshape(n, hk, dh), permuted)
-        v = _cache_round(v.reshape(n, -1), cfg.type_v).reshape(n, v.shape[1], v.shape[2])
-        at = 0
-        for r, s, c0, c1 in runs:
-            T = c1 - c0
-            p = cache_pos[s]
-            if p.shape[0] != T:
-                raise PrefillDiffError(f"llama.cpp's cache of sequence {s} holds positions {p.tolist()[:8]}… "
-                                       f"for {T} tokens")
-            placement.cache(layer, s, np.ascontiguousarray(k[at:at + T].swapaxes(0, 1)),
-                            np.ascontiguousarray(v[at:at + T].swapaxes(0, 1)), p)
-            at += T
-        prev = out
-    norm = _stack(cap, ("result_norm", None), n, a.n_layers)
+
+def _emit_layer(placement, cells: CallCells, cap: Capture, layer: int, prev, cache_pos, cfg, permuted: bool):
+    """One layer's states and cache to the recorder; returns the layer output (the next layer's input)."""
+    n = cells.n
+    out = _stack(cap, ("l_out", layer), n, layer)
+    states = {"layer_input": prev, "attn_update": _stack(cap, ("attn_out", layer), n, layer),
+              "mid": _stack(cap, ("ffn_inp", layer), n, layer),
+              "mlp_update": _stack(cap, ("ffn_down", layer), n, layer), "layer_output": out,
+              "attn_heads": _stack(cap, ("kqv_out", layer), n, layer)}
+    for name, x in states.items():
+        placement.state(layer, name, cells.grid(x.reshape(n, -1)), 0)
+    k = _stack(cap, ("Kcur", layer), n, layer)  # (tokens, H_kv, d_h), llama's layout
+    v = _stack(cap, ("Vcur", layer), n, layer)
+    k = _ours(_cache_round(k.reshape(n, -1), cfg.type_k).reshape(k.shape), permuted)
+    v = _cache_round(v.reshape(n, -1), cfg.type_v).reshape(v.shape)
     at = 0
-    for r, s, c0, c1 in runs:
+    for r, s, c0, c1 in cells.runs:
+        T, p = c1 - c0, cache_pos[s]
+        if p.shape[0] != T:
+            raise PrefillDiffError(f"llama.cpp's cache of sequence {s} holds positions {p.tolist()[:8]} "
+                                   f"for {T} tokens")
+        placement.cache(layer, s, np.ascontiguousarray(k[at:at + T].swapaxes(0, 1)),  # (H_kv, T, d_h)
+                        np.ascontiguousarray(v[at:at + T].swapaxes(0, 1)), p)
+        at += T
+    return out
+
+
+def emit_call(call, placement, cells: CallCells, cap: Capture, logits: dict, cache_pos, n_layers: int, cfg,
+              permuted: bool) -> None:
+    """Hand one context's nodes to the recorder, in the call's (row, column) coordinates."""
+    placement.inputs(call.ids, cells.valid, call.positions, cells.tok, cells.seq)
+    prev = _stack(cap, ("inp_embd", None), cells.n, 0)
+    for layer in range(n_layers):
+        prev = _emit_layer(placement, cells, cap, layer, prev, cache_pos, cfg, permuted)
+    norm = _stack(cap, ("result_norm", None), cells.n, n_layers)
+    at = 0
+    for r, s, c0, c1 in cells.runs:
         at += c1 - c0
         placement.final(s, norm[at - 1], logits[s], (r, c1 - 1), c1 - c0 - 1)
 
 
-def execute(prep, recorder):
-    """Like runner.execute, for llama.cpp: runs every call, hands the nodes over, then yields each layer."""
-    check_supported(prep)
-    run, snap = prep.side.run, prep.snapshot
-    cfg = run.llamacpp
-    load_library()
-    gfile = GgufFile(snap, cfg.gguf_type)
-    model = None
-    try:
-        desc = gfile.describe
-        model = Model(gfile.path, snap)
-        permuted = desc["arch"] == "llama"
-        flash = set()
-        for call in prep.calls:
-            seqs = []
-            for s in range(len(call.samples)):
-                cells = call.segments == s if call.segments is not None else None
-                if cells is None:
-                    valid = call.mask[s].bool()
-                    seqs.append((call.ids[s][valid].tolist(), call.positions[s][valid].tolist()))
-                else:
-                    seqs.append((call.ids[cells].tolist(), call.positions[cells].tolist()))
-            cap, logits, fl, cache_pos = run_call(model, cfg, seqs, snap.args.vocab_size, snap.args.n_layers)
-            flash.add(fl)
-            emit_call(call, Placement(recorder, call.runs, call.samples), cap, logits, cache_pos, snap, cfg,
-                      permuted)
-            del cap
-    finally:
-        if model is not None:
-            model.close()
-        gfile.close()
-    flash_on = True in flash
+def _run_meta(recorder, prep, gfile: GgufFile, cfg, flash_on: bool, threads: int) -> None:
+    """What the trace must say about this run: the weight precision and cache type that set its tolerance."""
+    desc = gfile.describe
     dtype = desc["weights_dtype"]
     if flash_on and dtype == "float32":
         dtype = "float16"  # flash attention casts K and V to f16 on the CPU backend
@@ -604,13 +597,39 @@ def execute(prep, recorder):
         "converted_from_snapshot": gfile.converted, "arch": desc["arch"], "weight_types": desc["weight_types"],
         "weight_quant": desc["weight_quant"], "flash_attn": flash_on, "flash_attn_setting": cfg.flash_attn,
         "type_k": cfg.type_k, "type_v": cfg.type_v, "n_ubatch": cfg.n_ubatch, "n_batch": cfg.n_batch,
-        "n_threads": _threads(cfg.n_threads), "kv_unified": True, "use_extra_bufts": False}
+        "n_threads": threads, "kv_unified": True, "use_extra_bufts": False}
     meta = recorder.meta
     recorder.update_meta(engine={**meta.get("engine", {}), "dtype": dtype, "activations": "float32",
                                  "weight_quant": desc["weight_quant"], "flash_attn": flash_on},
-                         layout={**meta.get("layout", {}), "dtype": cache, "llama_cpp_types": [cfg.type_k,
-                                                                                                 cfg.type_v]},
+                         layout={**meta.get("layout", {}), "dtype": cache,
+                                 "llama_cpp_types": [cfg.type_k, cfg.type_v]},
                          record=dict(prep.record))
+
+
+def execute(prep, recorder):
+    """Like runner.execute, for llama.cpp: runs every call, hands the nodes over, then yields each layer."""
+    check_supported(prep)
+    snap, cfg = prep.snapshot, prep.side.run.llamacpp
+    load_library()
+    threads = _threads(cfg.n_threads)
+    gfile = GgufFile(snap, cfg.gguf_type)
+    model, flash = None, set()
+    try:
+        model = Model(gfile.path, snap)
+        permuted = gfile.describe["arch"] == "llama"
+        for call in prep.calls:
+            cells = CallCells(call)
+            cap, logits, fl, cache_pos = run_call(model, cfg, cells.sequences(call), snap.args.vocab_size,
+                                                  snap.args.n_layers, threads)
+            flash.add(fl)
+            emit_call(call, Placement(recorder, call.runs, call.samples), cells, cap, logits, cache_pos,
+                      snap.args.n_layers, cfg, permuted)
+            del cap
+    finally:
+        if model is not None:
+            model.close()
+        gfile.close()
+    _run_meta(recorder, prep, gfile, cfg, True in flash, threads)
     for layer in range(snap.args.n_layers):
         yield layer
     return prep.record

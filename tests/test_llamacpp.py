@@ -299,3 +299,18 @@ def test_thread_count_does_not_change_the_results(run_cli, tmp_path):
     assert res.exit_code == 0, rep["verdict_line"]
     assert all(t["max_abs"] == 0 for lr in rep["layers"] for t in lr["tensors"].values())
     assert all(t["max_abs"] == 0 for t in rep["final"]["tensors"].values())
+
+
+def test_hf_checkpoint_is_converted_and_agrees(run_cli, tmp_path):
+    """hf:DIR runs in llama.cpp too (converted to an F32 GGUF with its tied embeddings)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                         rope_theta=50000.0))
+    model.save_pretrained(tmp_path / "hf")
+    res = run_cli("run", "reference", "llama.cpp", "--model", f"hf:{tmp_path / 'hf'}", "--json", "-")
+    rep = _json(res)
+    assert res.exit_code == 0, rep["verdict_line"]
+    assert rep["policy"]["name"] == "float32" and len(rep["layers"]) == 2
