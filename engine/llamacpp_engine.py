@@ -142,6 +142,9 @@ def check_supported(prep) -> None:
     if no:
         raise ConfigError("the llama.cpp engine runs the model as llama.cpp does; it does not support "
                           + ", ".join(no))
+    if not (snap.source == "smollm2" or snap.source.startswith("gguf:")):
+        from .gguf_writer import check_convertible
+        check_convertible(snap)
 
 
 # -- the GGUF that llama.cpp runs ---------------------------------------------------------------------
