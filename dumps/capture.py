@@ -62,6 +62,9 @@ def capture(prep, recorder: Recorder, extra_meta: dict | None = None):
     if prep.side.run.engine == "transformers":
         from ..engine import hf_engine
         steps = hf_engine.execute(prep, recorder)
+    elif prep.side.run.engine == "llama.cpp":
+        from ..engine import llamacpp_engine
+        steps = llamacpp_engine.execute(prep, recorder)
     else:
         steps = runner.execute(prep, recorder)
     while True:

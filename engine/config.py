@@ -17,11 +17,13 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     segments = [[[0, 2]], []]        # optional spans a reuse boundary may not cut
 
     [run]                            # how: execution path and numerics
-    engine = "native"                # native | transformers
+    engine = "native"                # native | transformers | llama.cpp
     batching = "unbatched"           # unbatched | left | right | packed
     kernel = "eager"                 # eager | sdpa | tiled
     dtype = "float32"                # float64 | float32 | bfloat16 | float16
     chunk_size = 0
+    flash_attn = false               # engine = "llama.cpp" only: flash_attn, n_ubatch, n_batch, type_k,
+    type_k = "f32"                   #   type_v, n_threads, gguf_type (LlamaCppConfig; defaults: llama.cpp's)
 
     [cache]                          # KV layout
     kind = "contiguous"              # contiguous | paged
@@ -52,7 +54,9 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 BATCHING = ("unbatched", "left", "right", "packed")
-ENGINES = ("native", "transformers")
+ENGINES = ("native", "transformers", "llama.cpp")
+# llama.cpp's KV cache types (ggml type names) a [run] type_k / type_v may name
+LLAMACPP_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
           "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard")
 
@@ -106,6 +110,40 @@ class FaultConfig:
 
 
 @dataclass(frozen=True)
+class LlamaCppConfig:
+    """llama.cpp's own knobs: [run] keys of engine = "llama.cpp" only. The defaults are llama.cpp's own."""
+    flash_attn: bool | str = "auto"  # true | false | "auto" (llama.cpp decides; on a CPU it turns it on)
+    n_ubatch: int = 512  # physical batch: tokens per graph computation
+    n_batch: int = 2048  # logical batch: tokens per llama_decode call
+    type_k: str = "f16"  # KV cache types (ggml names)
+    type_v: str = "f16"
+    n_threads: int = 0  # 0: the CPUs this process may use that the load leaves free, 1-4 (llama.cpp's default: 4)
+    gguf_type: str = "f32"  # a model that is not a GGUF file is converted to one with these weights: f32 | f16
+
+    def __post_init__(self):
+        if self.flash_attn not in (True, False, "auto"):
+            raise ConfigError(f"flash_attn must be true, false or \"auto\" (got {self.flash_attn!r})")
+        for key in ("n_ubatch", "n_batch"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{key} must be a positive integer (got {v!r})")
+        if not isinstance(self.n_threads, int) or isinstance(self.n_threads, bool) or self.n_threads < 0:
+            raise ConfigError(f"n_threads must be a non-negative integer, 0 for automatic (got {self.n_threads!r})")
+        for key in ("type_k", "type_v"):
+            if getattr(self, key) not in LLAMACPP_CACHE_TYPES:
+                raise ConfigError(f"{key} must be one of {', '.join(LLAMACPP_CACHE_TYPES)} "
+                                  f"(got {getattr(self, key)!r})")
+        if self.type_v not in ("f32", "f16", "bf16") and self.flash_attn is False:
+            raise ConfigError(f"llama.cpp needs flash attention for a quantized V cache "
+                              f"(type_v={self.type_v!r} with flash_attn=false)")
+        if self.gguf_type not in ("f32", "f16"):
+            raise ConfigError(f"gguf_type must be 'f32' or 'f16' (got {self.gguf_type!r})")
+
+
+_LLAMACPP_KEYS = {f.name for f in fields(LlamaCppConfig)}
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """How to prefill: everything except the model and the prompts."""
     name: str = "reference"
@@ -117,8 +155,11 @@ class RunConfig:
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
     tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
+    llamacpp: LlamaCppConfig | None = None  # engine = "llama.cpp" only
 
     def __post_init__(self):
+        if self.engine == "llama.cpp" and self.llamacpp is None:
+            object.__setattr__(self, "llamacpp", LlamaCppConfig())
         if self.batching not in BATCHING:
             raise ConfigError(f"batching must be one of {', '.join(BATCHING)} (got {self.batching!r})")
         if self.engine not in ENGINES:
@@ -129,6 +170,8 @@ class RunConfig:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["cache"]["layout"] = self.cache.layout.as_dict()
+        if d["llamacpp"] is None:
+            del d["llamacpp"]
         return d
 
 
@@ -216,6 +259,16 @@ PRESETS: dict[str, tuple[str, dict]] = {
                  {"run": {"compile": True}}),
     "transformers-tp2": ("transformers' own model over 2 tensor-parallel ranks (its TP plan, tp_size=2); "
                          "needs --model hf:DIR", {"run": {"engine": "transformers", "tp": 2}}),
+    "llama.cpp": ("llama.cpp (llama-cpp-python), one sequence at a time; differs from llama.cpp's defaults: "
+                  "flash attention off (default auto: on), KV cache f32 (default f16)",
+                  {"run": {"engine": "llama.cpp", "flash_attn": False, "type_k": "f32", "type_v": "f32"}}),
+    "llama.cpp-flash": ("llama.cpp, one sequence at a time, flash attention on, KV cache f16: llama.cpp's "
+                        "defaults on a CPU (default flash auto: on)",
+                        {"run": {"engine": "llama.cpp", "flash_attn": True, "type_k": "f16", "type_v": "f16"}}),
+    "llama.cpp-batched": ("llama.cpp, all prompts as sequences (seq_ids) of one batch in a unified KV cache; "
+                          "differs from llama.cpp's defaults: flash attention off, KV cache f32",
+                          {"run": {"engine": "llama.cpp", "batching": "packed", "flash_attn": False,
+                                   "type_k": "f32", "type_v": "f32"}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),
@@ -237,7 +290,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
 _RUN_KEYS = {"engine", "batching", "attn_implementation", "chunk_size", "invariants", "tp"} | {
-    f.name for f in fields(NumericalConfig)}
+    f.name for f in fields(NumericalConfig)} | _LLAMACPP_KEYS
 _CACHE_KEYS = {f.name for f in fields(CacheLayout)} - {"version"}
 _MODEL_KEYS = {"source", "seed", "adapter"}
 
@@ -333,6 +386,12 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
     _check_keys("run", run, _RUN_KEYS, where)
     _check_keys("cache", cache, _CACHE_KEYS, where)
     num = {k: run.pop(k) for k in list(run) if k in {f.name for f in fields(NumericalConfig)}}
+    llama = {k: run.pop(k) for k in list(run) if k in _LLAMACPP_KEYS}
+    engine = run.get("engine", "native")
+    if llama and engine != "llama.cpp":
+        raise ConfigError(f"{where}: [run] {', '.join(sorted(llama))} appl{'ies' if len(llama) == 1 else 'y'} to "
+                          f"engine = \"llama.cpp\" only (engine is {engine!r})")
+    _check_types("run", llama, LlamaCppConfig, where)
     _check_types("run", num, NumericalConfig, where)
     _check_types("run", run, RunConfig, where)
     _check_types("run", {k: run[k] for k in ("chunk_size",) if k in run}, CacheConfig, where)
@@ -351,6 +410,8 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
             _check_types("fault", fault, FaultConfig, where)
             fault = FaultConfig(**fault)
         cache_cfg = CacheConfig(CacheLayout(**cache), run.pop("chunk_size", 0), run.pop("invariants", "record"))
+        if engine == "llama.cpp":
+            run["llamacpp"] = LlamaCppConfig(**llama)
         return RunConfig(name=name, numerical=NumericalConfig(**num), cache=cache_cfg, reuse=reuse, fault=fault, **run)
     except TypeError as e:  # wrong value types reach dataclass constructors
         raise ConfigError(f"{where}: {e}") from None

@@ -329,9 +329,13 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
         check_request(tokens, positions, snapshot)
         prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
         return prep
-    if run.engine == "transformers":  # transformers' own model runs these calls (engine/hf_engine.py)
+    if run.engine in ("transformers", "llama.cpp"):  # a foreign engine runs these calls (hf_engine, llamacpp_engine)
         check_request(tokens, positions, snapshot)
         prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
+        if run.engine == "llama.cpp":  # refuse what it cannot run before either side does any work
+            from .llamacpp_engine import check_supported, load_library
+            check_supported(prep)
+            load_library()
         return prep
     check_request(tokens, positions, snapshot)
     engine = Engine(snapshot, run.numerical, tp=tp)

@@ -18,3 +18,5 @@ def test_benchmarks_run_at_smoke_size():
     assert out["failfast"]["first break layer, layers compared, stopped early"] == (0, 1, True)
     assert out["calibrate"]["verdicts"] == [("pass", "pass", "calibrated")]
     assert out["calibrate"]["ratio_median"] > 1  # the golden and the twin are real extra runs
+    assert out["llamacpp"]["capture / plain (median of rounds)"] > 0
+    assert out["llamacpp"]["logits max abs, capture vs plain"] < 1e-4
