@@ -192,7 +192,6 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     return notes, inconclusive
 
 
-# Model metadata beyond the architecture (compare.ARCH_KEYS): equal shapes, another model all the same
 class Session:
     """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
 
