@@ -272,14 +272,14 @@ def _check_output_file(path, what: str, force: bool = True) -> None:
 
 def _check_reports(json_path, junit_path, plot_path) -> None:
     from ..engine.errors import PrefillDiffError
-    _check_output_file(json_path, "the JSON report")
-    _check_output_file(junit_path, "the JUnit report")
+    _check_output_file(json_path, "--json (the JSON report)")
+    _check_output_file(junit_path, "--junit (the JUnit report)")
     if plot_path is not None:
         ext = os.path.splitext(str(plot_path))[1].lower()
         if ext not in PLOT_FORMATS:
             raise PrefillDiffError(f"--plot {plot_path}: unsupported format {ext or '(no extension)'!r} "
                                    f"(use {', '.join(PLOT_FORMATS)})")
-        _check_output_file(plot_path, "the plot")
+        _check_output_file(plot_path, "--plot (the plot)")
 
 
 def _check_out_dir(out_dir) -> None:

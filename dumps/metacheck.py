@@ -146,6 +146,7 @@ MODEL_ARGS = {
     "tie_embeddings": boolean(), "qkv_bias": boolean(), "lm_head_bias": boolean(),
     "dropout": number(0, 1, hi_open=True), "max_position": integer(1, 1 << 40),
     "tokenizer_vocab_size": integer(1, 1 << 26, none=True), "attention_rule": text(), "arch": text(),
+    "hidden_act": text(),
 }
 
 ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer(), "scale": number()}, closed=True,

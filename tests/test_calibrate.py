@@ -247,7 +247,7 @@ def test_run_refuses_sides_with_different_prompts_before_running(run_cli, tmp_pa
     cand = _config(tmp_path, "c.toml", 'preset = "batched-left"\n[inputs]\ntoken_ids = [[1, 2, 3]]\n')
     res = run_cli("run", "reference", cand, "--out", tmp_path / "o")
     assert res.exit_code == 2 and "prefill different prompts" in res.output and len(res.output.splitlines()) == 1
-    assert not (tmp_path / "o").exists()  # nothing ran, nothing written
+    assert not list((tmp_path / "o").glob("*.h5"))  # nothing ran, no trace written
 
 
 def test_smollm2_bf16_batch_is_calibrated_and_passes(run_cli, tmp_path):
@@ -261,3 +261,13 @@ def test_smollm2_bf16_batch_is_calibrated_and_passes(run_cli, tmp_path):
     ratios = [t["calibrated"]["max_ratio"] for lr in rep["layers"] for t in lr["tensors"].values()
               if "calibrated" in t]
     assert ratios and max(ratios) <= 4
+
+
+def test_preset_names_are_policy_aliases_and_stored_as_dtypes(run_cli, tmp_path):
+    base = tmp_path / "b.h5"
+    assert run_cli("record", "reference", "-o", base, "--policy", "bf16").exit_code == 0
+    out = tmp_path / "r.json"
+    res = run_cli("compare", base, "bf16", "--json", out)  # the baseline's declared policy: bfloat16
+    rep = json.loads(out.read_text())
+    assert res.exit_code == 0 and rep["policy"]["name"] == "bfloat16"
+    assert rep["policy"]["sources"]["atol"].endswith("base from baseline trace")

@@ -476,11 +476,11 @@ def test_output_errors_exit_2_before_any_work(run_cli, good, tmp_path, monkeypat
     cases = [(("run", "reference", "sdpa", "--out", "/proc/x"), "--out /proc/x: cannot create the directory"),
              (("run", "reference", "sdpa", "--out", afile), "is a file"),
              (("run", "reference", "sdpa", "--plot", tmp_path / "plot.txt"), "unsupported format '.txt'"),
-             (("run", "reference", "sdpa", "--json", afile / "r.json"), "cannot write the JSON report"),
+             (("run", "reference", "sdpa", "--json", afile / "r.json"), "cannot write --json (the JSON report)"),
              (("run", "reference", "sdpa", "--junit", tmp_path / "no" / "r.xml"), "directory " + str(tmp_path / "no")
               + " does not exist"),
              (("compare", good, good, "--json", tmp_path), "is a directory"),
-             (("compare", good, good, "--junit", "/proc/r.xml"), "cannot write the JUnit report /proc/r.xml"),
+             (("compare", good, good, "--junit", "/proc/r.xml"), "cannot write --junit (the JUnit report) /proc/r.xml"),
              (("record", "reference", "-o", good), "exists; pass --force"),
              (("record", "reference", "-o", afile / "t.h5"), "is not a directory")]
     for args, want in cases:

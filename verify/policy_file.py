@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..engine.errors import ConfigError, PrefillDiffError
 from ..engine.untrusted import read_small_file
-from .tolerance import KINDS, TOL_FIELDS, Policy, default_policy, dtype_policy
+from .tolerance import KINDS, POLICY_ALIASES, TOL_FIELDS, Policy, default_policy, dtype_policy
 
 try:
     import tomllib
@@ -52,8 +52,10 @@ def policy_spec(policy: str | None = None, tolerance_file=None, **fields) -> dic
     fields: atol, rtol, ntol, row_rtol for every kind (None: not given).
     """
     spec = dict(read_policy_file(tolerance_file)) if tolerance_file else {}
+    if isinstance(spec.get("base"), str):
+        spec["base"] = POLICY_ALIASES.get(spec["base"], spec["base"])
     if policy:
-        spec["base"] = policy
+        spec["base"] = POLICY_ALIASES.get(policy, policy)  # a preset name (bf16) is stored as its dtype
     for k, v in fields.items():
         if k not in TOL_FIELDS:
             raise TypeError(k)
