@@ -79,6 +79,8 @@ def test_smollm2_q4_1_all_30_layers_and_both_rank_paris_first(run_cli, tmp_path)
     assert top["reference_text"][0] == " Paris" and top["candidate_text"][0] == " Paris"
     # quantized weights: judged with the int8-class policy, and the trace says why
     assert rep["policy"]["name"] == "int8"
+    # no twin can run llama.cpp's Q8_1 activations: the header says the envelope is uncalibrated
+    assert rep["rule"].startswith("uncalibrated: fixed int8 envelope"), rep["rule"]
     assert rep["candidate"]["quantized_weights_digest"].startswith("sha256:")
     assert rep["reference"]["quantized_weights_digest"] is None
     assert res.exit_code == 0, rep["verdict_line"]

@@ -44,7 +44,10 @@ def precisions(meta: dict) -> dict:
     run = side.get("run") if isinstance(side.get("run"), dict) else {}
     num = run.get("numerical") if isinstance(run.get("numerical"), dict) else {}
     rec = meta.get("record") if isinstance(meta.get("record"), dict) else {}
-    wq = num.get("weight_quant") or eng.get("weight_quant")
+    # a foreign engine names its weights' quantisation in engine.weight_quant (llama.cpp: the GGUF's type, e.g.
+    # Q4_1) while its run config says "none": the trace's own word wins
+    wq = eng.get("weight_quant") or (num.get("weight_quant") if num.get("weight_quant") not in (None, "none")
+                                     else None)
     if not wq:
         wq = "int8" if rec.get("quantized_weights_digest") else "none"
     lay = meta.get("layout") if isinstance(meta.get("layout"), dict) else {}
