@@ -178,9 +178,6 @@ class RunConfig:
 # Precisions: what a calibrated comparison holds apart from the execution path (kernels, batching, reuse,
 # chunking, paging). A twin is the reference's own path at the candidate's precisions; a golden is the
 # reference's path in float64 with nothing quantised.
-PRECISION_KEYS = ("dtype", "weight_quant", "cache_dtype", "int8_scales")
-
-
 def precision_of(run: RunConfig) -> dict:
     """The precisions of a run: activation/weight dtype, weight quantisation, KV-cache dtype (and int8 scales)."""
     cache = run.cache.layout.dtype or run.numerical.dtype

@@ -547,13 +547,8 @@ def test_final_move_refuses_to_replace_with_and_without_hard_links(tmp_path, mon
 # -- signals ---------------------------------------------------------------------------------------------
 
 def test_sigterm_is_handled_like_ctrl_c(tmp_path):
-    from test_trace_format import BIG, _wait_for_partial
-    cfg = tmp_path / "big.toml"
-    cfg.write_text(BIG.format(ids=list(range(1, 200))))
-    target = tmp_path / "t.h5"
-    proc = subprocess.Popen([sys.executable, "-m", "prefill_diff.cli.main", "record", str(cfg), "-o", str(target)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_partial(tmp_path, proc)
+    from test_trace_format import start_big_record
+    proc, target = start_big_record(tmp_path)
     assert list(tmp_path.glob(".t.h5.partial-*")), "the recording never started writing"
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)

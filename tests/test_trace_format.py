@@ -242,13 +242,19 @@ def test_killing_record_never_leaves_an_accepted_trace(tmp_path):
     assert killed_mid_write >= 1
 
 
-def test_ctrl_c_stops_cleanly_and_removes_the_partial_file(tmp_path):
+def start_big_record(tmp_path):
+    """`record` of a large config into tmp_path/t.h5, returned once its partial file exists: (process, target)."""
     cfg = tmp_path / "big.toml"
     cfg.write_text(BIG.format(ids=list(range(1, 200))))
     target = tmp_path / "t.h5"
     proc = subprocess.Popen([sys.executable, "-m", "prefill_diff.cli.main", "record", str(cfg), "-o", str(target)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_partial(tmp_path, proc)
+    return proc, target
+
+
+def test_ctrl_c_stops_cleanly_and_removes_the_partial_file(tmp_path):
+    proc, target = start_big_record(tmp_path)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)

@@ -132,7 +132,7 @@ def _twin_is_cand(ref_prep, cand_prep, cand_prec: dict) -> bool:
             and ref_prep.snapshot is cand_prep.snapshot)
 
 
-def _rule_note(plan: CalibPlan, policy_name: str | None = None) -> str | None:
+def _rule_note(plan: CalibPlan) -> str | None:
     if plan.note:
         return plan.note
     if plan.use and plan.twin_is_cand:
@@ -254,7 +254,7 @@ def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_
         else:
             with open_any(ref_path) as ref, open_any(cand_path) as cand:
                 report = compare_traces(ref, cand, _policy(policy_args, ref, cand), allow_subset=allow_subset,
-                                        rule_note=_rule_note(plan) if plan.use or plan.note else None)
+                                        rule_note=_rule_note(plan))
                 outcome = Outcome(report, ref_path, cand_path, _token_text(ref, cand))
     finally:
         if tmp is not None:
@@ -285,9 +285,8 @@ def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail
     from ..engine.config import Inputs, precision_of
     from ..engine.snapshot import ModelSpec
     with open_any(baseline) as base:
-        samples = base.samples
-        spec = model or ModelSpec(**{k: v for k, v in _spec_of(base).items()})
-        inputs = inputs or Inputs(token_ids=tuple(samples))
+        spec = model or ModelSpec(**_spec_of(base))
+        inputs = inputs or Inputs(token_ids=tuple(base.samples))
         level = level or base.level
         base_prec, declared = precisions(base.meta), base.meta.get("tolerance") is not None
         base_meta_side, base_err = None, None
