@@ -1,7 +1,13 @@
 """Shared options as decorators, so every command spells them the same way."""
 from __future__ import annotations
 
+import functools
+
 import click
+
+from ..engine import budget
+from ..engine.errors import ConfigError
+from ..engine.untrusted import check_int64
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
 
@@ -15,7 +21,6 @@ def _compose(*decorators):
 
 
 def _memory_check(ctx, param, value):
-    from ..engine import budget  # light: no torch
     budget.CHECK["enabled"] = not value
     return value
 
@@ -40,8 +45,6 @@ def tolerance_options(f):
     An element passes when |cand - ref| <= atol + rtol·|ref| + ntol·rms(ref row), or when its whole
     row is within row_rtol relative L2 error.
     """
-    import functools
-
     @functools.wraps(f)
     def collect(*args, policy, atol, rtol, ntol, row_rtol, tolerance_file, **kw):
         return f(*args, tol=dict(policy=policy, atol=atol, rtol=rtol, ntol=ntol, row_rtol=row_rtol,
@@ -67,8 +70,6 @@ def report_options(f):
 
     They reach the command as one ``out`` dict (json, junit, plot, quiet, verbose, layers, strict).
     """
-    import functools
-
     @functools.wraps(f)
     def collect(*args, json_path, junit_path, plot_path, quiet, verbose, layers, strict, **kw):
         return f(*args, out=dict(json=json_path, junit=junit_path, plot=plot_path, quiet=quiet, verbose=verbose,
@@ -110,3 +111,38 @@ def calibration_options(f):
                      help="Compare only the reference samples the candidate has (the report says how many were "
                           "skipped); without it a reference sample with no counterpart is a failure."),
     )(f)
+
+
+def shared_inputs(model, prompts, tokens):
+    """--model/--prompt/--tokens -> (ModelSpec or None, Inputs or None)."""
+    if not (model or prompts or tokens):
+        return None, None  # and no engine import: comparing two trace files never loads torch
+    from ..engine.config import Inputs  # the engine's modules import torch: only when a side will run
+    from ..engine.snapshot import ModelSpec
+    spec = ModelSpec(model) if model else None
+    if prompts and tokens:
+        raise ConfigError("give --prompt or --tokens, not both")
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise ConfigError(f"--prompt number {i + 1} is empty (got {p!r}); give some text")
+    ids = []
+    for t in tokens:
+        parts = t.replace(" ", "").split(",")
+        if parts and parts[-1] == "" and len(parts) > 1:
+            parts = parts[:-1]  # one trailing comma, as in a pasted list
+        row = []
+        for i, x in enumerate(parts):
+            if x == "":
+                if len(parts) == 1:
+                    break
+                raise ConfigError(f"--tokens {t!r}: id {i} is empty (two commas in a row, or a leading comma)")
+            try:
+                v = int(x)
+            except ValueError:
+                raise ConfigError(f"--tokens takes comma-separated integers (got {t!r}; id {i} is {x!r})") from None
+            row.append(check_int64(v, f"--tokens {t!r}: id {i}"))
+        ids.append(tuple(row))
+        if not ids[-1]:
+            raise ConfigError(f"--tokens needs at least one id (got {t!r})")
+    inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else None
+    return spec, inputs

@@ -232,7 +232,8 @@ def calibration_table(report) -> Table:
     return t
 
 
-def final_table(report, token_text: dict | None = None, width: int = 120):
+def final_table(report, width: int = 120):
+    token_text = report.token_text
     logits = report.final.tensor("logits")
     bad = set(logits.bad_samples) if logits is not None else set()
 
@@ -324,7 +325,7 @@ def first_break_panel(report):
     return Panel(Group(*body), title="first break", border_style="red")
 
 
-def report_parts(report, token_text: dict | None = None, width: int = 120, which: str = "auto",
+def report_parts(report, width: int = 120, which: str = "auto",
                  verbose: bool = False, strict: bool = False):
     """The human report as (renderable, unwrapped) pairs; unwrapped lines are printed whatever the width."""
     yield header_text(report), True
@@ -343,7 +344,7 @@ def report_parts(report, token_text: dict | None = None, width: int = 120, which
         spark = sparkline([layer_max(lr) for lr in report.layers])
         yield Text(f"error growth (max abs per layer, log scale): {spark}"), True
     if report.final is not None:
-        yield final_table(report, token_text, width), False
+        yield final_table(report, width), False
     if verbose:
         yield verbose_renderable(report), False
     if report.first_break is not None:
@@ -357,17 +358,15 @@ def report_parts(report, token_text: dict | None = None, width: int = 120, which
     yield verdict_text(report, strict), True
 
 
-def print_report(console, report, token_text: dict | None = None, which: str = "auto", verbose: bool = False,
-                 strict: bool = False) -> None:
+def print_report(console, report, which: str = "auto", verbose: bool = False, strict: bool = False) -> None:
     """The whole human report. The header and the verdict are printed unwrapped, whatever the width."""
-    for part, unwrapped in report_parts(report, token_text, console.width, which, verbose, strict):
+    for part, unwrapped in report_parts(report, console.width, which, verbose, strict):
         console.print(part, soft_wrap=unwrapped)
 
 
-def report_renderable(report, token_text: dict | None = None, width: int = 120, which: str = "auto",
-                      verbose: bool = False):
+def report_renderable(report, width: int = 120, which: str = "auto", verbose: bool = False):
     """The report as one renderable (tests, embedding); commands use print_report, which never wraps lines."""
-    return Group(*(part for part, _ in report_parts(report, token_text, width, which, verbose)))
+    return Group(*(part for part, _ in report_parts(report, width, which, verbose)))
 
 
 # -- ledger ---------------------------------------------------------------------------------------

@@ -111,6 +111,11 @@ def remove_partial_files() -> list:
     return gone
 
 
+def n_completed() -> int:
+    """How many traces this process has finished so far (a start index for ``completed_traces``)."""
+    return len(_COMPLETED)
+
+
 def completed_traces(start: int = 0) -> list:
     """Traces this process finished and moved into place (from the ``start``-th on) that are still there."""
     return [p for p in _COMPLETED[start:] if os.path.exists(p)]

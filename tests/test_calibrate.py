@@ -10,8 +10,8 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.verify.calibrate import CalibAcc, Calibration, rel_row_errors
-from prefill_diff.verify.pipeline import (calibration_sides, prepare_side, record_calibration, record_side,
-                                          run_lockstep, run_pair)
+from prefill_diff.cli.jobs import CalibPlan, record_calibration, run as run_pair, run_lockstep
+from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 from test_verdict import TABLE
@@ -98,8 +98,9 @@ def test_bf16_vs_bf16_with_one_perturbed_projection_fails(tmp_path):
         w.mul_(1.05)  # 5%: large against bf16's own drift (about 1% a layer), invisible to the envelope
     ref = record_side(ref_prep, tmp_path / "r.h5")
     cand = record_side(cand_prep, tmp_path / "c.h5")
-    gold, twin = record_calibration(ref_prep.side, {"dtype": "bfloat16", "weight_quant": "none",
-                                                    "cache_dtype": "bfloat16"}, str(tmp_path), twin_is_ref=True,
+    plan = CalibPlan(True, cand_prec={"dtype": "bfloat16", "weight_quant": "none", "cache_dtype": "bfloat16"},
+                     twin_is_ref=True)
+    gold, twin = record_calibration(ref_prep.side, plan, str(tmp_path / "golden.h5"), str(tmp_path / "twin.h5"),
                                     snapshot=ref_prep.snapshot)
     assert twin is None  # same precisions: the reference is its own twin
     with Trace(ref) as r, Trace(cand) as c, Trace(gold) as g:
@@ -160,8 +161,8 @@ def test_numerics_break_is_check_2(tmp_path):
     ref = record_side(ref_prep, tmp_path / "r.h5")
     cand = record_side(cand_prep, tmp_path / "c.h5")
     prec = {"dtype": "bfloat16", "weight_quant": "none", "cache_dtype": "bfloat16"}
-    gold, twin = record_calibration(ref_prep.side, prec, str(tmp_path), twin_is_ref=False,
-                                    snapshot=ref_prep.snapshot)
+    gold, twin = record_calibration(ref_prep.side, CalibPlan(True, cand_prec=prec), str(tmp_path / "golden.h5"),
+                                    str(tmp_path / "twin.h5"), snapshot=ref_prep.snapshot)
     with h5py.File(twin, "r+") as f:  # what an fp16 overflow leaves behind
         ds = f["layers/002/mlp_update"]
         ds[0, 3, 5] = np.inf

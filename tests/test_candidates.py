@@ -7,7 +7,7 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS
-from prefill_diff.verify.pipeline import prepare_side, record_side
+from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 from prefill_diff.verify.tolerance import Policy, Tolerance, KINDS
 

@@ -11,7 +11,7 @@ import torch
 from conftest import Capture, padded
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.dumps.schema import FORMAT_NAME, FORMAT_VERSION
-from prefill_diff.verify.pipeline import prepare_side, record_side
+from prefill_diff.cli.recording import prepare_side, record_side
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine import parallel
 from prefill_diff.engine.errors import ConfigError
 from prefill_diff.engine.model import MODEL_PRESETS
-from prefill_diff.verify.pipeline import compare_files, prepare_side, record_side
+from prefill_diff.cli.jobs import compare_files
+from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")

@@ -11,7 +11,7 @@ import torch
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS, Inputs
 from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
-from prefill_diff.verify.pipeline import prepare_side, record_side
+from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 from conftest import spawning_presets  # noqa: E402
@@ -445,7 +445,7 @@ def test_fp32_engine_shares_the_snapshot_weights():
 
 
 def test_thirty_layer_run_reports_progress(smol_dir):
-    from prefill_diff.verify.pipeline import run_pair
+    from prefill_diff.cli.jobs import run as run_pair
     seen = {}
 
     def progress(label):

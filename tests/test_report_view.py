@@ -29,7 +29,7 @@ def render(report, width, **kw) -> str:
 
 @pytest.fixture(scope="module")
 def reports():
-    from prefill_diff.verify.pipeline import run_pair
+    from prefill_diff.cli.jobs import run as run_pair
     return {c: run_pair("reference", c).report for c in ("fault:skip-kv", "fault:gqa-mapping", "batched-left")}
 
 
@@ -132,7 +132,7 @@ def test_token_text_is_one_unbreakable_word():
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """A 16-layer synthetic model; the candidate skips a KV write at layer 8."""
-    from prefill_diff.verify.pipeline import run_pair
+    from prefill_diff.cli.jobs import run as run_pair
     d = tmp_path_factory.mktemp("deep")
     (d / "ref.toml").write_text('preset = "reference"\n[model]\nn_layers = 16\n')
     (d / "cand.toml").write_text('preset = "reference"\n[model]\nn_layers = 16\n[fault]\nname = "skip-kv"\nlayer = 8\n')
@@ -300,11 +300,11 @@ def test_compare_of_two_traces_refuses_model_and_prompt(run_cli, traces):
 
 
 def test_errors_found_before_any_model_loads(run_cli, traces, monkeypatch, tmp_path):
-    import prefill_diff.verify.pipeline as pipeline
+    import prefill_diff.cli.recording as recording
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
-    monkeypatch.setattr(pipeline, "prepare_side", no_load)
+    monkeypatch.setattr(recording, "prepare_side", no_load)
     res = run_cli("record", "reference", "-o", traces["full"])
     assert res.exit_code == 2 and "exists; pass --force" in res.output
     res = run_cli("run", "reference", "sdpa", "--model", "smollm2", "--prompt", " ")
@@ -403,7 +403,7 @@ def test_plot_data_keeps_zeros_and_draws_them_below_the_scale(reports):
 def test_bound_floor_is_atol_plus_ntol_times_the_smallest_row_rms(tmp_path):
     """The plot's allowed-error line, checked against an independent computation from the trace."""
     from prefill_diff.dumps.reader import Trace
-    from prefill_diff.verify.pipeline import run_pair
+    from prefill_diff.cli.jobs import run as run_pair
     out = run_pair("reference", "sdpa", out_dir=str(tmp_path))
     rep = out.report
     tol = rep.policy.tol("layer_output", 1)

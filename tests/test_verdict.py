@@ -7,7 +7,8 @@ import os
 import pytest
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.verify.pipeline import prepare_side, record_side, run_lockstep
+from prefill_diff.cli.jobs import run_lockstep
+from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 # SPEC §3: where the report must point, and the §2.11 row the diagnosis must name.

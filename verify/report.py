@@ -165,9 +165,9 @@ def break_line(b: Break, token_text: str | None = None) -> str:
     return " | ".join(parts)
 
 
-def trace_summary(t: Trace) -> dict:
+def trace_summary(t: Trace, kept: bool = True) -> dict:
     m = t.meta
-    return {"file": t.name, "level": t.level, "format_version": t.version,
+    return {"file": t.name if kept else None, "level": t.level, "format_version": t.version,
             "origin": m.get("side", {}).get("origin"), "engine": m.get("engine"),
             "weights_digest": m.get("model", {}).get("weights_digest"),
             "adapter": m.get("model", {}).get("adapter"),
@@ -196,8 +196,9 @@ class Session:
     """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
 
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
-                 allow_subset: bool = False, rule_note: str | None = None):
+                 allow_subset: bool = False, rule_note: str | None = None, kept: tuple = (True, True)):
         self.ref, self.cand = ref, cand
+        self.kept = kept  # (ref, cand): False for a temporary trace, removed after the comparison
         self.cmp = Comparator(ref, cand, policy, calib, allow_subset)
         self.layers: list[LayerResult] = []
         self.first_break = self.cmp.metadata_break()
@@ -235,7 +236,8 @@ class Session:
         from .diagnose import diagnose
         report = Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
                         tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
-                        trace_summary(self.ref), trace_summary(self.cand), tuple(self.cmp.pairs), stopped_early,
+                        trace_summary(self.ref, self.kept[0]), trace_summary(self.cand, self.kept[1]),
+                        tuple(self.cmp.pairs), stopped_early,
                         token_text={**(self.cand.meta.get("token_text") or {}),
                                     **(self.ref.meta.get("token_text") or {})} or None,
                         sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
@@ -267,9 +269,10 @@ def describe_rule(cmp: Comparator) -> str:
 
 
 def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False, calib=None,
-                   allow_subset: bool = False, rule_note: str | None = None) -> Report:
-    """Compare two traces; with fail_fast, stop at the first layer that breaks."""
-    s = Session(ref, cand, policy, calib, allow_subset, rule_note)
+                   allow_subset: bool = False, rule_note: str | None = None, kept: tuple = (True, True)) -> Report:
+    """Compare two traces; with fail_fast, stop at the first layer that breaks. ``kept``: (ref, cand), False
+    for a temporary trace that will be gone when the report is read (its file is reported as None)."""
+    s = Session(ref, cand, policy, calib, allow_subset, rule_note, kept)
     if s.metadata_failed:
         return s.finish()
     for i in range(ref.n_layers):

@@ -14,7 +14,7 @@ import numpy as np
 
 from prefill_diff.engine.config import Inputs
 from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
-from prefill_diff.verify.pipeline import run_pair
+from prefill_diff.cli.jobs import run as run_pair
 
 FULL = dict(overrides=(("dim", 512), ("head_dim", 64), ("hidden_dim", 1408), ("n_heads", 8), ("n_kv_heads", 2),
                        ("n_layers", 8), ("vocab_size", 4096)), lengths=(256, 192, 224), repeats=3)

@@ -53,7 +53,7 @@ def _plain_decode(lib, ctx, ids, n_vocab):
 
 
 def run(smoke: bool = False) -> dict:
-    from prefill_diff.dumps.capture import record
+    from prefill_diff.cli.recording import record
     from prefill_diff.dumps.recorder import Recorder
     from prefill_diff.engine import llamacpp_engine as lce
     from prefill_diff.engine.config import Inputs, load_side

@@ -1,0 +1,394 @@
+"""The jobs of prefill-diff: ``run``, ``record`` and ``compare``, as plain functions.
+
+The CLI parses its options, calls one of these and renders what it returns; a Python program can call them
+the same way (README, "From Python"). Data flows one way: a side is prepared by the engine and recorded into
+a trace (``cli/recording.py``), and two traces are compared by ``verify/``. The tolerance policy is resolved
+here, once, and passed down; whether traces are kept is known before the report is built.
+
+``recording`` imports the engine (and torch); it is imported only when a side runs (``_sides()``), so
+comparing two trace files never loads torch.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Callable
+
+from ..dumps.ranks import is_rank_set, open_any
+from ..dumps.reader import LiveTrace, Trace
+from ..dumps.recorder import Recorder
+from ..engine.errors import ConfigError, PrefillDiffError
+from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, precision_key, precision_label, precisions,
+                                same_precisions, sibling_paths, unit_roundoff)
+from ..verify.policy_file import policy_spec, resolve_policy, spec_sources
+from ..verify.report import Report, Session, compare_traces
+from ..verify.tolerance import TOL_FIELDS, Policy
+
+# label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
+SideProgress = Callable[[str], Callable[[int], None] | None]
+
+
+def _sides():
+    """The recording half of a job (engine, torch), imported when a side runs."""
+    from . import recording
+    return recording
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A job's verdict, and where its traces are kept (None: temporary or in memory, removed)."""
+    report: Report
+    ref_path: str | None = None
+    cand_path: str | None = None
+
+    @property
+    def not_reached(self) -> list[int]:
+        """Layers a run that stopped at its first break never compared (JUnit marks them skipped)."""
+        if not self.report.stopped_early:
+            return []
+        reached = {lr.layer for lr in self.report.layers}
+        return [i for i in range(self.report.n_layers) if i not in reached]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What ``record`` wrote: the trace, and the golden and twin of ``twin_of``."""
+    path: str
+    level: str
+    n_layers: int
+    n_samples: int
+    golden: str | None = None
+    twin: str | None = None
+    twin_label: str | None = None
+
+
+# -- the tolerance: resolved once per comparison ------------------------------------------------------------
+
+def resolve(declared: dict | None, ref: Trace, cand: Trace) -> Policy:
+    """The policy a comparison uses: the flags' (``declared``: the tolerance options as keywords) if they
+    declare one, else the tolerance the reference trace declares, else the defaults of the traces' dtypes."""
+    spec = policy_spec(**declared) if declared else None
+    if spec is not None:
+        return resolve_policy(spec, ref.meta, cand.meta, spec_sources(**declared))
+    base = ref.meta.get("tolerance")
+    return resolve_policy(base, ref.meta, cand.meta,
+                          {k: "baseline trace" for k in ("base", *TOL_FIELDS)} if base else None)
+
+
+def _explicit(declared: dict | None) -> bool:
+    return bool(declared) and policy_spec(**declared) is not None
+
+
+# -- calibration: decide, then record the golden and the twin ----------------------------------------------
+
+@dataclass(frozen=True)
+class CalibPlan:
+    """Whether a comparison is calibrated (verify/calibrate.py); ``note`` says why not, when it matters."""
+    use: bool
+    factor: float = DEFAULT_FACTOR
+    cand_prec: dict | None = None
+    twin_is_ref: bool = False  # same precisions: the reference is its own twin
+    twin_is_cand: bool = False  # the candidate is the reference's own path at its precisions
+    note: str | None = None
+
+    @property
+    def label(self) -> str:
+        return precision_label(self.cand_prec)
+
+    def rule_note(self) -> str | None:
+        """The header's rule when the comparison is not calibrated against a recorded twin."""
+        if self.note or not (self.use and self.twin_is_cand):
+            return self.note
+        return (f"calibrated: the candidate is the reference's own path in {self.label} (its twin), so it adds no "
+                "error beyond its numerics; numerics: candidate vs reference within the fixed envelope")
+
+    def calibration(self, golden: Trace, twin: Trace | None) -> Calibration:
+        return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label)
+
+
+def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None, explicit: bool, level: str,
+                     factor: float = DEFAULT_FACTOR, twin_is_cand: bool = False) -> CalibPlan:
+    """calibrate None: automatic (on when the precisions differ); True: forced; False: off."""
+    if not factor > 0:
+        raise ConfigError(f"--noise-factor must be positive (got {factor})")
+    differ = not same_precisions(ref_prec, cand_prec)
+    if calibrate and explicit:
+        raise ConfigError("--calibrate measures the tolerance; explicit --atol/--rtol/--ntol/--row-rtol/--policy/"
+                          "--tolerance declare it: give one or the other")
+    if not (bool(calibrate) or (calibrate is None and differ and not explicit)):
+        return CalibPlan(False, factor, cand_prec)
+    if level != "full":
+        if calibrate:
+            raise ConfigError(f"a calibrated comparison needs full traces (got --level {level})")
+        return CalibPlan(False, factor, cand_prec, note=f"uncalibrated (--level {level} keeps no full rows)")
+    return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, twin_is_cand=differ and twin_is_cand)
+
+
+def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
+    """`run`: both sides must prefill the same requests; found before either side runs."""
+    if allow_subset:
+        return
+    cand = set(map(tuple, cand_tokens))
+    missing = [i for i, t in enumerate(ref_tokens) if tuple(t) not in cand]
+    if missing:
+        raise ConfigError(f"the two sides prefill different prompts: reference sample{'s' if len(missing) > 1 else ''} "
+                          f"{missing} of {len(ref_tokens)} have no counterpart among the candidate's "
+                          f"{len(cand_tokens)} (a config sets its own [inputs]?); pass --allow-subset to compare "
+                          "the common ones")
+
+
+def record_calibration(ref_side, plan: CalibPlan, golden_path: str, twin_path: str, *, force: bool = False,
+                       progress: SideProgress | None = None, snapshot=None) -> tuple[str, str | None]:
+    """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions."""
+    rec = _sides()
+    sides = rec.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label)
+    golden = rec.record_side(rec.prepare(sides.golden, snapshot), golden_path, "full", force,
+                             progress=_on(progress, "golden (float64)"))
+    if sides.twin is None:
+        return golden, None
+    twin = rec.record_side(rec.prepare(sides.twin, snapshot), twin_path, "full", force,
+                           progress=_on(progress, f"twin ({plan.label})"))
+    return golden, twin
+
+
+def _on(progress: SideProgress | None, label: str):
+    return None if progress is None else progress(label)
+
+
+def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
+    """(golden path, twin path or None) recorded beside REF for the plan's precisions, or None if absent."""
+    golden, twin = sibling_paths(ref_path)
+    twin = None if plan.twin_is_ref else twin.format(key=precision_key(plan.cand_prec))
+    if os.path.isfile(golden) and (twin is None or os.path.isfile(twin)):
+        return golden, twin
+    return None
+
+
+def _judge(ref_path: str, cand_path: str, declared: dict | None, plan: CalibPlan, siblings, *, kept=(True, True),
+           fail_fast: bool = False, allow_subset: bool = False) -> Report:
+    """Open the traces (and the golden and twin of a calibrated plan) and compare them.
+
+    ``kept``: (REF, CAND), False for a temporary trace (the report names no file for it)."""
+    with ExitStack() as stack:
+        ref, cand = stack.enter_context(open_any(ref_path)), stack.enter_context(open_any(cand_path))
+        calib, note = None, plan.rule_note()
+        if plan.use and siblings is not None:
+            golden = stack.enter_context(open_any(siblings[0]))
+            twin = stack.enter_context(open_any(siblings[1])) if siblings[1] else None
+            calib, note = plan.calibration(golden, twin), None
+        return compare_traces(ref, cand, resolve(None if calib else declared, ref, cand), fail_fast=fail_fast,
+                              calib=calib, allow_subset=allow_subset, rule_note=note, kept=kept)
+
+
+# -- the three jobs ----------------------------------------------------------------------------------------
+
+def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = None, level: str = "full",
+        force: bool = False, tolerance: dict | None = None, progress: SideProgress | None = None,
+        calibrate: bool | None = None, factor: float = DEFAULT_FACTOR, allow_subset: bool = False,
+        fail_fast: bool = False) -> Outcome:
+    """Prefill REF and CAND (presets or config files), record both traces, compare them.
+
+    Traces go into ``out_dir`` (kept) or a temporary directory (removed). When the two sides' precisions
+    differ (or ``calibrate`` is True) the reference's path is also recorded in float64 (the golden) and at
+    the candidate's precisions (the twin), and the verdict is calibrated; ``tolerance`` (the tolerance
+    options: policy, tolerance_file, atol, rtol, ntol, row_rtol) declares a fixed rule instead.
+    ``fail_fast`` runs the sides in lockstep in memory and stops at the first break (no trace files).
+    """
+    if fail_fast:
+        if out_dir:
+            raise ConfigError("--fail-fast keeps no traces; drop --out")
+        return run_lockstep(ref, cand, model, inputs, level=level, tolerance=tolerance, calibrate=calibrate,
+                            factor=factor, allow_subset=allow_subset)
+    rec = _sides()
+    ref_prep, cand_prep = rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)
+    check_coverage(ref_prep.tokens, cand_prep.tokens, allow_subset)
+    plan = plan_calibration(rec.precision_of(ref_prep.side.run), rec.precision_of(cand_prep.side.run),
+                            calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor,
+                            twin_is_cand=rec.twin_is_cand(ref_prep, cand_prep))
+    keep = out_dir is not None
+    work = out_dir if keep else tempfile.mkdtemp(prefix="prefill-diff-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        paths = [rec.record_side(p, os.path.join(work, name), level, force, progress=_on(progress, label))
+                 for p, name, label in ((ref_prep, "ref.h5", "reference"), (cand_prep, "cand.h5", "candidate"))]
+        siblings = None
+        if plan.use and not plan.twin_is_cand:
+            siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
+                                          os.path.join(work, "twin.h5"), force=force, progress=progress,
+                                          snapshot=ref_prep.snapshot)
+        report = _judge(*paths, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return Outcome(report, *(paths if keep else (None, None)))
+
+
+def record(config: str, output: str, model=None, inputs=None, *, level: str = "full", compression=None,
+           force: bool = False, tolerance: dict | None = None, twin_of: str | None = None,
+           progress: SideProgress | None = None) -> Recorded:
+    """Prefill CONFIG and write its trace to OUTPUT (a tensor-parallel side: a directory of rank traces).
+
+    ``tolerance`` is stored in the trace (a baseline declares how it is compared). ``twin_of`` (a preset or
+    config) also records the float64 golden and the twin at its precisions beside OUTPUT.
+    """
+    spec = policy_spec(**tolerance) if tolerance else None
+    if spec:
+        resolve_policy(spec)  # refuse a bad declaration before the model loads
+    if twin_of is not None and level != "full":
+        raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
+    rec = _sides()
+    prep = rec.prepare_side(config, model, inputs)
+    path = rec.record_side(prep, output, level, force, compression, progress=_on(progress, "recording"),
+                           tolerance=spec)
+    done = Recorded(str(path), level, prep.snapshot.args.n_layers, len(prep.tokens))
+    if twin_of is None:
+        return done
+    prec = rec.precisions_of(twin_of, model, inputs)
+    plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, rec.precision_of(prep.side.run)))
+    golden, twin = sibling_paths(str(output))
+    got = record_calibration(prep.side, plan, golden, twin.format(key=precision_key(prec)), force=force,
+                             snapshot=prep.snapshot)
+    return Recorded(done.path, level, done.n_layers, done.n_samples, got[0], got[1], plan.label)
+
+
+def is_trace(path: str) -> bool:
+    """A trace file or a directory of rank traces (not a preset name or a config file)."""
+    return (os.path.isfile(path) and not path.endswith(".toml")) or is_rank_set(path)
+
+
+def compare(baseline: str, candidate: str, model=None, inputs=None, *, tolerance: dict | None = None,
+            fail_fast: bool = False, level: str | None = None, calibrate: bool | None = None,
+            factor: float = DEFAULT_FACTOR, allow_subset: bool = False) -> Outcome:
+    """BASELINE (a trace) against CANDIDATE: a trace, or a preset/config recorded now with the baseline's
+    model and prompts (unless ``model``/``inputs`` are given). A golden and twin recorded beside BASELINE
+    (`record --twin-of`) make the verdict calibrated; for a candidate recorded now they are recorded too."""
+    if is_trace(candidate):
+        return compare_files(baseline, candidate, tolerance, fail_fast=fail_fast, calibrate=calibrate,
+                             factor=factor, allow_subset=allow_subset)
+    return _compare_recorded(baseline, candidate, model, inputs, tolerance=tolerance, fail_fast=fail_fast,
+                             level=level, calibrate=calibrate, factor=factor, allow_subset=allow_subset)
+
+
+def compare_files(ref_path, cand_path, tolerance: dict | None = None, *, fail_fast: bool = False,
+                  calibrate: bool | None = None, factor: float = DEFAULT_FACTOR,
+                  allow_subset: bool = False) -> Outcome:
+    """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
+    with open_any(ref_path) as ref, open_any(cand_path) as cand:
+        levels = {ref.level, cand.level}
+        cand_prec, declared = precisions(cand.meta), ref.meta.get("tolerance") is not None
+        plan = plan_calibration(precisions(ref.meta), cand_prec, calibrate=calibrate, explicit=_explicit(tolerance),
+                                level="full" if levels == {"full"} else (levels - {"full"}).pop(), factor=factor)
+    if calibrate is None and declared:
+        plan = CalibPlan(False, factor, cand_prec)  # the baseline declares its tolerance
+    siblings = _siblings(str(ref_path), plan) if plan.use else None
+    if plan.use and siblings is None:
+        if calibrate:
+            g, t = sibling_paths(str(ref_path))
+            raise ConfigError(f"--calibrate needs the golden and twin recorded beside {ref_path} "
+                              f"({g}, {t.format(key=precision_key(cand_prec))}): record them with "
+                              "`prefill-diff record CONFIG -o REF.h5 --twin-of PRECISION`")
+        plan = CalibPlan(False, factor, cand_prec)
+    report = _judge(str(ref_path), str(cand_path), tolerance, plan, siblings, fail_fast=fail_fast,
+                    allow_subset=allow_subset)
+    return Outcome(report, str(ref_path), str(cand_path))
+
+
+def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance, fail_fast, level, calibrate,
+                      factor, allow_subset) -> Outcome:
+    """``compare BASELINE PRESET``: record the candidate (and, calibrated, the baseline's golden and twin)
+    into a temporary directory, with the baseline's model and prompts, and compare."""
+    rec = _sides()
+    with open_any(baseline) as base:
+        side, why_not = None, None
+        try:  # the baseline's own side, to record its golden and twin from
+            side = rec.baseline_side(base.meta, base.name, base.samples, model, inputs)
+        except PrefillDiffError as e:  # an old or foreign baseline without a usable run record: no twin
+            why_not = str(e)
+        spec = model or rec.baseline_spec(base.meta)
+        ins = inputs or rec.Inputs(token_ids=tuple(base.samples))
+        level, base_prec = level or base.level, precisions(base.meta)
+        declared = base.meta.get("tolerance") is not None
+    prep = rec.prepare_side(candidate, spec, ins)
+    # the baseline's declared tolerance wins unless --calibrate asks otherwise
+    plan = plan_calibration(base_prec, rec.precision_of(prep.side.run), explicit=_explicit(tolerance), level=level,
+                            calibrate=False if calibrate is None and declared else calibrate, factor=factor)
+    if plan.use and side is None:
+        if calibrate:
+            raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
+        plan = CalibPlan(False, factor, plan.cand_prec)
+    tmp = tempfile.mkdtemp(prefix="prefill-diff-")
+    try:
+        path = rec.record_side(prep, os.path.join(tmp, "cand.h5"), level)
+        siblings = _siblings(baseline, plan) if plan.use else None
+        if plan.use and siblings is None:
+            siblings = record_calibration(side, plan, os.path.join(tmp, "golden.h5"), os.path.join(tmp, "twin.h5"),
+                                          snapshot=prep.snapshot if prep.side.model == spec else None)
+        report = _judge(baseline, path, tolerance, plan, siblings, kept=(True, False), fail_fast=fail_fast,
+                        allow_subset=allow_subset)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Outcome(report, baseline, None)
+
+
+def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "full",
+                 tolerance: dict | None = None, calibrate: bool | None = None, factor: float = DEFAULT_FACTOR,
+                 allow_subset: bool = False) -> Outcome:
+    """run --fail-fast: both sides advance one layer at a time into in-memory traces; stop at the first break.
+
+    Nothing is written to disk, and the work after the breaking layer is never done. A calibrated comparison
+    runs its golden and twin in the same lockstep.
+    """
+    rec = _sides()
+    preps = [rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)]
+    if any(p.side.run.tp > 1 for p in preps):
+        raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
+                          "(tp > 1) runs in its own processes: drop --fail-fast")
+    check_coverage(preps[0].tokens, preps[1].tokens, allow_subset)
+    plan = plan_calibration(rec.precision_of(preps[0].side.run), rec.precision_of(preps[1].side.run),
+                            calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor,
+                            twin_is_cand=rec.twin_is_cand(*preps))
+    names = [f"{ref} (in memory)", f"{cand} (in memory)"]
+    calibrated = plan.use and not plan.twin_is_cand
+    if calibrated:
+        sides = rec.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label)
+        for side in (sides.golden, sides.twin):
+            if side is not None:
+                preps.append(rec.prepare(side, preps[0].snapshot))
+                names.append(f"{side.origin} (in memory)")
+    recs = [Recorder(None, level) for _ in preps]
+    gens = [rec.capture(p, r) for p, r in zip(preps, recs)]
+    try:
+        return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset))
+    finally:
+        for g in gens:
+            g.close()
+        for r in recs:
+            r.abort()
+
+
+def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, tolerance, allow_subset) -> Report:
+    """Advance every side one layer, compare that layer; stop at the first break."""
+    for g in gens:
+        next(g)
+    traces = [LiveTrace(r, n) for r, n in zip(recs, names)]
+    calib = plan.calibration(traces[2], traces[3] if len(traces) > 3 else None) if calibrated else None
+    policy = resolve(None if calib else tolerance, *traces[:2])
+    session = Session(traces[0], traces[1], policy, calib, allow_subset, None if calib else plan.rule_note())
+    if session.metadata_failed:
+        return session.finish(stopped_early=True)
+    n_layers = traces[0].n_layers
+    for layer in range(n_layers):
+        if layer:
+            for g in gens:
+                next(g)
+        if session.add_layer(layer).first_break is not None and layer < n_layers - 1:
+            return session.finish(stopped_early=True)
+    for g in gens:
+        for _ in g:
+            raise RuntimeError("a side yielded more layers than its model has")
+    for t in traces:
+        t.refresh()
+    return session.finish()
