@@ -1,0 +1,156 @@
+"""The package layering, enforced: data flows engine -> dumps -> verify -> cli, and nothing imports to its right.
+
+Run as a script (`python tests/test_layering.py`) it prints the package graph and the line counts per package.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ORDER = ("engine", "dumps", "verify", "cli")  # the data flow; a package may import only from its left
+LEAF = "engine.errors"  # the shared error classes: the one engine module dumps and verify may import
+THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf")  # never imported by dumps or verify
+
+
+def modules() -> dict[str, Path]:
+    """'engine.model' -> its file, for every module of the four packages."""
+    out = {}
+    for pkg in ORDER:
+        for f in sorted((ROOT / pkg).glob("*.py")):
+            out[f"{pkg}.{f.stem}" if f.stem != "__init__" else pkg] = f
+    return out
+
+
+def _resolve(mod: str, node: ast.ImportFrom) -> list[str]:
+    """The project modules an ``from ... import ...`` names (relative, or absolute under prefill_diff)."""
+    if node.level:
+        base = mod.split(".")[: (len(mod.split(".")) - node.level) if mod not in ORDER else 1 - node.level]
+        if mod in ORDER:  # a package's __init__: level 1 is the package itself
+            base = [mod] if node.level == 1 else []
+        target = ".".join(base + ([node.module] if node.module else []))
+    elif node.module and node.module.startswith("prefill_diff."):
+        target = node.module[len("prefill_diff."):]
+    else:
+        return []
+    names = [f"{target}.{a.name}" for a in node.names] if target in ORDER else []
+    return names or [target]
+
+
+def imports() -> dict[str, dict[str, int]]:
+    """module -> {imported project module or third-party top name: line}, every import in the file (module
+    level and inside functions alike)."""
+    mods = modules()
+    graph = defaultdict(dict)
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                found = _resolve(mod, node) if (node.level or (node.module or "").startswith("prefill_diff")) \
+                    else [node.module.split(".")[0]] if node.module else []
+            elif isinstance(node, ast.Import):
+                found = [a.name[len("prefill_diff."):] if a.name.startswith("prefill_diff.") else a.name.split(".")[0]
+                         for a in node.names]
+            else:
+                continue
+            for target in found:
+                if target in mods or target.split(".")[0] not in ORDER:
+                    graph[mod].setdefault(target, node.lineno)
+                elif target.rsplit(".", 1)[0] in mods:  # `from .x import name`: the module x
+                    graph[mod].setdefault(target.rsplit(".", 1)[0], node.lineno)
+    return graph
+
+
+def project_edges() -> dict[str, dict[str, int]]:
+    mods = modules()
+    return {m: {t: ln for t, ln in deps.items() if t in mods and t != m} for m, deps in imports().items()}
+
+
+def test_the_parser_sees_the_imports_it_must_judge():
+    """The checks below are only as good as this: known edges of the code must be found."""
+    edges = project_edges()
+    assert "engine.errors" in edges["dumps.reader"]
+    assert "dumps.reader" in edges["verify.report"] or any(m.startswith("dumps.") for m in edges["verify.report"])
+    assert "cli.jobs" in edges["cli.main"]
+    assert "torch" in imports()["engine.model"]
+
+
+def test_nothing_imports_from_a_package_to_its_right():
+    bad = [f"{m} (line {ln}) imports {t}" for m, deps in project_edges().items() for t, ln in deps.items()
+           if ORDER.index(t.split(".")[0]) > ORDER.index(m.split(".")[0])]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("pkg", ["dumps", "verify"])
+def test_dumps_and_verify_import_neither_torch_nor_the_engine(pkg):
+    bad = [f"{m} (line {ln}) imports {t}" for m, deps in imports().items() if m.split(".")[0] == pkg
+           for t, ln in deps.items() if t in THIRD_PARTY_HEAVY or (t.startswith("engine") and t != LEAF)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_shared_leaf_imports_nothing_of_ours():
+    assert not project_edges().get(LEAF), project_edges().get(LEAF)
+
+
+def _cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges.get(m, ())):
+            if state.get(t) == 1:
+                return stack[stack.index(t):] + [t]
+            if t not in state and (found := visit(t)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return None
+    for m in sorted(edges):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    cycle = _cycle(project_edges())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b": 1}, "b": {}}) is None
+
+
+def test_importing_dumps_and_verify_loads_no_torch():
+    """The same rule, at run time: what the modules import transitively."""
+    mods = [m for m in modules() if m.split(".")[0] in ("dumps", "verify")]
+    code = "import sys\n" + "".join(f"import prefill_diff.{m}\n" for m in mods) + \
+        "print(sorted(m for m in ('torch', 'transformers', 'llama_cpp') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def package_graph() -> dict[tuple[str, str], int]:
+    """(from package, to package) -> number of module-level edges between them."""
+    count = defaultdict(int)
+    for m, deps in project_edges().items():
+        for t in deps:
+            a, b = m.split(".")[0], t.split(".")[0]
+            if a != b:
+                count[(a, b)] += 1
+    return dict(count)
+
+
+if __name__ == "__main__":
+    for (a, b), n in sorted(package_graph().items(), key=lambda x: (ORDER.index(x[0][0]), ORDER.index(x[0][1]))):
+        print(f"{a:>7} -> {b:<7} {n} imports")
+    for pkg in ORDER:
+        files = sorted((ROOT / pkg).glob("*.py"))
+        lines = sum(len(f.read_text(encoding="utf-8").splitlines()) for f in files)
+        print(f"{pkg:>7}: {len(files)} files, {lines} lines")
