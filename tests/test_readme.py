@@ -55,3 +55,14 @@ def test_readme_console_examples_are_what_the_tool_prints():
                              capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"})
         got = "\n".join(l.rstrip() for l in out.stdout.splitlines())
         assert got == want.rstrip("\n"), cmd
+
+
+def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
+    """The "From Python" block is real code: it runs, and its assertion holds."""
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## From Python\n(.*?)(?=^## )", text, re.M | re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (From Python)", "exec"), {})
+    assert (tmp_path / "ref.h5").exists() and (tmp_path / "traces" / "cand.h5").exists()
+    assert "PASSED" in capsys.readouterr().out
