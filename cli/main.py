@@ -109,7 +109,7 @@ def _shared(model, prompts, tokens):
         return None, None  # and no engine import: comparing two trace files never loads torch
     from ..engine.config import Inputs
     from ..engine.errors import ConfigError
-    from ..engine.snapshot import ModelSpec
+    from ..engine.spec import ModelSpec
     spec = ModelSpec(model) if model else None
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")
@@ -493,7 +493,7 @@ def ledger(config, model, prompts, tokens):
     from ..engine.config import Inputs, load_side
     from ..engine.ledger import ledger as build
     from ..engine.runner import default_token_ids, prepare
-    from ..engine.snapshot import ModelSpec
+    from ..engine.spec import ModelSpec
     from .render import ledger_renderable
     spec, inputs = _shared(model, prompts, tokens)
     if config is None:

@@ -46,7 +46,7 @@ from .cache import CacheLayout
 from .errors import ConfigError, PrefillDiffError
 from .untrusted import check_int64, check_prompt_text, read_small_file
 from .prefill import CacheConfig, NumericalConfig
-from .snapshot import ModelSpec
+from .spec import ModelSpec
 
 try:
     import tomllib

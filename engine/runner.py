@@ -22,7 +22,9 @@ from .config import Inputs, RunConfig, Side
 from .errors import ConfigError, PreconditionError
 from .prefill import Engine, Faults, NumericalConfig
 from .reuse import PrefixCache
-from .snapshot import Snapshot, load_snapshot, seeded_adapter
+from .adapters import seeded_adapter
+from .snapshot import Snapshot
+from .sources import load_snapshot
 
 DEFAULT_TEXT_PROMPTS = ("The capital of France is", "Hello, my name is", "In 1969, the first man on the moon was")
 DEFAULT_LENGTHS = (12, 5, 9)

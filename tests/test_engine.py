@@ -10,7 +10,10 @@ from conftest import Capture, padded
 from prefill_diff.engine.errors import MaskError, PreconditionError
 from prefill_diff.engine.model import MODEL_PRESETS
 from prefill_diff.engine.prefill import CacheConfig, Engine, Faults, NumericalConfig, prefill
-from prefill_diff.engine.snapshot import ModelSpec, Snapshot, load_snapshot, synthetic_state
+from prefill_diff.engine.snapshot import Snapshot
+from prefill_diff.engine.sources import load_snapshot
+from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.synthetic import synthetic_state
 
 
 def naive_prefill(state, args, tokens, positions):

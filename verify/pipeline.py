@@ -268,7 +268,7 @@ def run_pair(ref_source: str, cand_source: str, model=None, inputs=None, *, out_
 def baseline_side(base: Trace, model=None, inputs=None):
     """The baseline's own side (model, prompts, run config), to record its golden and twin from."""
     from ..engine.config import Inputs, Side, run_from_dict
-    from ..engine.snapshot import ModelSpec
+    from ..engine.spec import ModelSpec
     spec = model or ModelSpec(**_spec_of(base))
     ins = inputs or Inputs(token_ids=tuple(base.samples))
     run = run_from_dict((base.meta.get("side") or {}).get("run"), f"{base.name}: recorded run configuration")
@@ -283,7 +283,7 @@ def compare_with(baseline: str, candidate: str, model=None, inputs=None, *, fail
         return compare_files(baseline, candidate, policy_args, fail_fast, calibrate=calibrate, factor=factor,
                              allow_subset=allow_subset)
     from ..engine.config import Inputs, precision_of
-    from ..engine.snapshot import ModelSpec
+    from ..engine.spec import ModelSpec
     with open_any(baseline) as base:
         spec = model or ModelSpec(**_spec_of(base))
         inputs = inputs or Inputs(token_ids=tuple(base.samples))
