@@ -115,7 +115,8 @@ def _rank_worker(rank, world, port, started, side, tmp, level, compression, extr
     """One rank: join the group, prepare the side (its shard of the model), record rank{rank}.h5."""
     from ..engine import parallel
     from ..engine.runner import prepare
-    from .capture import capture, trace_meta
+    from ..engine.engines import trace_meta
+    from .capture import capture
     try:
         ctx = parallel.init_group(rank, world, port, None if side.run.fault is None else side.run.fault.name,
                                   started)

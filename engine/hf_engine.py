@@ -17,7 +17,7 @@ import torch
 from .cache import torch_dtype
 from .errors import ConfigError, ModelLoadError
 from .hub import hf_state_dict
-from .runner import Placement
+from .calls import Placement
 
 
 def _check_supported(run) -> None:

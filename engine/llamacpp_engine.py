@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, ModelLoadError, PrefillDiffError
-from .runner import Placement
+from .calls import Placement
+from .coords import SeqRun
 
 PINNED = "0.3.36"  # the ggml_tensor layout below is this version's; it is checked at run time as well
 INSTALL = "pip install 'prefill-diff[llamacpp]' (builds llama.cpp from source: 6-11 minutes on 2 cores)"
@@ -525,12 +526,12 @@ class CallCells:
                else torch.arange(ids.shape[0])[:, None].expand_as(ids)).clone()
         self.valid, self.seq = valid, torch.where(valid, seq, torch.full_like(ids, -1))
         self.tok = torch.full_like(ids, -1)
-        self.runs = []  # (row, seq, first column, end column), in stream order
+        self.runs: list[SeqRun] = []  # in stream order
         for s in range(len(call.samples)):
             cells = (self.seq == s).nonzero()
             r, c0, c1 = int(cells[0, 0]), int(cells[0, 1]), int(cells[-1, 1]) + 1
             self.tok[r, c0:c1] = torch.arange(c1 - c0)
-            self.runs.append((r, s, c0, c1))
+            self.runs.append(SeqRun(row=r, seq=s, c0=c0, c1=c1))
         self.shape, self.n = tuple(ids.shape), sum(c1 - c0 for _, _, c0, c1 in self.runs)
 
     def sequences(self, call) -> list:

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import budget, contract
+from .adapters import seeded_adapter
+from .attention import standard_head_map
 from .cache import PrefixKV
+from .calls import Call, Placement, plan_calls
 from .config import Inputs, RunConfig, Side
 from .errors import ConfigError, PreconditionError
-from .prefill import Engine, Faults, NumericalConfig
+from .faults import Faults, SkippedKV
+from .prefill import Engine
 from .reuse import PrefixCache
-from .adapters import seeded_adapter
 from .snapshot import Snapshot
 from .sources import load_snapshot
 
@@ -84,87 +87,6 @@ def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | N
     return ids, tuple(prompts)
 
 
-class Placement:
-    """Maps one call's (row, column) and sequences onto trace (sample, column)."""
-
-    def __init__(self, recorder, runs, sample_of_seq):
-        self.recorder = recorder
-        self.runs = runs  # (row, first column, end column, sample, trace column of the first)
-        self.sample_of_seq = sample_of_seq
-
-    def inputs(self, ids, valid, positions, tok, seq):
-        for r, c0, c1, s, t0 in self.runs:
-            self.recorder.inputs(s, t0, ids[r, c0:c1], valid[r, c0:c1], positions[r, c0:c1], tok[r, c0:c1])
-
-    def state(self, layer, name, x, col_start):
-        width = x.shape[1]
-        for r, c0, c1, s, t0 in self.runs:
-            a, b = max(c0, col_start), min(c1, col_start + width)
-            if a < b:
-                self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
-
-    def cache(self, layer, seq, keys, values, positions):
-        self.recorder.cache(layer, self.sample_of_seq[seq], keys, values, positions)
-
-    def final(self, seq, h, logits, cell, tok):
-        r, c = cell
-        for rr, c0, c1, s, t0 in self.runs:
-            if rr == r and s == self.sample_of_seq[seq]:
-                c = t0 + c - c0
-        self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
-
-
-@dataclass
-class Call:
-    ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    segments: torch.Tensor | None
-    history: dict
-    samples: list  # trace sample of each sequence
-    runs: list
-    faults: Faults = Faults()
-
-
-def _rect(rows, positions, samples, side: str, pad_id: int, history=None):
-    """A padded rectangle of the given rows; side 'left' or 'right'."""
-    n = max(len(r) for r in rows)
-    B = len(rows)
-    ids = torch.full((B, n), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, n), dtype=torch.long)
-    pos = torch.zeros((B, n), dtype=torch.long)
-    for b, (row, p) in enumerate(zip(rows, positions)):
-        c0 = n - len(row) if side == "left" else 0
-        ids[b, c0:c0 + len(row)] = torch.tensor(row)
-        mask[b, c0:c0 + len(row)] = 1
-        pos[b, c0:c0 + len(row)] = torch.tensor(p)
-    runs = [(b, 0, n, samples[b], 0) for b in range(B)]
-    return Call(ids, mask, pos, None, history or {}, list(samples), runs)
-
-
-def _packed(rows, positions, samples, history=None):
-    ids = torch.tensor([[t for r in rows for t in r]])
-    pos = torch.tensor([[p for ps in positions for p in ps]])
-    seg = torch.tensor([[i for i, r in enumerate(rows) for _ in r]])
-    runs, at = [], 0
-    for i, r in enumerate(rows):  # cu_seqlens = cumulative lengths
-        runs.append((0, at, at + len(r), samples[i], 0))
-        at += len(r)
-    return Call(ids, torch.ones_like(ids), pos, seg, history or {}, list(samples), runs)
-
-
-def plan_calls(rows, positions, samples, batching: str, pad_id: int, history_of=None) -> list[Call]:
-    """Split the samples into prefill calls for one batching mode."""
-    history_of = history_of or {}
-    if batching == "unbatched":
-        return [_rect([r], [p], [s], "right", pad_id, {0: history_of[s]} if s in history_of else None)
-                for r, p, s in zip(rows, positions, samples)]
-    hist = {i: history_of[s] for i, s in enumerate(samples) if s in history_of}
-    if batching == "packed":
-        return [_packed(rows, positions, samples, hist)]
-    return [_rect(rows, positions, samples, batching, pad_id, hist)]
-
-
 def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
     """Why this fault cannot show on this model and these inputs (None if it can)."""
     if run.fault is None:
@@ -187,13 +109,14 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
     return None
 
 
-def _faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults:
+def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults:
+    """The execution faults of one call for the run's [fault] (contract §2.11)."""
     f = run.fault
     if f is None:
         return Faults()
     args = snapshot.args
     if f.name == "gqa-mapping":
-        hm = [h * args.n_kv_heads // args.n_heads for h in range(args.n_heads)]
+        hm = standard_head_map(args.n_heads, args.n_kv_heads)
         hm[0] = (hm[0] + 1) % args.n_kv_heads
         return Faults(head_map=tuple(hm))
     if f.name == "skip-kv":
@@ -205,7 +128,7 @@ def _faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Fault
         if f.sample not in call.samples:
             return Faults()
         tok = f.token % len(tokens[f.sample])
-        return Faults(skip_kv=(layer, call.samples.index(f.sample), tok))
+        return Faults(skip_kv=SkippedKV(layer=layer, seq=call.samples.index(f.sample), token=tok))
     return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
                   last_column=f.name == "last-column")
 
@@ -298,7 +221,7 @@ class Prepared:
 
     @property
     def n_cols(self) -> int:
-        return max(t0 + c1 - c0 for call in self.calls for _, c0, c1, _, t0 in call.runs)
+        return max(run.t0 + run.c1 - run.c0 for call in self.calls for run in call.runs)
 
 
 def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
@@ -340,9 +263,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
             load_library()
         return prep
     check_request(tokens, positions, snapshot)
-    engine = Engine(snapshot, run.numerical, tp=tp)
-    contract.check_vocab(engine.model, snapshot.args.tokenizer_vocab_size)
-    contract.check_inference_mode(engine.model, run.numerical.dropout_seed)
+    engine = Engine(snapshot, run.numerical, tp=tp)  # checks §2.1(4) and (5) on the built model
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
     rows, pos, history = [list(t) for t in tokens], positions, {}
@@ -356,7 +277,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
             pos[s] = list(range(len(rows[s]))) if restart else pos[s][k:]
     prep.calls = plan_calls(rows, pos, list(range(len(tokens))), run.batching, pad, history)
     for call in prep.calls:
-        call.faults = _faults_for(run, snapshot, call, tokens)
+        call.faults = faults_for(run, snapshot, call, tokens)
     return prep
 
 
