@@ -120,7 +120,7 @@ def load_gguf(path: str, source: str) -> Snapshot:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{source}: no such GGUF file {path!r}")
     try:
-        import gguf
+        import gguf  # optional: imported when a GGUF file is loaded
         from gguf.quants import dequantize
     except ImportError:
         raise ModelLoadError("GGUF models need the gguf package: pip install 'prefill-diff[hf]'") from None

@@ -22,6 +22,7 @@ import torch
 from . import contract
 from .attention import AttentionMask, get_kernel, standard_head_map, KERNELS
 from .cache import CacheLayout, KVCache, check_invariants, torch_dtype
+from .compiled import compile_layers
 from .coords import CacheWrite, Cell, SeqRun
 from .errors import CacheInvariantError, ConfigError
 from .faults import Faults, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
@@ -208,7 +209,6 @@ class Engine:
             tp.shard(self.model)
             self.args = tp.local_args(self.args)  # this rank's heads and MLP rows
         if numerical.compile:
-            from .compiled import compile_layers  # defers torch._dynamo/inductor to runs that compile
             compile_layers(self.model)
         self.dtype = torch_dtype(numerical.dtype)
         self.inv_freq = rope_inv_freq(self.args, torch.float64 if self.dtype == torch.float64 else torch.float32)

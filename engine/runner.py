@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import budget, contract
+from . import budget, contract, llamacpp_engine, parallel
 from .adapters import seeded_adapter
 from .attention import standard_head_map
 from .cache import PrefixKV
 from .calls import Call, Placement, plan_calls
+from .compiled import warm_up
 from .config import Inputs, RunConfig, Side
 from .errors import ConfigError, PreconditionError
 from .faults import Faults, SkippedKV
@@ -237,11 +238,31 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     torch.use_deterministic_algorithms(run.numerical.deterministic, warn_only=True)
     budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
     positions = sample_positions(side.inputs, tokens)
-    pad = side.inputs.pad_id
-    if pad is None:
-        tok = snapshot.tokenizer
-        pad = tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
-    from . import parallel
+    pad = _pad_id(side.inputs, snapshot)
+    tp = _tp_rank(run, snapshot)
+    check_request(tokens, positions, snapshot)  # §2.1 (1)-(3), once, on the request whatever the engine
+    rows, samples = [list(t) for t in tokens], list(range(len(tokens)))
+    if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank prepares
+        prep.calls = plan_calls(rows, positions, samples, run.batching, pad)
+    elif run.engine in ("transformers", "llama.cpp"):  # a foreign engine runs these calls
+        prep.calls = plan_calls(rows, positions, samples, run.batching, pad)
+        if run.engine == "llama.cpp":  # refuse what it cannot run before either side does any work
+            llamacpp_engine.check_supported(prep)
+            llamacpp_engine.load_library()
+    else:
+        _plan_native(prep, tp, positions, pad)
+    return prep
+
+
+def _pad_id(inputs: Inputs, snapshot: Snapshot) -> int:
+    if inputs.pad_id is not None:
+        return inputs.pad_id
+    tok = snapshot.tokenizer
+    return tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
+
+
+def _tp_rank(run: RunConfig, snapshot: Snapshot):
+    """This process's tensor-parallel context (None when it is not a rank), after checking the run's tp."""
     parallel.check_tp(run.tp, snapshot.args, engine=run.engine, source=snapshot.source, adapter=snapshot.adapter,
                       weight_quant=run.numerical.weight_quant, fault=None if run.fault is None else run.fault.name)
     tp = parallel.current() if run.tp > 1 else None
@@ -250,25 +271,18 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
                           "shard an eager model)")
     if tp is not None and tp.world != run.tp:
         raise ConfigError(f"this process is rank {tp.rank} of {tp.world}, but the run asks for tp={run.tp}")
-    if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank prepares
-        check_request(tokens, positions, snapshot)
-        prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
-        return prep
-    if run.engine in ("transformers", "llama.cpp"):  # a foreign engine runs these calls (hf_engine, llamacpp_engine)
-        check_request(tokens, positions, snapshot)
-        prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
-        if run.engine == "llama.cpp":  # refuse what it cannot run before either side does any work
-            from .llamacpp_engine import check_supported, load_library
-            check_supported(prep)
-            load_library()
-        return prep
-    check_request(tokens, positions, snapshot)
+    return tp
+
+
+def _plan_native(prep: Prepared, tp, positions, pad: int) -> None:
+    """Our engine: build it, serve any reused prefixes, plan the calls and their faults."""
+    run, snapshot, tokens = prep.side.run, prep.snapshot, prep.tokens
     engine = Engine(snapshot, run.numerical, tp=tp)  # checks §2.1(4) and (5) on the built model
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
     rows, pos, history = [list(t) for t in tokens], positions, {}
     if run.reuse is not None:
-        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, side.inputs.segments)
+        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, prep.side.inputs.segments)
         prep.record["reuse"] = outcomes
         restart = run.fault is not None and run.fault.name == "position-restart"
         for s, kv in history.items():
@@ -278,14 +292,12 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     prep.calls = plan_calls(rows, pos, list(range(len(tokens))), run.batching, pad, history)
     for call in prep.calls:
         call.faults = faults_for(run, snapshot, call, tokens)
-    return prep
 
 
 def execute(prep: Prepared, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
     if run.numerical.compile:  # compile every shape the calls will see, timed apart from the recorded run
-        from .compiled import warm_up
         prep.record["timing"] = {"compile_s": warm_up(prep)}
     t0 = time.perf_counter()
     gens = [prep.engine.steps(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,
