@@ -235,7 +235,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     note = fault_note(run, snapshot, tokens)
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": note},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
-    torch.use_deterministic_algorithms(run.numerical.deterministic, warn_only=True)
+    set_deterministic(run.numerical.deterministic, compiling=run.numerical.compile)
     budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
     positions = sample_positions(side.inputs, tokens)
     pad = _pad_id(side.inputs, snapshot)
@@ -252,6 +252,18 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     else:
         _plan_native(prep, tp, positions, pad)
     return prep
+
+
+def set_deterministic(mode: bool, compiling: bool) -> None:
+    """ATen's deterministic-algorithms flag (warnings, not errors, where an op has no deterministic kernel).
+
+    torch.use_deterministic_algorithms also sets inductor's flag, importing torch._inductor and
+    torch._dynamo (seconds of start-up on a busy machine, issue 18): only runs that compile need it.
+    """
+    if compiling:
+        torch.use_deterministic_algorithms(mode, warn_only=True)
+    else:
+        torch.set_deterministic_debug_mode("warn" if mode else "default")
 
 
 def _pad_id(inputs: Inputs, snapshot: Snapshot) -> int:

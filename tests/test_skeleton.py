@@ -50,9 +50,22 @@ def test_built_model_runs_the_snapshot_weights():
         assert torch.equal(t, state[name]), name
 
 
-def test_a_synthetic_run_does_not_import_dynamo():
-    code = ("import sys\nfrom prefill_diff.engine.sources import load_snapshot\nfrom prefill_diff.engine.spec import "
-            "ModelSpec\nfrom prefill_diff.engine.prefill import Engine\n"
-            "Engine(load_snapshot(ModelSpec('synthetic')))\nprint('torch._dynamo' in sys.modules)")
+def test_preparing_a_synthetic_run_imports_neither_dynamo_nor_inductor():
+    """Issue 18: start-up. A compiled run imports them (engine/compiled.py); nothing else may."""
+    code = ("import sys\nfrom prefill_diff.engine.config import load_side\nfrom prefill_diff.engine.runner import "
+            "prepare\nprepare(load_side('batched-left'))\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.strip() == "[]"
+
+
+def test_deterministic_flag_is_set_without_inductor():
+    from prefill_diff.engine.runner import set_deterministic
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        set_deterministic(True, compiling=False)
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        set_deterministic(False, compiling=False)
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=True)
