@@ -324,7 +324,7 @@ def ledger(config, model, prompts, tokens):
     from ..engine.config import Inputs, load_side  # the engine (torch): imported only by commands that run it
     from ..engine.ledger import ledger as build
     from ..engine.runner import default_token_ids, prepare
-    from ..engine.snapshot import ModelSpec
+    from ..engine.spec import ModelSpec
     spec, inputs = shared_inputs(model, prompts, tokens)
     if config is None:
         spec = spec or ModelSpec("seed-2.8")

@@ -7,6 +7,7 @@ import click
 
 from ..engine import budget
 from ..engine.errors import ConfigError
+from ..engine.spec import ModelSpec
 from ..engine.untrusted import check_int64
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
@@ -118,7 +119,6 @@ def shared_inputs(model, prompts, tokens):
     if not (model or prompts or tokens):
         return None, None  # and no engine import: comparing two trace files never loads torch
     from ..engine.config import Inputs  # the engine's modules import torch: only when a side will run
-    from ..engine.snapshot import ModelSpec
     spec = ModelSpec(model) if model else None
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")

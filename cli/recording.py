@@ -15,14 +15,14 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
-from ..dumps.capture import token_texts, trace_meta
 from ..dumps.ranks import annotate, rank_dir
 from ..dumps.recorder import Recorder, TraceExistsError
-from ..engine import parallel, runner
+from ..engine import parallel
 from ..engine.config import Inputs, Side, at_precision, in_float64, load_side, precision_of, run_from_dict
+from ..engine.engines import execute, token_texts, trace_meta
 from ..engine.errors import ConfigError, PrefillDiffError
 from ..engine.runner import Prepared, prepare
-from ..engine.snapshot import ModelSpec
+from ..engine.spec import ModelSpec
 
 OnLayer = Callable[[int], None]  # a progress callback, called with each finished layer's index
 
@@ -38,20 +38,10 @@ def capture(prep: Prepared, recorder: Recorder, extra_meta: dict | None = None) 
     Returns the run record (also written into the trace's meta).
     """
     recorder.begin([list(t) for t in prep.tokens], prep.n_cols, {**trace_meta(prep), **(extra_meta or {})})
-    record = yield from _layers(_execute(prep, recorder), recorder)
+    record = yield from _layers(execute(prep, recorder), recorder)
     ids = [t for row in prep.tokens for t in row] + _final_top_ids(recorder)
     recorder.update_meta(record=record, token_text=token_texts(prep, ids))
     return record
-
-
-def _execute(prep, recorder):  # TODO(merge): the engine's own dispatch
-    if prep.side.run.engine == "transformers":
-        from ..engine import hf_engine
-        return hf_engine.execute(prep, recorder)
-    if prep.side.run.engine == "llama.cpp":
-        from ..engine import llamacpp_engine
-        return llamacpp_engine.execute(prep, recorder)
-    return runner.execute(prep, recorder)
 
 
 def _final_top_ids(recorder: Recorder) -> list:  # TODO(merge): recorder.final_top_ids()
@@ -148,16 +138,10 @@ def baseline_side(meta: dict, name: str, samples, model: ModelSpec | None = None
                 side.get("origin") or "baseline")
 
 
-def baseline_spec(meta: dict) -> ModelSpec:  # TODO(merge): ModelSpec.from_description
-    m = meta.get("model") or {}
-    spec = m.get("spec") or {}
-    out = {"source": spec.get("source", m.get("source", "synthetic")), "seed": spec.get("seed", 0)}
-    if spec.get("overrides"):
-        out["overrides"] = tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
-                                        for k, v in spec["overrides"].items()))
-    if spec.get("adapter"):
-        out["adapter"] = tuple(sorted(spec["adapter"].items()))
-    return ModelSpec(**out)
+def baseline_spec(meta: dict) -> ModelSpec:
+    """The model a baseline trace was recorded with (its ``model.spec``; older traces name only the source)."""
+    model = meta.get("model") or {}
+    return ModelSpec.from_description(model.get("spec") or {"source": model.get("source", "synthetic")})
 
 
 # -- tensor parallel: one process and one trace per rank ---------------------------------------------------

@@ -24,18 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
-import sys
 import tempfile
-import time
 
 import h5py
 import numpy as np
 
-from ..engine.errors import ConfigError, PrefillDiffError
 from .reader import Trace, TraceError
-from .recorder import LIBVER, Recorder, TraceExistsError
 from .schema import REQUIRED_STATES, layer_group
 
 # logical tensor -> (full dataset path in a layer group, dataset axis sharded, stats name)
@@ -62,116 +56,7 @@ def open_any(path) -> Trace:
     return Trace(path)
 
 
-# -- recording -------------------------------------------------------------------------------------
-
-def record_ranks(prep, path, level: str = "full", force: bool = False, compression=None,
-                 extra_meta: dict | None = None) -> str:
-    """Record a tensor-parallel side: spawn its ranks, each writing ``rank{r}.h5``; returns the directory."""
-    from ..engine.parallel import launch
-    tp = prep.side.run.tp
-    if level == "sampled":
-        raise ConfigError("--level sampled is not supported for tensor-parallel runs (each rank would draw its "
-                          "channel subset from its own shard); use full or stats")
-    out = rank_dir(path, tp)
-    if os.path.exists(out) and not force:
-        raise TraceExistsError(f"{out} exists; pass --force to overwrite it")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"{out} exists and is not a directory (a tp={tp} run writes a directory of rank traces)")
-    parent = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-    os.makedirs(tmp)
-    try:
-        try:
-            launch(_rank_worker, tp, (prep.side, tmp, level, compression, extra_meta or {}, secrets.token_hex(8)))
-        except Exception as e:
-            _raise_rank_error(tmp, tp, e)
-        if os.path.isdir(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def _raise_rank_error(tmp, tp, exc):
-    errors = []
-    for r in range(tp):
-        p = os.path.join(tmp, f"error-rank{r}.txt")
-        if os.path.exists(p):
-            with open(p, encoding="utf-8") as f:
-                kind, _, msg = f.read().partition("\t")
-            errors.append((r, kind, msg))
-    bad = [e for e in errors if e[1] == "input"]
-    if bad:
-        raise PrefillDiffError(bad[0][2]) from None
-    if errors:
-        r, _, msg = errors[0]
-        raise RuntimeError(f"tensor-parallel rank {r} failed: {msg}") from None
-    raise RuntimeError(f"tensor-parallel ranks failed: {str(exc).splitlines()[0][:300]}") from None
-
-
-def _rank_worker(rank, world, port, started, side, tmp, level, compression, extra_meta, run_id,
-                 exit_on_error: bool = True):
-    """One rank: join the group, prepare the side (its shard of the model), record rank{rank}.h5."""
-    from ..engine import parallel
-    from ..engine.runner import prepare
-    from .capture import capture, trace_meta
-    try:
-        ctx = parallel.init_group(rank, world, port, None if side.run.fault is None else side.run.fault.name,
-                                  started)
-        t0 = time.time()
-        prep = prepare(side)
-        t1 = time.time()
-        args = prep.snapshot.args
-        meta = trace_meta(prep)["model"]
-        meta["args"] = ctx.local_args(args).as_dict()
-        par = {**ctx.describe(args), "model_args": args.as_dict(), "run_id": run_id,
-               "layout": "one trace per rank: DIR/rank{r}.h5"}
-        rec = Recorder(os.path.join(tmp, f"rank{rank}.h5"), level, compression=compression)
-        with rec:
-            for _ in capture(prep, rec, {**extra_meta, "model": meta, "parallel": par}):
-                pass
-            annotate(rec.f, args, rank, world)
-            t2 = time.time()  # seconds: preparing (load, shard), prefill + recording; spawn -> done
-            rec.update_meta(parallel={**par, "prepare_s": t1 - t0, "prefill_record_s": t2 - t1,
-                                      "done_after_s": (t2 - started) if started else None})
-    except PrefillDiffError as e:
-        _write_error(tmp, rank, "input", str(e))
-        if not exit_on_error:
-            raise
-        sys.exit(2)
-    except BaseException as e:
-        _write_error(tmp, rank, "internal", f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        parallel.close_group()
-    if exit_on_error:  # a spawned rank whose files are closed and in place: skip the interpreter's teardown
-        sys.stdout.flush()  # (seconds of torch/h5py finalisers on a loaded machine; measured in bench_tp.py)
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def record_this_rank(side, out_dir, level: str = "full", compression=None, run_id: str | None = None) -> str:
-    """Record this process's rank of a tp run launched by ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT in the environment): writes ``out_dir/rank{RANK}.h5``; returns its path. Bad input raises."""
-    import os as _os
-    rank, world = int(_os.environ["RANK"]), int(_os.environ["WORLD_SIZE"])
-    if world != side.run.tp:
-        raise ConfigError(f"torchrun started {world} processes, the run asks for tp={side.run.tp}")
-    run_id = run_id or _os.environ.get("TORCHELASTIC_RUN_ID") or f"{_os.environ['MASTER_ADDR']}:" \
-        f"{_os.environ['MASTER_PORT']}"
-    _os.makedirs(out_dir, exist_ok=True)
-    _rank_worker(rank, world, None, 0.0, side, out_dir, level, compression, {}, run_id, exit_on_error=False)
-    return _os.path.join(out_dir, f"rank{rank}.h5")
-
-
-def _write_error(tmp, rank, kind, msg):
-    try:
-        with open(os.path.join(tmp, f"error-rank{rank}.txt"), "w", encoding="utf-8") as f:
-            f.write(f"{kind}\t{msg}")
-    except OSError:
-        pass
-
+# -- recording: what a rank's trace declares (the ranks are run by cli/recording.py) -------------------------
 
 def shard_ranges(args, rank: int, world: int) -> dict:
     """tensor -> (axis, start, stop, size) that rank ``rank`` holds, in dataset indices."""

@@ -10,6 +10,7 @@ the layout). Every read goes through ``read`` (what attention sees) or ``stored`
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -66,7 +67,7 @@ class PrefixKV:
 
     @property
     def length(self) -> int:
-        return int(self.layers[0][2].shape[0])
+        return int(self.layers[0][2].shape[0])  # layers: Stored, or (keys, values, positions) tuples
 
 
 class _Codec:
@@ -95,17 +96,41 @@ class _Codec:
         return (data.float() * scale[..., None]).to(self.act_dtype)
 
 
+class Chunk(NamedTuple):
+    """One write as a store holds it: encoded keys and values (with their scales, if any) and positions."""
+    keys: torch.Tensor
+    key_scales: torch.Tensor | None
+    values: torch.Tensor
+    value_scales: torch.Tensor | None
+    positions: torch.Tensor
+
+
+class Stored(NamedTuple):
+    """A sequence's cache entries of one layer, dequantised: keys, values (H_kv, T, d_h) and positions (T,)."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+
+
+class RowsKV(NamedTuple):
+    """What attention reads per row: keys, values (B, H_kv, Sk, d_h), k_tok and k_seq (B, Sk); -1 is padding."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    k_tok: torch.Tensor
+    k_seq: torch.Tensor
+
+
 class _ContiguousStore:
     """Per (layer, sequence) a list of written chunks; a chunk may be a view of the step's K/V."""
 
     def __init__(self):
-        self.chunks: dict[tuple[int, int], list[tuple]] = {}
+        self.chunks: dict[tuple[int, int], list[Chunk]] = {}
 
     def append(self, layer, seq, kd, ks, vd, vs, pos):
-        self.chunks.setdefault((layer, seq), []).append((kd, ks, vd, vs, pos))
+        self.chunks.setdefault((layer, seq), []).append(Chunk(kd, ks, vd, vs, pos))
 
     def length(self, layer, seq) -> int:
-        return sum(int(c[4].shape[0]) for c in self.chunks.get((layer, seq), ()))
+        return sum(int(c.positions.shape[0]) for c in self.chunks.get((layer, seq), ()))
 
     def gather(self, layer, seq):
         chunks = self.chunks.get((layer, seq), [])
@@ -114,10 +139,10 @@ class _ContiguousStore:
         if not chunks:
             return None
         cat = lambda i, dim: None if chunks[0][i] is None else torch.cat([c[i] for c in chunks], dim)
-        return cat(0, 1), cat(1, 1), cat(2, 1), cat(3, 1), cat(4, 0)
+        return Chunk(cat(0, 1), cat(1, 1), cat(2, 1), cat(3, 1), cat(4, 0))
 
     def shapes(self, layer, seq):
-        return [(tuple(c[0].shape), tuple(c[2].shape)) for c in self.chunks.get((layer, seq), ())]
+        return [(tuple(c.keys.shape), tuple(c.values.shape)) for c in self.chunks.get((layer, seq), ())]
 
 
 class _PagedStore:
@@ -195,11 +220,11 @@ class _PagedStore:
         pages, offs = self._slots(seq, 0, T)
         pool = self.pools[layer]
         get = lambda name: pool[name][pages, :, offs].transpose(0, 1) if name in pool else None  # (H, T, ...)
-        return get("k"), get("ks"), get("v"), get("vs"), pool["pos"][pages, offs]
+        return Chunk(get("k"), get("ks"), get("v"), get("vs"), pool["pos"][pages, offs])
 
     def shapes(self, layer, seq):
         g = self.gather(layer, seq)
-        return [] if g is None else [(tuple(g[0].shape), tuple(g[2].shape))]
+        return [] if g is None else [(tuple(g.keys.shape), tuple(g.values.shape))]
 
 
 class KVCache:
@@ -231,8 +256,8 @@ class KVCache:
         g = self.store.gather(layer, seq)
         if g is None:
             return None
-        kd, ks, vd, vs, pos = g
-        return self.codec.decode(kd, ks), self.codec.decode(vd, vs), pos
+        return Stored(self.codec.decode(g.keys, g.key_scales), self.codec.decode(g.values, g.value_scales),
+                      g.positions)
 
     def read(self, layer: int, seq: int):
         """What attention reads: keys after RoPE, values, positions."""
@@ -243,15 +268,14 @@ class KVCache:
         self.reads.append((layer, seq, pos.clone()))
         if self.layout.key_rotation == "pre":
             k = self.rotate(k, pos)
-        return k, v, pos
+        return Stored(k, v, pos)
 
     def read_rows(self, layer: int, row_seqs: list[list[int]], like: torch.Tensor):
         """Keys/values for each row's sequences, concatenated and right-padded.
 
-        Returns keys, values (B, H_kv, Sk, d_h), k_tok (B, Sk) and k_seq (B, Sk); -1 marks padding.
         """
         reads = [[(s, self.read(layer, s)) for s in seqs] for seqs in row_seqs]
-        Sk = max(1, max(sum(0 if r is None else r[2].shape[0] for _, r in row) for row in reads))
+        Sk = max(1, max(sum(0 if r is None else r.positions.shape[0] for _, r in row) for row in reads))
         B, H, D = len(row_seqs), like.shape[1], like.shape[3]
         keys = like.new_zeros((B, H, Sk, D))
         values = like.new_zeros((B, H, Sk, D))
@@ -268,11 +292,11 @@ class KVCache:
                 k_tok[b, at:at + T] = torch.arange(T, device=like.device)
                 k_seq[b, at:at + T] = s
                 at += T
-        return keys, values, k_tok, k_seq
+        return RowsKV(keys, values, k_tok, k_seq)
 
     def positions(self, layer: int, seq: int) -> torch.Tensor:
         g = self.store.gather(layer, seq)
-        return torch.zeros(0, dtype=torch.long) if g is None else g[4]
+        return torch.zeros(0, dtype=torch.long) if g is None else g.positions
 
 
 def check_invariants(cache: KVCache, n_kv_heads: int, head_dim: int,

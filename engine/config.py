@@ -38,15 +38,16 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
 """
 from __future__ import annotations
 
-import json
 import os
+import typing
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from .cache import CacheLayout
 from .errors import ConfigError, PrefillDiffError
+from .model import ModelArgs
 from .untrusted import check_int64, check_prompt_text, read_small_file
 from .prefill import CacheConfig, NumericalConfig
-from .snapshot import ModelSpec
+from .spec import ModelSpec
 
 try:
     import tomllib
@@ -301,7 +302,6 @@ def _merge(base: dict, over: dict) -> dict:
 
 def _check_types(section: str, got: dict, cls, where: str, skip=()) -> None:
     """Each value must have the type its dataclass field declares (TOML gives int, float, bool, str, list, table)."""
-    import typing
     hints = typing.get_type_hints(cls)
     for key, value in got.items():
         if key in skip or key not in hints:
@@ -415,7 +415,6 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
 
 
 def parse_model(section: dict, where: str) -> ModelSpec:
-    from .model import ModelArgs
     known = _MODEL_KEYS | set(ModelArgs.__dataclass_fields__)
     _check_keys("model", section, known, where)
     source = section.get("source", "synthetic")
@@ -503,7 +502,3 @@ def load_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None
 def describe(side: Side) -> dict:
     return {"origin": side.origin, "model": side.model.describe(), "inputs": side.inputs.as_dict(),
             "run": side.run.as_dict()}
-
-
-def dumps(d) -> str:
-    return json.dumps(d, sort_keys=True, default=str)

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError
+from .hub import Tokenizer, check_state
 from .model import ModelArgs
 from .snapshot import Snapshot
 
@@ -119,7 +120,7 @@ def load_gguf(path: str, source: str) -> Snapshot:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{source}: no such GGUF file {path!r}")
     try:
-        import gguf
+        import gguf  # optional: imported when a GGUF file is loaded
         from gguf.quants import dequantize
     except ImportError:
         raise ModelLoadError("GGUF models need the gguf package: pip install 'prefill-diff[hf]'") from None
@@ -160,7 +161,6 @@ def load_gguf(path: str, source: str) -> Snapshot:
                      vocab_size=vocab, norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
                      rope_theta=float(g("rope.freq_base", 10000.0)), tie_embeddings=tied,
                      qkv_bias=arch == "qwen2", max_position=int(g("context_length", 8192)), arch=arch)
-    from .hub import check_state
     check_state(args, state, source)
     tokenizer = _gguf_tokenizer(path, source)
     if tokenizer is not None:
@@ -174,7 +174,6 @@ def _gguf_tokenizer(path: str, source: str):
         from transformers import AutoTokenizer
     except ImportError:
         return None
-    from .hub import Tokenizer
     try:
         tok = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     except Exception as e:

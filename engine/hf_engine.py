@@ -16,8 +16,10 @@ import torch
 
 from .cache import torch_dtype
 from .errors import ConfigError, ModelLoadError
+from .gguf_loader import smollm2_path
 from .hub import hf_state_dict
-from .runner import Placement
+from .parallel import current
+from .calls import Placement
 
 
 def _check_supported(run) -> None:
@@ -44,7 +46,7 @@ def _check_supported(run) -> None:
 
 def hf_config(args):
     """A transformers config for our ModelArgs (Llama, or Qwen2 when there is a QKV bias)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config  # transformers is optional: imported when used
     rope = {"rope_theta": args.rope_theta, "rope_type": "default", **dict(args.rope_scaling)}
     common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
                   num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
@@ -59,14 +61,13 @@ def hf_config(args):
 def build_model(snapshot, dtype: str, attn: str):
     """transformers' own model: its own loader for real checkpoints, our weights for synthetic models."""
     try:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # optional: imported when used
     except ImportError:
         raise ModelLoadError("the transformers engine needs transformers: pip install 'prefill-diff[hf]'") from None
     if snapshot.adapter is not None:
         raise ConfigError("the transformers engine does not apply our LoRA adapters")
     tdt = torch_dtype(dtype)
     src = snapshot.source
-    from .parallel import current
     tp = current()
     # tensor parallel (this process is one rank): transformers' own TP plan, with the size given explicitly —
     # tp_plan="auto" alone reads WORLD_SIZE and silently loads unsharded where it is not set
@@ -84,7 +85,6 @@ def build_model(snapshot, dtype: str, attn: str):
     elif tp is not None:
         raise ConfigError(f"transformers' tensor parallelism needs --model hf:DIR (got {src!r})")
     elif src.startswith("gguf:") or src == "smollm2":
-        from .gguf_loader import smollm2_path
         path = smollm2_path() if src == "smollm2" else src[5:]
         model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
                                                      dtype=tdt, attn_implementation=attn, local_files_only=True)

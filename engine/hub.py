@@ -9,10 +9,9 @@ import json
 import os
 import re
 
-import torch
-
 from .errors import ConfigError, ModelLoadError
 from .model import ModelArgs
+from .skeleton import state_shapes
 from .snapshot import Snapshot
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -251,9 +250,7 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
 
 def check_state(args: ModelArgs, state: dict, where: str) -> None:
     """Every tensor is one the model uses, with the shape it expects; none is missing (lm_head when tied)."""
-    from .model import Transformer
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    want = state_shapes(args)
     for name, t in state.items():
         if name not in want:
             raise ModelLoadError(f"{where}: tensor {name!r} is not part of the model our engine implements "
@@ -264,15 +261,6 @@ def check_state(args: ModelArgs, state: dict, where: str) -> None:
     missing = sorted(set(want) - set(state))
     if missing:
         raise ModelLoadError(f"{where}: weights are missing tensors {missing[:5]}")
-
-
-def load(source: str) -> Snapshot:
-    if source.startswith("hf:"):
-        return load_hf_dir(source[3:])
-    from .gguf_loader import load_gguf, smollm2_path
-    if source == "smollm2":
-        return load_gguf(smollm2_path(), source)
-    return load_gguf(source[5:], source)
 
 
 def load_hf_dir(path: str) -> Snapshot:

@@ -29,15 +29,21 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.metadata
+import mmap
 import os
 import shutil
+import struct
 import tempfile
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .calls import Placement
+from .coords import SeqRun
 from .errors import ConfigError, ModelLoadError, PrefillDiffError
-from .runner import Placement
+from .gguf_loader import smollm2_path
+from .gguf_writer import check_convertible, write_gguf
 
 PINNED = "0.3.36"  # the ggml_tensor layout below is this version's; it is checked at run time as well
 INSTALL = "pip install 'prefill-diff[llamacpp]' (builds llama.cpp from source: 6-11 minutes on 2 cores)"
@@ -65,7 +71,7 @@ def load_library():
         return _STATE["lib"]
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when the OpenMP runtime loads
     try:
-        import llama_cpp
+        import llama_cpp  # optional (a native library): imported when a llama.cpp run starts
     except ImportError:
         raise ModelLoadError(f"the llama.cpp engine needs llama-cpp-python=={PINNED}: {INSTALL}") from None
     except OSError as e:
@@ -143,7 +149,6 @@ def check_supported(prep) -> None:
         raise ConfigError("the llama.cpp engine runs the model as llama.cpp does; it does not support "
                           + ", ".join(no))
     if not (snap.source == "smollm2" or snap.source.startswith("gguf:")):
-        from .gguf_writer import check_convertible
         check_convertible(snap)
 
 
@@ -155,11 +160,9 @@ class GgufFile:
         self.tmpdir = None
         src = snapshot.source
         if src == "smollm2" or src.startswith("gguf:"):
-            from .gguf_loader import smollm2_path
             self.path = smollm2_path() if src == "smollm2" else src[5:]
             self.converted = None
         else:
-            from .gguf_writer import check_convertible, write_gguf
             check_convertible(snapshot)
             self.tmpdir = tempfile.mkdtemp(prefix="prefill-diff-gguf-")
             self.path = os.path.join(self.tmpdir, "model.gguf")
@@ -202,71 +205,84 @@ class GgufFile:
             self.tmpdir = None
 
 
-def gguf_index(path: str):
-    """(architecture, tensor infos, offset of the data section) from a GGUF header, without parsing values.
+class GgufIndex(NamedTuple):
+    """What a GGUF header says about the weights: architecture, tensor infos, offset of the data section."""
+    arch: str | None
+    tensors: list[dict]
+    data_offset: int
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+class _Header:
+    """A cursor over a GGUF header: reads strings and integers, skips values without building them."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.path, self.at = buf, path, 24
+
+    def unpack(self, fmt: str):
+        values = struct.unpack_from(fmt, self.buf, self.at)
+        self.at += struct.calcsize(fmt)
+        return values
+
+    def string(self) -> str:
+        n, = self.unpack("<Q")
+        self.at += n
+        return self.buf[self.at - n:self.at].decode("utf-8", "replace")
+
+    def skip(self, vtype: int) -> None:
+        if vtype in _SCALAR_SIZES:
+            self.at += _SCALAR_SIZES[vtype]
+        elif vtype == _STRING:
+            self.string()
+        elif vtype == _ARRAY:
+            etype, count = self.unpack("<IQ")
+            if etype in _SCALAR_SIZES:
+                self.at += _SCALAR_SIZES[etype] * count
+            else:
+                for _ in range(count):
+                    self.skip(etype)
+        else:
+            raise ModelLoadError(f"{self.path}: unknown GGUF value type {vtype}")
+
+
+def gguf_index(path: str) -> GgufIndex:
+    """Architecture, tensor infos and data offset from a GGUF header, without parsing metadata values.
 
     gguf.GGUFReader builds every metadata field (tens of seconds for a 49k-token vocabulary on a busy
     machine); this walks the header once, skipping the values, as the GGUF format allows.
     """
-    import struct
-
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-    import mmap
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # gguf is optional: imported when used
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # only the header pages are read
     if buf[:4] != b"GGUF":
         raise ModelLoadError(f"{path} is not a GGUF file")
     _, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    at = 24
-
-    def string():
-        nonlocal at
-        n, = struct.unpack_from("<Q", buf, at)
-        at += 8 + n
-        return buf[at - n:at].decode("utf-8", "replace")
-
-    def skip(vtype):
-        nonlocal at
-        if vtype in scalar:
-            at += scalar[vtype]
-        elif vtype == 8:
-            string()
-        elif vtype == 9:
-            etype, count = struct.unpack_from("<IQ", buf, at)
-            at += 12
-            if etype in scalar:
-                at += scalar[etype] * count
-            else:
-                for _ in range(count):
-                    skip(etype)
-        else:
-            raise ModelLoadError(f"{path}: unknown GGUF value type {vtype}")
-
+    h = _Header(buf, path)
     arch, alignment = None, 32
     for _ in range(n_kv):
-        key = string()
-        vtype, = struct.unpack_from("<I", buf, at)
-        at += 4
-        if key == "general.architecture" and vtype == 8:
-            arch = string()
-        elif key == "general.alignment" and vtype == 4:
-            alignment, = struct.unpack_from("<I", buf, at)
-            at += 4
+        key = h.string()
+        vtype, = h.unpack("<I")
+        if key == "general.architecture" and vtype == _STRING:
+            arch = h.string()
+        elif key == "general.alignment" and vtype == _UINT32:
+            alignment, = h.unpack("<I")
         else:
-            skip(vtype)
+            h.skip(vtype)
     tensors = []
     for _ in range(n_tensors):
-        name = string()
-        nd, = struct.unpack_from("<I", buf, at)
-        dims = struct.unpack_from(f"<{nd}Q", buf, at + 4)
-        ttype, offset = struct.unpack_from("<IQ", buf, at + 4 + 8 * nd)
-        at += 4 + 8 * nd + 12
+        name = h.string()
+        nd, = h.unpack("<I")
+        dims = h.unpack(f"<{nd}Q")
+        ttype, offset = h.unpack("<IQ")
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
         tensors.append({"name": name, "shape": tuple(reversed(dims)), "type": GGMLQuantizationType(ttype).name,
                         "offset": offset, "nbytes": int(np.prod(dims)) // block * size})
+    at = h.at
     buf.close()
-    return arch, tensors, -(-at // alignment) * alignment
+    return GgufIndex(arch=arch, tensors=tensors, data_offset=-(-at // alignment) * alignment)
 
 
 # -- capture ------------------------------------------------------------------------------------------
@@ -374,8 +390,8 @@ def _cache_round(x: np.ndarray, ggml_type: str) -> np.ndarray:
         u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
         r = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
         return np.where(np.isnan(x), x, r)
+    import gguf  # optional: imported when used
     from gguf.quants import dequantize, quantize  # blocks of 32 along each row, as the cache stores them
-    import gguf
     qt = getattr(gguf.GGMLQuantizationType, ggml_type.upper())
     return dequantize(quantize(np.ascontiguousarray(x, dtype=np.float32), qt), qt).reshape(x.shape)
 
@@ -525,12 +541,12 @@ class CallCells:
                else torch.arange(ids.shape[0])[:, None].expand_as(ids)).clone()
         self.valid, self.seq = valid, torch.where(valid, seq, torch.full_like(ids, -1))
         self.tok = torch.full_like(ids, -1)
-        self.runs = []  # (row, seq, first column, end column), in stream order
+        self.runs: list[SeqRun] = []  # in stream order
         for s in range(len(call.samples)):
             cells = (self.seq == s).nonzero()
             r, c0, c1 = int(cells[0, 0]), int(cells[0, 1]), int(cells[-1, 1]) + 1
             self.tok[r, c0:c1] = torch.arange(c1 - c0)
-            self.runs.append((r, s, c0, c1))
+            self.runs.append(SeqRun(row=r, seq=s, c0=c0, c1=c1))
         self.shape, self.n = tuple(ids.shape), sum(c1 - c0 for _, _, c0, c1 in self.runs)
 
     def sequences(self, call) -> list:

@@ -6,9 +6,10 @@ This file is the readable statement of one layer:
     query head h reads KV head g(h) = ⌊h·H_kv/H_q⌋;  O = softmax(Q̃K̃ᵀ/√d_h + M)·V
     U = R + OutProj(concat(O));  R' = U + (silu(Norm(U)·W_g) ⊙ Norm(U)·W_u)·W_d
 
-Attention kernels, the KV cache, recording, adapters and quantisation change the
-model from outside (see ``forward.py``, ``cache.py``, ``snapshot.py``); here the
-attention only calls ``step.attend`` and the block only calls ``step.record``.
+Attention kernels, the KV cache, recording, faults and chunking change the model from
+outside (``prefill.py``'s ForwardStep, ``cache.py``, ``faults.py``); adapters and
+quantisation replace its linear layers (``adapters.py``, ``quantize.py``). Here the
+attention only calls ``step.rope`` and ``step.attend``, and the block only ``step.record``.
 """
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ from torch import nn
 
 from .errors import ConfigError
 
-# The five residual-stream states a layer records, in the order they are added (seed §2.4),
-# plus the per-head attention output before the output projection.
-LAYER_STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")
+# The per-head attention output before the output projection; the block records the five
+# residual-stream states (layer_input, attn_update, mid, mlp_update, layer_output) in that order.
 HEAD_STATE = "attn_heads"
 
 
@@ -77,10 +77,6 @@ class ModelArgs:
     @property
     def n_rep(self) -> int:
         return self.n_heads // self.n_kv_heads
-
-    def kv_head_of(self, h: int) -> int:
-        """g(h) = ⌊h·H_kv/H_q⌋, the KV head that query head h reads (seed §2.3)."""
-        return h * self.n_kv_heads // self.n_heads
 
     def rope_dict(self) -> dict:
         return {"rope_theta": self.rope_theta, **dict(self.rope_scaling)}
@@ -230,6 +226,23 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=args.lm_head_bias)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, step) -> torch.Tensor:
+        """R_0 = Embed(tokens); R_ℓ+1 = Block_ℓ(R_ℓ) for every layer; returns R_L, (B, S, dim).
+
+        The prefill then reads h = Norm(R_L) at each sequence's last valid token and z = unembed(h).
+        """
+        x = None
+        for _, x in self.layer_by_layer(tokens, step):
+            pass
+        return x
+
+    def layer_by_layer(self, tokens: torch.Tensor, step):
+        """``forward`` one layer at a time: yields (ℓ, R_ℓ+1) as layer ℓ ends, so a caller can stop at a break."""
+        x = self.tok_embeddings(tokens)  # R_0, (B, S, dim)
+        for layer, block in enumerate(self.layers):
+            x = block(x, step, layer)  # R_ℓ+1, (B, S, dim)
+            yield layer, x
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
         """z = W_U·h + b_U (seed §2.7)."""

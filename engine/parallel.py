@@ -86,7 +86,7 @@ class TPContext:
 
     def shard(self, model) -> None:
         """Megatron-style sharding of our Transformer with DTensor's parallelize_module (in place)."""
-        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor import Partial  # DTensor: imported only by tensor-parallel runs
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
         plan = {}
         for i, block in enumerate(model.layers):
@@ -133,7 +133,7 @@ def current() -> TPContext | None:
 def init_group(rank: int, world: int, port: int | None, fault: str | None = None, started: float = 0.0,
                timeout_s: float = 120.0) -> TPContext:
     """Join the process group (gloo) and build the 1-D device mesh. One torch thread per rank."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch.distributed: imported only by tensor-parallel runs
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
     env = port is None  # torchrun: MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE in the environment

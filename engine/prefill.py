@@ -15,13 +15,17 @@ runs in lockstep and stop at the first break.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from . import contract
 from .attention import AttentionMask, get_kernel, standard_head_map, KERNELS
-from .cache import CacheLayout, KVCache, PrefixKV, check_invariants, torch_dtype
+from .cache import CacheLayout, KVCache, check_invariants, torch_dtype
+from .compiled import compile_layers
+from .coords import CacheWrite, Cell, SeqRun
 from .errors import CacheInvariantError, ConfigError
+from .faults import Faults, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
 from .model import apply_rope, rope_cos_sin, rope_inv_freq
 from .snapshot import Snapshot
 
@@ -61,16 +65,6 @@ class CacheConfig:
             raise ConfigError(f"invariants must be 'raise' or 'record' (got {self.invariants!r})")
 
 
-@dataclass(frozen=True)
-class Faults:
-    """Deliberate §2.11 faults; each changes execution, never the model."""
-    unmasked_padding: bool = False  # row 5: padding keys visible
-    masked_row_softmax: bool = False  # row 7: no sentinel, a fully masked padding row enters softmax
-    last_column: bool = False  # row 1: gather the rectangle's last column
-    head_map: tuple | None = None  # row 4: query head -> KV head map other than ⌊h·H_kv/H_q⌋
-    skip_kv: tuple | None = None  # row 2: (layer, sequence, token index) not written
-
-
 @dataclass
 class PrefillResult:
     next_logits: torch.Tensor  # (n_seqs, V)
@@ -78,7 +72,15 @@ class PrefillResult:
     valid_lengths: torch.Tensor  # (n_seqs,)
     cache_metadata: dict
     final_norm: torch.Tensor  # (n_seqs, d): h_b at each sequence's last valid position
-    gather_cells: list = field(default_factory=list)  # (row, column) each h_b was read from
+    gather_cells: list = field(default_factory=list)  # the Cell each h_b was read from
+
+
+class CheckedCall(NamedTuple):
+    """A prefill call's inputs after the §2.1 checks: ids, validity, sequence of each cell, positions."""
+    ids: torch.Tensor
+    valid: torch.Tensor
+    seq: torch.Tensor
+    positions: torch.Tensor
 
 
 class Cells:
@@ -89,9 +91,9 @@ class Cells:
         self.positions = torch.where(valid, positions, torch.zeros_like(positions))
         B, n = valid.shape
         self.tok = torch.full_like(self.seq, -1)
-        self.runs = []  # (row, seq, first column, end column)
+        self.runs: list[SeqRun] = []
         self.row_seqs = [[] for _ in range(B)]
-        self.last = {}  # seq -> (row, column) of its last valid token
+        self.last: dict[int, Cell] = {}  # seq -> its last valid token
         self.lengths = {}  # seq -> tokens in the cache after this call
         for b in range(B):
             for s in self.seq[b][valid[b]].unique().tolist():
@@ -99,22 +101,33 @@ class Cells:
                 c0, c1 = int(cols[0]), int(cols[-1]) + 1
                 off = offsets.get(s, 0)
                 self.tok[b, c0:c1] = torch.arange(off, off + c1 - c0)
-                self.runs.append((b, s, c0, c1))
+                self.runs.append(SeqRun(row=b, seq=s, c0=c0, c1=c1))
                 self.row_seqs[b].append(s)
-                self.last[s] = (b, c1 - 1)
+                self.last[s] = Cell(row=b, col=c1 - 1)
                 self.lengths[s] = off + c1 - c0
         self.n_seqs = len(self.last)
 
     def expected_positions(self, history_positions: dict) -> list[torch.Tensor]:
         out = []
         for s in range(self.n_seqs):
-            mine = [self.positions[b, c0:c1] for b, t, c0, c1 in self.runs if t == s]
+            mine = [self.positions[r.row, r.c0:r.c1] for r in self.runs if r.seq == s]
             out.append(torch.cat([history_positions.get(s, torch.zeros(0, dtype=torch.long))] + mine))
         return out
 
+    def writes(self, c0: int, c1: int) -> list[CacheWrite]:
+        """Each sequence's cells within chunk columns [c0, c1), in chunk coordinates."""
+        return [CacheWrite(row=r.row, seq=r.seq, a=max(r.c0, c0) - c0, e=min(r.c1, c1) - c0,
+                           tok0=max(r.c0, c0) - r.c0 + self.tok[r.row, r.c0].item())
+                for r in self.runs if r.c0 < c1 and r.c1 > c0]
+
 
 class ForwardStep:
-    """Everything one forward over columns [c0, c1) needs besides the weights."""
+    """Plumbing for one forward over columns [c0, c1): what the model's attention and blocks call.
+
+    The model calls ``rope``, ``attend`` (write K̃ and V to the cache, read what attention sees, run
+    the kernel) and ``record``; faults (faults.py), tensor parallelism (parallel.py) and shape probes
+    (ledger) are applied here, around the kernel, never inside the model.
+    """
 
     def __init__(self, engine: "Engine", cells: Cells, c0: int, c1: int, cache: KVCache, read_through: bool,
                  faults: Faults, recorder, shapes):
@@ -123,49 +136,47 @@ class ForwardStep:
         self.rope = rope_cos_sin(cells.positions[:, c0:c1], engine.inv_freq, engine.dtype)
         self.positions = cells.positions[:, c0:c1]
         self.row_seqs = cells.row_seqs
-        self.runs = [(b, s, max(a, c0) - c0, min(e, c1) - c0, max(a, c0) - a + cells.tok[b, a].item())
-                     for b, s, a, e in cells.runs if a < c1 and e > c0]
-        q_tok, q_seq = cells.tok[:, c0:c1], cells.seq[:, c0:c1]
-        self.q_tok, self.q_seq = q_tok, q_seq
-        sentinel = not faults.masked_row_softmax
-        if faults.unmasked_padding:  # keys ordered by physical column, validity ignored
-            col = torch.arange(c0, c1).expand_as(q_tok)
-            row_seq = torch.tensor([s[0] if s else -1 for s in cells.row_seqs])[:, None].expand_as(q_seq)
-            self.mask = AttentionMask(torch.where(q_tok >= 0, col, -1), col, row_seq, row_seq, sentinel)
-        else:
-            self.mask = AttentionMask(q_tok, q_tok, q_seq, q_seq, sentinel)
-            S = c1 - c0
-            self.mask.causal = bool((q_tok == torch.arange(S)).all()) and all(len(r) == 1 for r in cells.row_seqs)
+        self.writes = cells.writes(c0, c1)
+        self.q_tok, self.q_seq = cells.tok[:, c0:c1], cells.seq[:, c0:c1]
+        self.mask = chunk_mask(cells, c0, c1, faults)
         self.head_map = list(faults.head_map) if faults.head_map else engine.head_map
 
     def attend(self, layer: int, q_rot, k_rot, v, k_pre):
-        skip = self.faults.skip_kv
-        for b, s, a, e, tok0 in self.runs:  # cache.write_sequence for each sequence's valid cells
-            if a >= e:
-                continue
-            k, vv, kp, pos = k_rot[b, :, a:e], v[b, :, a:e], k_pre[b, :, a:e], self.positions[b, a:e]
-            if skip is not None and skip[0] == layer and skip[1] == s and tok0 <= skip[2] < tok0 + e - a:
-                keep = torch.arange(e - a) != skip[2] - tok0
-                k, vv, kp, pos = k[:, keep], vv[:, keep], kp[:, keep], pos[keep]
-            self.cache.write(layer, s, k, vv, kp, pos)
-        if self.read_through:
-            keys, values, k_tok, k_seq = self.cache.read_rows(layer, self.row_seqs, like=k_rot)
-            mask = AttentionMask(self.q_tok, k_tok, self.q_seq, k_seq, self.mask.sentinel)
-        else:
-            keys, values, mask = k_rot, v, self.mask
+        """O for every query head: (B, n_heads, S, head_dim)."""
+        self._write(layer, k_rot, v, k_pre)
+        keys, values, mask = self._visible(layer, k_rot, v)
         if self.engine.tp is not None:  # tensor parallel: this rank's KV heads (engine/parallel.py)
             keys, values = self.engine.tp.kv_for_attention(layer, keys, values)
+        return self._kernel(layer, q_rot, keys, values, mask)
+
+    def _write(self, layer: int, k_rot, v, k_pre) -> None:
+        """cache.write_sequence for each sequence's valid cells (fault row 2 drops one of them)."""
+        for w in self.writes:
+            if w.a >= w.e:
+                continue
+            k, vv, kp, pos = k_rot[w.row, :, w.a:w.e], v[w.row, :, w.a:w.e], k_pre[w.row, :, w.a:w.e], \
+                self.positions[w.row, w.a:w.e]
+            keep = skipped_kv_keep(self.faults.skip_kv, layer, w)
+            if keep is not None:
+                k, vv, kp, pos = k[:, keep], vv[:, keep], kp[:, keep], pos[keep]
+            self.cache.write(layer, w.seq, k, vv, kp, pos)
+
+    def _visible(self, layer: int, k_rot, v):
+        """Keys, values and mask attention reads: the cache (read through) or this forward's own."""
+        if not self.read_through:
+            return k_rot, v, self.mask
+        rows = self.cache.read_rows(layer, self.row_seqs, like=k_rot)
+        return rows.keys, rows.values, AttentionMask(self.q_tok, rows.k_tok, self.q_seq, rows.k_seq,
+                                                     self.mask.sentinel)
+
+    def _kernel(self, layer: int, q_rot, keys, values, mask):
         if self.shapes is not None:
             self.shapes(layer, "q", tuple(q_rot.shape))
             self.shapes(layer, "k", tuple(keys.shape))
             self.shapes(layer, "v", tuple(values.shape))
         shapes = None if self.shapes is None else (lambda name, shape: self.shapes(layer, name, shape))
         out = self.engine.kernel(q_rot, keys, values, mask, shapes)
-        std = self.engine.head_map
-        wrong = [h for h in range(len(std)) if self.head_map[h] != std[h]]
-        if wrong:  # query heads that read another KV head: recomputed alone, the others stay bit-identical
-            kv = [self.head_map[h] for h in wrong]
-            out[:, wrong] = self.engine.kernel(q_rot[:, wrong], keys[:, kv], values[:, kv], mask)
+        rewire_heads(out, self.engine.kernel, q_rot, keys, values, mask, self.head_map, self.engine.head_map)
         if self.shapes is not None:
             self.shapes(layer, "attn_out", tuple(out.shape))
         return out
@@ -173,6 +184,18 @@ class ForwardStep:
     def record(self, layer: int, name: str, x: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.state(layer, name, x, self.c0)
+
+
+def chunk_mask(cells: Cells, c0: int, c1: int, faults: Faults) -> AttentionMask:
+    """The attention mask of chunk columns [c0, c1) against themselves."""
+    q_tok, q_seq = cells.tok[:, c0:c1], cells.seq[:, c0:c1]
+    sentinel = not faults.masked_row_softmax
+    if faults.unmasked_padding:
+        return padding_visible_mask(q_tok, q_seq, cells.row_seqs, c0, c1, sentinel)
+    mask = AttentionMask(q_tok, q_tok, q_seq, q_seq, sentinel)
+    S = c1 - c0
+    mask.causal = bool((q_tok == torch.arange(S)).all()) and all(len(r) == 1 for r in cells.row_seqs)
+    return mask
 
 
 class Engine:
@@ -186,7 +209,6 @@ class Engine:
             tp.shard(self.model)
             self.args = tp.local_args(self.args)  # this rank's heads and MLP rows
         if numerical.compile:
-            from .compiled import compile_layers
             compile_layers(self.model)
         self.dtype = torch_dtype(numerical.dtype)
         self.inv_freq = rope_inv_freq(self.args, torch.float64 if self.dtype == torch.float64 else torch.float32)
@@ -195,6 +217,9 @@ class Engine:
         self.rng = None
         if numerical.training and numerical.dropout_seed is not None:
             self.rng = numerical.dropout_seed
+        # §2.1(4) and (5) depend on the model alone: checked once, here
+        contract.check_vocab(self.model, self.args.tokenizer_vocab_size)
+        contract.check_inference_mode(self.model, numerical.dropout_seed)
 
     def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """RoPE on cached pre-rotation keys (H, T, d) at their stored positions."""
@@ -217,59 +242,72 @@ class Engine:
     def steps(self, input_ids, attention_mask, positions, cache_config: CacheConfig = CacheConfig(), *,
               segments=None, history: dict | None = None, recorder=None, faults: Faults = Faults(), shapes=None):
         """Generator form of prefill: yields each layer index once that layer is complete."""
-        args, model = self.args, self.model
+        call = self._check(input_ids, attention_mask, positions, segments)
+        if self.rng is not None:
+            torch.manual_seed(self.rng)
+        history = history or {}
+        layout = cache_config.layout.resolved(self.numerical.dtype)
+        cells = Cells(call.valid, call.seq, call.positions, {s: h.length for s, h in history.items()})
+        identity = self.identity(layout)
+        cache = self._seeded_cache(cells, layout, identity, history)
+        if recorder is not None:
+            recorder.inputs(call.ids, call.valid, cells.positions, cells.tok, cells.seq)
+        n = call.ids.shape[1]
+        chunk = min(cache_config.chunk_size or n, n)  # a chunk longer than the prompt is the whole prompt
+        read_through = not layout.plain or bool(history) or chunk < n
+        ids = torch.where(call.valid, call.ids, torch.zeros_like(call.ids))
+        with torch.no_grad():
+            x_last = yield from self._layers(ids, cells, cache, chunk, read_through, recorder, faults, shapes)
+            result = self._finish(cells, x_last, cache, faults, recorder, identity, history)
+        violations = result.cache_metadata["invariant_violations"]
+        if violations and cache_config.invariants == "raise":
+            raise CacheInvariantError("cache invariant broken after prefill: " + "; ".join(violations))
+        return result
+
+    def _check(self, input_ids, attention_mask, positions, segments) -> CheckedCall:
+        """§2.1 (1)-(3) on this call's rectangle."""
         input_ids = torch.as_tensor(input_ids)
         valid = contract.check_mask(input_ids, torch.as_tensor(attention_mask))
         B, n = valid.shape
         seq = torch.arange(B)[:, None].expand(B, n) if segments is None else torch.as_tensor(segments)
         contract.check_contiguous(valid, seq)
         positions = torch.as_tensor(positions)
-        contract.check_positions(positions, valid, seq, args.max_position)
-        contract.check_ids(input_ids, valid, args.vocab_size)
-        contract.check_vocab(model, args.tokenizer_vocab_size)
-        contract.check_inference_mode(model, self.numerical.dropout_seed)
-        if self.rng is not None:
-            torch.manual_seed(self.rng)
+        contract.check_positions(positions, valid, seq, self.args.max_position)
+        contract.check_ids(input_ids, valid, self.args.vocab_size)
+        return CheckedCall(ids=input_ids, valid=valid, seq=seq, positions=positions)
 
-        history = history or {}
-        layout = cache_config.layout.resolved(self.numerical.dtype)
-        cells = Cells(valid, seq, positions, {s: h.length for s, h in history.items()})
-        cache = KVCache(args.n_layers, cells.n_seqs, layout, self.dtype, rotate=self.rotate)
-        identity = self.identity(layout)
+    def _seeded_cache(self, cells: Cells, layout: CacheLayout, identity: dict, history: dict) -> KVCache:
+        """An empty cache for this call's sequences, holding any reused prefix KV (seed §2.9) as stored."""
+        cache = KVCache(self.args.n_layers, cells.n_seqs, layout, self.dtype, rotate=self.rotate)
         cache.metadata.update(identity)
-        for s, prefix in history.items():  # reused prefix KV (seed §2.9), as the cache stores it
+        for s, prefix in history.items():
             for layer, (k, v, pos) in enumerate(prefix.layers):
                 cache.write(layer, s, k, v, k, pos)
-        if recorder is not None:
-            recorder.inputs(input_ids, valid, cells.positions, cells.tok, cells.seq)
-        chunk = min(cache_config.chunk_size or n, n)  # a chunk longer than the prompt is the whole prompt
-        read_through = not layout.plain or bool(history) or chunk < n
-        ids = torch.where(valid, input_ids, torch.zeros_like(input_ids))
+        return cache
+
+    def _layers(self, ids, cells: Cells, cache: KVCache, chunk: int, read_through: bool, recorder, faults, shapes):
+        """The model over the prompt, whole or chunk by chunk; yields ℓ once layer ℓ (states and cache) is
+        complete, returns the last layer's output R_L, (B, n, dim)."""
+        B, n = ids.shape
+        whole = chunk == n
         x_last = None
-        with torch.no_grad():
-            for c0 in range(0, n, chunk):
-                c1 = min(c0 + chunk, n)
-                step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes)
-                x = model.tok_embeddings(ids[:, c0:c1])  # (B, chunk, dim)
-                for layer, block in enumerate(model.layers):
-                    x = block(x, step, layer)
-                    if c1 == n and chunk == n:
-                        self._emit_cache(recorder, cache, layer)
-                        yield layer
-                if chunk == n:
-                    x_last = x
-                else:
-                    x_last = x.new_zeros((B, n, args.dim)) if x_last is None else x_last
-                    x_last[:, c0:c1] = x
-            if chunk < n:
-                for layer in range(args.n_layers):
+        for c0 in range(0, n, chunk):
+            c1 = min(c0 + chunk, n)
+            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes)
+            for layer, x in self.model.layer_by_layer(ids[:, c0:c1], step):
+                if whole:
                     self._emit_cache(recorder, cache, layer)
                     yield layer
-            result = self._finish(cells, x_last, cache, faults, recorder, identity, history)
-        violations = result.cache_metadata["invariant_violations"]
-        if violations and cache_config.invariants == "raise":
-            raise CacheInvariantError("cache invariant broken after prefill: " + "; ".join(violations))
-        return result
+            if whole:
+                x_last = x
+            else:
+                x_last = x.new_zeros((B, n, self.args.dim)) if x_last is None else x_last
+                x_last[:, c0:c1] = x
+        if not whole:  # chunked: a layer's cache is complete only after the last chunk
+            for layer in range(self.args.n_layers):
+                self._emit_cache(recorder, cache, layer)
+                yield layer
+        return x_last
 
     @staticmethod
     def _emit_cache(recorder, cache: KVCache, layer: int) -> None:
@@ -282,12 +320,9 @@ class Engine:
 
     def _finish(self, cells: Cells, x_last, cache: KVCache, faults: Faults, recorder, identity, history):
         n = x_last.shape[1]
-        gather = []
-        for s in range(cells.n_seqs):  # gather_last_valid_position, not the rectangle's last column
-            b, c = cells.last[s]
-            gather.append((b, n - 1) if faults.last_column else (b, c))
-        rows = torch.tensor([g[0] for g in gather])
-        cols = torch.tensor([g[1] for g in gather])
+        gather = [gathered_cell(cells.last[s], n, faults) for s in range(cells.n_seqs)]
+        rows = torch.tensor([g.row for g in gather])
+        cols = torch.tensor([g.col for g in gather])
         h = self.model.norm(x_last[rows, cols])  # (n_seqs, dim)
         logits = self.model.unembed(h)  # (n_seqs, vocab)
         hist_pos = {s: prefix.layers[0][2] for s, prefix in history.items()}
@@ -304,7 +339,7 @@ class Engine:
         if recorder is not None:
             for s in range(cells.n_seqs):
                 b, c = gather[s]
-                recorder.final(s, h[s], logits[s], (b, c), int(cells.tok[b, c]))
+                recorder.final(s, h[s], logits[s], gather[s], int(cells.tok[b, c]))
         return PrefillResult(logits, cache, lengths, meta, h, gather)
 
 

@@ -16,13 +16,19 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import budget, contract
+from . import budget, contract, llamacpp_engine, parallel
+from .adapters import seeded_adapter
+from .attention import standard_head_map
 from .cache import PrefixKV
+from .calls import Call, Placement, plan_calls
+from .compiled import warm_up
 from .config import Inputs, RunConfig, Side
 from .errors import ConfigError, PreconditionError
-from .prefill import Engine, Faults, NumericalConfig
+from .faults import Faults, SkippedKV
+from .prefill import Engine
 from .reuse import PrefixCache
-from .snapshot import Snapshot, load_snapshot, seeded_adapter
+from .snapshot import Snapshot
+from .sources import load_snapshot
 
 DEFAULT_TEXT_PROMPTS = ("The capital of France is", "Hello, my name is", "In 1969, the first man on the moon was")
 DEFAULT_LENGTHS = (12, 5, 9)
@@ -82,87 +88,6 @@ def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | N
     return ids, tuple(prompts)
 
 
-class Placement:
-    """Maps one call's (row, column) and sequences onto trace (sample, column)."""
-
-    def __init__(self, recorder, runs, sample_of_seq):
-        self.recorder = recorder
-        self.runs = runs  # (row, first column, end column, sample, trace column of the first)
-        self.sample_of_seq = sample_of_seq
-
-    def inputs(self, ids, valid, positions, tok, seq):
-        for r, c0, c1, s, t0 in self.runs:
-            self.recorder.inputs(s, t0, ids[r, c0:c1], valid[r, c0:c1], positions[r, c0:c1], tok[r, c0:c1])
-
-    def state(self, layer, name, x, col_start):
-        width = x.shape[1]
-        for r, c0, c1, s, t0 in self.runs:
-            a, b = max(c0, col_start), min(c1, col_start + width)
-            if a < b:
-                self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
-
-    def cache(self, layer, seq, keys, values, positions):
-        self.recorder.cache(layer, self.sample_of_seq[seq], keys, values, positions)
-
-    def final(self, seq, h, logits, cell, tok):
-        r, c = cell
-        for rr, c0, c1, s, t0 in self.runs:
-            if rr == r and s == self.sample_of_seq[seq]:
-                c = t0 + c - c0
-        self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
-
-
-@dataclass
-class Call:
-    ids: torch.Tensor
-    mask: torch.Tensor
-    positions: torch.Tensor
-    segments: torch.Tensor | None
-    history: dict
-    samples: list  # trace sample of each sequence
-    runs: list
-    faults: Faults = Faults()
-
-
-def _rect(rows, positions, samples, side: str, pad_id: int, history=None):
-    """A padded rectangle of the given rows; side 'left' or 'right'."""
-    n = max(len(r) for r in rows)
-    B = len(rows)
-    ids = torch.full((B, n), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, n), dtype=torch.long)
-    pos = torch.zeros((B, n), dtype=torch.long)
-    for b, (row, p) in enumerate(zip(rows, positions)):
-        c0 = n - len(row) if side == "left" else 0
-        ids[b, c0:c0 + len(row)] = torch.tensor(row)
-        mask[b, c0:c0 + len(row)] = 1
-        pos[b, c0:c0 + len(row)] = torch.tensor(p)
-    runs = [(b, 0, n, samples[b], 0) for b in range(B)]
-    return Call(ids, mask, pos, None, history or {}, list(samples), runs)
-
-
-def _packed(rows, positions, samples, history=None):
-    ids = torch.tensor([[t for r in rows for t in r]])
-    pos = torch.tensor([[p for ps in positions for p in ps]])
-    seg = torch.tensor([[i for i, r in enumerate(rows) for _ in r]])
-    runs, at = [], 0
-    for i, r in enumerate(rows):  # cu_seqlens = cumulative lengths
-        runs.append((0, at, at + len(r), samples[i], 0))
-        at += len(r)
-    return Call(ids, torch.ones_like(ids), pos, seg, history or {}, list(samples), runs)
-
-
-def plan_calls(rows, positions, samples, batching: str, pad_id: int, history_of=None) -> list[Call]:
-    """Split the samples into prefill calls for one batching mode."""
-    history_of = history_of or {}
-    if batching == "unbatched":
-        return [_rect([r], [p], [s], "right", pad_id, {0: history_of[s]} if s in history_of else None)
-                for r, p, s in zip(rows, positions, samples)]
-    hist = {i: history_of[s] for i, s in enumerate(samples) if s in history_of}
-    if batching == "packed":
-        return [_packed(rows, positions, samples, hist)]
-    return [_rect(rows, positions, samples, batching, pad_id, hist)]
-
-
 def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
     """Why this fault cannot show on this model and these inputs (None if it can)."""
     if run.fault is None:
@@ -185,13 +110,14 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
     return None
 
 
-def _faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults:
+def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults:
+    """The execution faults of one call for the run's [fault] (contract §2.11)."""
     f = run.fault
     if f is None:
         return Faults()
     args = snapshot.args
     if f.name == "gqa-mapping":
-        hm = [h * args.n_kv_heads // args.n_heads for h in range(args.n_heads)]
+        hm = standard_head_map(args.n_heads, args.n_kv_heads)
         hm[0] = (hm[0] + 1) % args.n_kv_heads
         return Faults(head_map=tuple(hm))
     if f.name == "skip-kv":
@@ -203,7 +129,7 @@ def _faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Fault
         if f.sample not in call.samples:
             return Faults()
         tok = f.token % len(tokens[f.sample])
-        return Faults(skip_kv=(layer, call.samples.index(f.sample), tok))
+        return Faults(skip_kv=SkippedKV(layer=layer, seq=call.samples.index(f.sample), token=tok))
     return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
                   last_column=f.name == "last-column")
 
@@ -296,7 +222,7 @@ class Prepared:
 
     @property
     def n_cols(self) -> int:
-        return max(t0 + c1 - c0 for call in self.calls for _, c0, c1, _, t0 in call.runs)
+        return max(run.t0 + run.c1 - run.c0 for call in self.calls for run in call.runs)
 
 
 def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
@@ -309,14 +235,46 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     note = fault_note(run, snapshot, tokens)
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": note},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
-    torch.use_deterministic_algorithms(run.numerical.deterministic, warn_only=True)
+    set_deterministic(run.numerical.deterministic, compiling=run.numerical.compile)
     budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
     positions = sample_positions(side.inputs, tokens)
-    pad = side.inputs.pad_id
-    if pad is None:
-        tok = snapshot.tokenizer
-        pad = tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
-    from . import parallel
+    pad = _pad_id(side.inputs, snapshot)
+    tp = _tp_rank(run, snapshot)
+    check_request(tokens, positions, snapshot)  # §2.1 (1)-(3), once, on the request whatever the engine
+    rows, samples = [list(t) for t in tokens], list(range(len(tokens)))
+    if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank prepares
+        prep.calls = plan_calls(rows, positions, samples, run.batching, pad)
+    elif run.engine in ("transformers", "llama.cpp"):  # a foreign engine runs these calls
+        prep.calls = plan_calls(rows, positions, samples, run.batching, pad)
+        if run.engine == "llama.cpp":  # refuse what it cannot run before either side does any work
+            llamacpp_engine.check_supported(prep)
+            llamacpp_engine.load_library()
+    else:
+        _plan_native(prep, tp, positions, pad)
+    return prep
+
+
+def set_deterministic(mode: bool, compiling: bool) -> None:
+    """ATen's deterministic-algorithms flag (warnings, not errors, where an op has no deterministic kernel).
+
+    torch.use_deterministic_algorithms also sets inductor's flag, importing torch._inductor and
+    torch._dynamo (seconds of start-up on a busy machine, issue 18): only runs that compile need it.
+    """
+    if compiling:
+        torch.use_deterministic_algorithms(mode, warn_only=True)
+    else:
+        torch.set_deterministic_debug_mode("warn" if mode else "default")
+
+
+def _pad_id(inputs: Inputs, snapshot: Snapshot) -> int:
+    if inputs.pad_id is not None:
+        return inputs.pad_id
+    tok = snapshot.tokenizer
+    return tok.pad_id if tok is not None and getattr(tok, "pad_id", None) is not None else 0
+
+
+def _tp_rank(run: RunConfig, snapshot: Snapshot):
+    """This process's tensor-parallel context (None when it is not a rank), after checking the run's tp."""
     parallel.check_tp(run.tp, snapshot.args, engine=run.engine, source=snapshot.source, adapter=snapshot.adapter,
                       weight_quant=run.numerical.weight_quant, fault=None if run.fault is None else run.fault.name)
     tp = parallel.current() if run.tp > 1 else None
@@ -325,27 +283,18 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
                           "shard an eager model)")
     if tp is not None and tp.world != run.tp:
         raise ConfigError(f"this process is rank {tp.rank} of {tp.world}, but the run asks for tp={run.tp}")
-    if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank prepares
-        check_request(tokens, positions, snapshot)
-        prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
-        return prep
-    if run.engine in ("transformers", "llama.cpp"):  # a foreign engine runs these calls (hf_engine, llamacpp_engine)
-        check_request(tokens, positions, snapshot)
-        prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
-        if run.engine == "llama.cpp":  # refuse what it cannot run before either side does any work
-            from .llamacpp_engine import check_supported, load_library
-            check_supported(prep)
-            load_library()
-        return prep
-    check_request(tokens, positions, snapshot)
-    engine = Engine(snapshot, run.numerical, tp=tp)
-    contract.check_vocab(engine.model, snapshot.args.tokenizer_vocab_size)
-    contract.check_inference_mode(engine.model, run.numerical.dropout_seed)
+    return tp
+
+
+def _plan_native(prep: Prepared, tp, positions, pad: int) -> None:
+    """Our engine: build it, serve any reused prefixes, plan the calls and their faults."""
+    run, snapshot, tokens = prep.side.run, prep.snapshot, prep.tokens
+    engine = Engine(snapshot, run.numerical, tp=tp)  # checks §2.1(4) and (5) on the built model
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
     rows, pos, history = [list(t) for t in tokens], positions, {}
     if run.reuse is not None:
-        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, side.inputs.segments)
+        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, prep.side.inputs.segments)
         prep.record["reuse"] = outcomes
         restart = run.fault is not None and run.fault.name == "position-restart"
         for s, kv in history.items():
@@ -354,15 +303,13 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
             pos[s] = list(range(len(rows[s]))) if restart else pos[s][k:]
     prep.calls = plan_calls(rows, pos, list(range(len(tokens))), run.batching, pad, history)
     for call in prep.calls:
-        call.faults = _faults_for(run, snapshot, call, tokens)
-    return prep
+        call.faults = faults_for(run, snapshot, call, tokens)
 
 
 def execute(prep: Prepared, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
     if run.numerical.compile:  # compile every shape the calls will see, timed apart from the recorded run
-        from .compiled import warm_up
         prep.record["timing"] = {"compile_s": warm_up(prep)}
     t0 = time.perf_counter()
     gens = [prep.engine.steps(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,

@@ -154,7 +154,8 @@ def _write_numpy_trace(path, samples, rope="rotate-half"):
     """Exactly as the Recorder docstring says: meta with model.args and engine.dtype, then per sample its
     inputs, per layer every state and the cache, then the final outputs."""
     from prefill_diff.dumps import Recorder
-    from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
+    from prefill_diff.engine.sources import load_snapshot
+    from prefill_diff.engine.spec import ModelSpec
     snap = load_snapshot(ModelSpec())
     w = {k: v.numpy() for k, v in snap.state.items()}
     a = snap.args

@@ -10,7 +10,10 @@ from conftest import Capture, padded
 from prefill_diff.engine.errors import MaskError, PreconditionError
 from prefill_diff.engine.model import MODEL_PRESETS
 from prefill_diff.engine.prefill import CacheConfig, Engine, Faults, NumericalConfig, prefill
-from prefill_diff.engine.snapshot import ModelSpec, Snapshot, load_snapshot, synthetic_state
+from prefill_diff.engine.snapshot import Snapshot
+from prefill_diff.engine.sources import load_snapshot
+from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.synthetic import synthetic_state
 
 
 def naive_prefill(state, args, tokens, positions):
@@ -224,8 +227,9 @@ def test_cache_invariants_2_3_and_5_can_fail(snap, prompts, kind):
     cache.metadata["rope"] = rope
     # a slot that attention read now maps to another position: swap sequence 0's first two slots
     if kind == "contiguous":
-        kd, ks, vd, vs, p = cache.store.chunks[(0, 0)][0]
-        cache.store.chunks[(0, 0)][0] = (kd, ks, vd, vs, p[[1, 0, *range(2, p.shape[0])]])
+        chunk = cache.store.chunks[(0, 0)][0]
+        p = chunk.positions
+        cache.store.chunks[(0, 0)][0] = chunk._replace(positions=p[[1, 0, *range(2, p.shape[0])]])
     else:
         table = cache.store.tables[0]
         table[0], table[1] = table[1], table[0]

@@ -9,7 +9,8 @@ from conftest import Capture, padded
 from prefill_diff.engine.hub import hf_state_dict
 from prefill_diff.engine.model import ModelArgs
 from prefill_diff.engine.prefill import Engine, NumericalConfig
-from prefill_diff.engine.snapshot import Snapshot, synthetic_state
+from prefill_diff.engine.snapshot import Snapshot
+from prefill_diff.engine.synthetic import synthetic_state
 
 
 ARGS = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, hidden_dim=160, vocab_size=128,

@@ -10,7 +10,8 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS, Inputs
-from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
+from prefill_diff.engine.sources import load_snapshot
+from prefill_diff.engine.spec import ModelSpec
 from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 

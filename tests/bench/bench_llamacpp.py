@@ -58,7 +58,8 @@ def run(smoke: bool = False) -> dict:
     from prefill_diff.engine import llamacpp_engine as lce
     from prefill_diff.engine.config import Inputs, load_side
     from prefill_diff.engine.runner import prepare
-    from prefill_diff.engine.snapshot import ModelSpec, load_snapshot
+    from prefill_diff.engine.sources import load_snapshot
+    from prefill_diff.engine.spec import ModelSpec
 
     cfg_ = SMOKE if smoke else FULL
     spec = ModelSpec(cfg_["model"])

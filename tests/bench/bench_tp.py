@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from prefill_diff.engine.config import Inputs
-from prefill_diff.engine.snapshot import ModelSpec
+from prefill_diff.engine.spec import ModelSpec
 from prefill_diff.cli.recording import prepare_side, record_side
 
 MEDIUM = ModelSpec("synthetic", 0, tuple(sorted(dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,

@@ -1,0 +1,97 @@
+"""Prefill calls and where their cells land in the trace.
+
+A run is a list of ``Call``s (one per prefill the engine makes). Each call's ``runs`` map its rows
+and columns onto the trace's (sample, column): one trace row per sample, columns as the engine laid
+them out (padding kept visible). ``Placement`` is the recorder an engine writes a call through: it
+takes the call's coordinates and hands the trace recorder the samples'.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .coords import TraceRun
+from .faults import Faults
+from .recording import TraceRecorder
+
+
+class Placement:
+    """Maps one call's (row, column) and sequences onto trace (sample, column)."""
+
+    def __init__(self, recorder: TraceRecorder, runs: list[TraceRun], sample_of_seq: list[int]):
+        self.recorder = recorder
+        self.runs = runs
+        self.sample_of_seq = sample_of_seq
+
+    def inputs(self, ids, valid, positions, tok, seq):
+        for r, c0, c1, s, t0 in self.runs:
+            self.recorder.inputs(s, t0, ids[r, c0:c1], valid[r, c0:c1], positions[r, c0:c1], tok[r, c0:c1])
+
+    def state(self, layer, name, x, col_start):
+        width = x.shape[1]
+        for r, c0, c1, s, t0 in self.runs:
+            a, b = max(c0, col_start), min(c1, col_start + width)
+            if a < b:
+                self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
+
+    def cache(self, layer, seq, keys, values, positions):
+        self.recorder.cache(layer, self.sample_of_seq[seq], keys, values, positions)
+
+    def final(self, seq, h, logits, cell, tok):
+        r, c = cell
+        for rr, c0, c1, s, t0 in self.runs:
+            if rr == r and s == self.sample_of_seq[seq]:
+                c = t0 + c - c0
+        self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
+
+
+@dataclass
+class Call:
+    ids: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    segments: torch.Tensor | None
+    history: dict
+    samples: list  # trace sample of each sequence
+    runs: list[TraceRun]
+    faults: Faults = Faults()
+
+
+def _rect(rows, positions, samples, side: str, pad_id: int, history=None):
+    """A padded rectangle of the given rows; side 'left' or 'right'."""
+    n = max(len(r) for r in rows)
+    B = len(rows)
+    ids = torch.full((B, n), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, n), dtype=torch.long)
+    pos = torch.zeros((B, n), dtype=torch.long)
+    for b, (row, p) in enumerate(zip(rows, positions)):
+        c0 = n - len(row) if side == "left" else 0
+        ids[b, c0:c0 + len(row)] = torch.tensor(row)
+        mask[b, c0:c0 + len(row)] = 1
+        pos[b, c0:c0 + len(row)] = torch.tensor(p)
+    runs = [TraceRun(row=b, c0=0, c1=n, sample=samples[b], t0=0) for b in range(B)]
+    return Call(ids, mask, pos, None, history or {}, list(samples), runs)
+
+
+def _packed(rows, positions, samples, history=None):
+    ids = torch.tensor([[t for r in rows for t in r]])
+    pos = torch.tensor([[p for ps in positions for p in ps]])
+    seg = torch.tensor([[i for i, r in enumerate(rows) for _ in r]])
+    runs, at = [], 0
+    for i, r in enumerate(rows):  # cu_seqlens = cumulative lengths
+        runs.append(TraceRun(row=0, c0=at, c1=at + len(r), sample=samples[i], t0=0))
+        at += len(r)
+    return Call(ids, torch.ones_like(ids), pos, seg, history or {}, list(samples), runs)
+
+
+def plan_calls(rows, positions, samples, batching: str, pad_id: int, history_of=None) -> list[Call]:
+    """Split the samples into prefill calls for one batching mode."""
+    history_of = history_of or {}
+    if batching == "unbatched":
+        return [_rect([r], [p], [s], "right", pad_id, {0: history_of[s]} if s in history_of else None)
+                for r, p, s in zip(rows, positions, samples)]
+    hist = {i: history_of[s] for i, s in enumerate(samples) if s in history_of}
+    if batching == "packed":
+        return [_packed(rows, positions, samples, hist)]
+    return [_rect(rows, positions, samples, batching, pad_id, hist)]

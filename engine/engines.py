@@ -1,0 +1,64 @@
+"""One interface to every engine: run a prepared side into a recorder, layer by layer.
+
+``execute`` picks the engine the run names (native, transformers, llama.cpp) and drives it; what a
+trace must say about the run (``trace_meta``, ``repro_record``) and the token texts a report shows
+(``token_texts``) are read here from the engine's objects, so the trace package needs no torch.
+"""
+from __future__ import annotations
+
+import platform
+
+import h5py
+import numpy as np
+import torch
+
+from . import hf_engine, llamacpp_engine, runner
+from .config import describe
+from .model import rope_inv_freq
+from .recording import TraceRecorder
+from .runner import Prepared
+
+ENGINES = {"native": runner.execute, "transformers": hf_engine.execute, "llama.cpp": llamacpp_engine.execute}
+
+
+def execute(prep: Prepared, recorder: TraceRecorder):
+    """Run ``prep`` into ``recorder``: a generator yielding each completed layer index; returns the run record."""
+    return (yield from ENGINES.get(prep.side.run.engine, runner.execute)(prep, recorder))
+
+
+def repro_record(numerical: dict) -> dict:
+    """What makes a run reproducible besides model and inputs (seed §2.10)."""
+    return {"torch": torch.__version__, "numpy": np.__version__, "h5py": h5py.__version__,
+            "hdf5": h5py.version.hdf5_version, "python": platform.python_version(),
+            "platform": platform.platform(), "device": "cpu", "threads": torch.get_num_threads(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "nondeterministic_reductions_allowed": not numerical.get("deterministic", True)}
+
+
+def trace_meta(prep: Prepared) -> dict:
+    """The trace's meta attribute for a prepared side."""
+    snap, side = prep.snapshot, prep.side
+    run = side.run
+    layout = run.cache.layout.resolved(run.numerical.dtype).as_dict()
+    return {
+        "model": {"source": snap.source, "spec": side.model.describe(), "args": snap.args.as_dict(),
+                  "weights_digest": snap.weights_digest,
+                  "adapter": None if snap.adapter is None else snap.adapter.identity(),
+                  "rope_inv_freq": rope_inv_freq(snap.args).tolist()},
+        "side": describe(side),
+        "engine": {"name": run.engine, "kernel": run.numerical.kernel, "dtype": run.numerical.dtype,
+                   "batching": run.batching, "chunk_size": run.cache.chunk_size},
+        "layout": layout,
+        "texts": list(prep.texts) if prep.texts else None,
+        "repro": repro_record(run.as_dict()["numerical"]),
+        "tolerance": None,
+        "record": dict(prep.record),  # what is known before the run; completed when it ends
+    }
+
+
+def token_texts(prep: Prepared, ids) -> dict | None:
+    """Each distinct token id's text under the model's tokenizer (None when the model has none)."""
+    tok = prep.snapshot.tokenizer
+    if tok is None:
+        return None
+    return {str(i): tok.decode([int(i)]) for i in sorted(set(int(t) for t in ids))}

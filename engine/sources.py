@@ -1,0 +1,56 @@
+"""Where snapshots come from: the built-in synthetic models, Hugging Face directories, GGUF files.
+
+``load_snapshot`` resolves a ModelSpec to a Snapshot and keeps the last one loaded, so the sides of
+a comparison that name the same model share its weights.
+"""
+from __future__ import annotations
+
+from . import budget
+from .adapters import seeded_adapter
+from .errors import ConfigError
+from .gguf_loader import load_gguf, smollm2_path
+from .hub import load_hf_dir
+from .model import MODEL_PRESETS
+from .snapshot import Snapshot
+from .spec import ModelSpec
+from .synthetic import synthetic_state
+
+_CACHE: dict[ModelSpec, Snapshot] = {}
+
+
+def load_snapshot(spec: ModelSpec) -> Snapshot:
+    """Resolve a model spec to a snapshot; loaded once per process."""
+    if spec not in _CACHE:
+        _CACHE.clear()  # keep one model's weights in memory, not every model ever asked for
+        _CACHE[spec] = _load(spec)
+    return _CACHE[spec]
+
+
+def _load(spec: ModelSpec) -> Snapshot:
+    snap = _load_source(spec)
+    if spec.adapter:
+        a = dict(spec.adapter)
+        unknown = sorted(set(a) - {"id", "rank", "seed", "scale"})
+        if unknown:
+            raise ConfigError(f"unknown adapter keys {unknown} (known: id, rank, seed, scale)")
+        if int(a.get("rank", 4)) < 1:
+            raise ConfigError(f"adapter rank must be a positive integer (got rank={a.get('rank')})")
+        snap = snap.with_adapter(seeded_adapter(snap.args, str(a.get("id", "lora")), int(a.get("rank", 4)),
+                                                int(a.get("seed", 1)), float(a.get("scale", 1.0))))
+    return snap
+
+
+def _load_source(spec: ModelSpec) -> Snapshot:
+    src = spec.source
+    if src in MODEL_PRESETS:
+        args = MODEL_PRESETS[src].replace(**dict(spec.overrides)) if spec.overrides else MODEL_PRESETS[src]
+        budget.check_model(args, src)  # before a single weight is allocated
+        return Snapshot(src, args, synthetic_state(args, spec.seed))
+    if not (src.startswith(("hf:", "gguf:")) or src == "smollm2"):
+        raise ConfigError("model source must be one of synthetic, seed-2.8, hf:<dir>, gguf:<file>, smollm2 "
+                          f"(got {src!r})")
+    if spec.overrides:
+        raise ConfigError(f"model size overrides apply to synthetic models only (source {src!r})")
+    if src.startswith("hf:"):
+        return load_hf_dir(src[3:])
+    return load_gguf(smollm2_path() if src == "smollm2" else src[5:], src)
