@@ -141,14 +141,14 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
     dt = np.result_type(r.dtype, c.dtype, np.float32)
     if r.dtype != dt or c.dtype != dt:
         r, c = r.astype(dt), c.astype(dt)
-    T, W = r.shape
-    d = _buf("d", (T, W), dt)
+    W = r.shape[1]
+    d = _buf("d", r.shape, dt)
     s = _pass(r, c, d)
     if not np.isfinite(s.gmax):  # again, on the finite elements only (the others zeroed on both sides)
         r, c = _finite_part(r, c, p, equal_nan, sample, toks)
         s = _pass(r, c, d)
     gmax = s.gmax
-    a, rt, nt = tol.atol, tol.rtol, tol.ntol
+    a, nt = tol.atol, tol.ntol
     rr, dd = s.rr, s.dd
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below and handled
         p.sum_abs = float(s.dsum.sum(dtype=np.float64))
@@ -173,10 +173,17 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
         p.min_atol = max(0.0, gmax - nt * rms_min)
         p.min_ntol = (gmax - a) / rms_min if gmax > a else 0.0
         return p
-    # screen row by row: a row passes for sure if its largest error is within atol + ntol·rms
+    _screen(p, d, r, rms, row_rel, tol, sample, toks, heads)
+    return p
+
+
+def _screen(p: Partial, d, r, rms, row_rel, tol, sample, toks, heads) -> None:
+    """Row by row: a row passes for sure if its largest error is within atol + ntol·rms, or by the row rule;
+    the element rule is evaluated exactly on the others."""
+    a, nt = tol.atol, tol.ntol
     dmax = d.max(axis=1)
     by_elem = dmax <= a + nt * rms
-    whole = row_rel <= tol.row_rtol if tol.row_rtol > 0 else np.zeros(T, dtype=bool)
+    whole = row_rel <= tol.row_rtol if tol.row_rtol > 0 else np.zeros(d.shape[0], dtype=bool)
     if by_elem.any():
         p.min_atol = max(0.0, float((dmax - nt * rms)[by_elem].max()))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -185,7 +192,6 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
     cleared = by_elem | whole
     if not cleared.all():
         _exact(p, np.flatnonzero(~cleared), d, r, rms, row_rel, whole, tol, sample, toks, heads)
-    return p
 
 
 def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
