@@ -100,18 +100,19 @@ class _Rows(NamedTuple):
     qmin: float
 
 
-def _pass(r: np.ndarray, c: np.ndarray, d: np.ndarray) -> _Rows:
-    """d = |c - r| and every sum the metrics need, block by block so that each block stays in cache.
+def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
+    """Every sum and extreme the metrics need, block by block so that each block stays in cache.
 
     Each block of rows (BLOCK_BYTES per operand) is read from memory once, by the subtraction; the
-    other nine numpy calls on it find it in the CPU cache. Row sums are dot products, one row each
+    other nine numpy calls on it find it in the CPU cache, and |c - r| is kept only for the block
+    (written to memory, it would double the traffic). Row sums are dot products, one row each
     (np.vecdot): no threaded BLAS call on a whole slab, which on a loaded 2-core machine waits for a
     busy core (it made slabs three times slower).
     """
     T, W = r.shape
     dt = r.dtype
     rows = max(1, min(T, BLOCK_BYTES // (W * dt.itemsize)))
-    q = _buf("q", (rows, W), dt)
+    d, q = _buf("db", (rows, W), dt), _buf("q", (rows, W), dt)
     rr, dd, cc, dsum = (_buf(k, (T,), dt) for k in ("rr", "dd", "cc", "dsum"))
     n_blocks = -(-T // rows)
     hi, qhi, qlo = (_buf(k, (n_blocks,), dt) for k in ("hi", "qhi", "qlo"))
@@ -119,7 +120,7 @@ def _pass(r: np.ndarray, c: np.ndarray, d: np.ndarray) -> _Rows:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for k, i in enumerate(range(0, T, rows)):
             j = min(i + rows, T)
-            rb, cb, db, qb = r[i:j], c[i:j], d[i:j], q[:j - i]
+            rb, cb, db, qb = r[i:j], c[i:j], d[:j - i], q[:j - i]
             np.subtract(cb, rb, out=db)  # inf - inf -> nan, 3e38 - -3e38 -> inf: the caller handles both
             np.divide(db, rb, out=qb)  # signed relative error; 0/0 -> nan, x/0 -> ±inf
             np.vecdot(db, db, out=dd[i:j])
@@ -142,11 +143,10 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
     if r.dtype != dt or c.dtype != dt:
         r, c = r.astype(dt), c.astype(dt)
     W = r.shape[1]
-    d = _buf("d", r.shape, dt)
-    s = _pass(r, c, d)
+    s = _pass(r, c)
     if not np.isfinite(s.gmax):  # again, on the finite elements only (the others zeroed on both sides)
         r, c = _finite_part(r, c, p, equal_nan, sample, toks)
-        s = _pass(r, c, d)
+        s = _pass(r, c)
     gmax = s.gmax
     a, nt = tol.atol, tol.ntol
     rr, dd = s.rr, s.dd
@@ -155,7 +155,7 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
         rr_sum, dd_sum = float(rr.sum(dtype=np.float64)), float(dd.sum(dtype=np.float64))
         p.rr, p.cc = rr_sum, float(s.cc.sum(dtype=np.float64))
         p.rc = (p.rr + p.cc - dd_sum) / 2  # ||c - r||² = ||c||² + ||r||² - 2<r, c>
-    p.n = d.size
+    p.n = r.size
     p.max_abs = gmax
     if not _scaled and not all(np.isfinite((rr_sum, dd_sum, p.cc, p.sum_abs))):
         return _rescaled(p, r, c, tol, equal_nan, sample, toks, heads)
@@ -173,14 +173,18 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
         p.min_atol = max(0.0, gmax - nt * rms_min)
         p.min_ntol = (gmax - a) / rms_min if gmax > a else 0.0
         return p
-    _screen(p, d, r, rms, row_rel, tol, sample, toks, heads)
+    _screen(p, r, c, rms, row_rel, tol, sample, toks, heads)
     return p
 
 
-def _screen(p: Partial, d, r, rms, row_rel, tol, sample, toks, heads) -> None:
+def _screen(p: Partial, r, c, rms, row_rel, tol, sample, toks, heads) -> None:
     """Row by row: a row passes for sure if its largest error is within atol + ntol·rms, or by the row rule;
     the element rule is evaluated exactly on the others."""
     a, nt = tol.atol, tol.ntol
+    d = _buf("d", r.shape, r.dtype)  # |c - r| again, whole (a slab that is not cleared at once is rare)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(c, r, out=d)
+    np.abs(d, out=d)
     dmax = d.max(axis=1)
     by_elem = dmax <= a + nt * rms
     whole = row_rel <= tol.row_rtol if tol.row_rtol > 0 else np.zeros(d.shape[0], dtype=bool)
