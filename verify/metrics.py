@@ -16,6 +16,7 @@ slab's dtype, then added in float64.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -23,19 +24,19 @@ from typing import NamedTuple
 import numpy as np
 
 _local = threading.local()
-BLOCK_BYTES = 128 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
+BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
 
 
 def _buf(name: str, shape, dtype) -> np.ndarray:
     """A per-thread scratch buffer, reused across slabs (no page faults per slab)."""
-    key = (name, np.dtype(dtype).str)
+    dtype = np.dtype(dtype)
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
-    b = bufs.get(key)
-    size = int(np.prod(shape))
+    b = bufs.get((name, dtype))
+    size = math.prod(shape)
     if b is None or b.size < size:
-        b = bufs[key] = np.empty(max(size, 1), dtype=dtype)
+        b = bufs[(name, dtype)] = np.empty(max(size, 1), dtype=dtype)
     return b[:size].reshape(shape)
 
 
@@ -125,7 +126,8 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
             np.divide(db, rb, out=qb)  # signed relative error; 0/0 -> nan, x/0 -> ±inf
             np.vecdot(db, db, out=dd[i:j])
             np.abs(db, out=db)
-            hi[k], qhi[k], qlo[k] = db.max(), np.fmax.reduce(qb, axis=None), np.fmin.reduce(qb, axis=None)
+            hi[k] = np.maximum.reduce(db, axis=None)
+            qhi[k], qlo[k] = np.fmax.reduce(qb, axis=None), np.fmin.reduce(qb, axis=None)
             np.vecdot(db, ones, out=dsum[i:j])
             np.vecdot(rb, rb, out=rr[i:j])
             np.vecdot(cb, cb, out=cc[i:j])
