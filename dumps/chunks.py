@@ -26,8 +26,8 @@ from typing import NamedTuple
 import h5py
 import numpy as np
 
-# Datasets whose rows are read directly: a state (S, C, W) or a cache tensor (S, H, T, D). The
-# statistics and inputs are small and read whole by h5py.
+# The comparison reads rows of states (S, C, W) and cache tensors (S, H, T, D); a 1-D dataset's
+# "rows" are single values, not worth a system call each.
 MIN_RANK = 2
 PROBE = 64  # values of a first row read both ways before a file's first direct read
 
