@@ -87,10 +87,20 @@ def pure_read(paths) -> int:
     return n
 
 
-def evict(paths) -> float:
+def evict(paths, tries: int = 3) -> float:
     """Drop the files from the page cache (posix_fadvise DONTNEED: no root needed for files one can open;
-    dirty pages are written first). Returns the fraction of sampled pages that are then not cached,
-    probed with preadv(RWF_NOWAIT), which fails instead of reading from disk."""
+    dirty pages are written first, and pages still under writeback stay, hence a few tries). Returns the
+    fraction of sampled pages that are then not cached, probed with preadv(RWF_NOWAIT), which fails
+    instead of reading from disk."""
+    cold = 0.0
+    for _ in range(tries):
+        cold = _evict_once(paths)
+        if cold == 1.0:
+            break
+    return cold
+
+
+def _evict_once(paths) -> float:
     cold = probed = 0
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
