@@ -15,6 +15,7 @@ import numpy as np
 
 from ..engine.errors import PrefillDiffError
 from ..engine.untrusted import regular_file, visible
+from .chunks import ChunkReader
 from .metacheck import MetaError, check_meta, check_meta_against_file
 from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
                      STAT_COLUMNS, STATES, layer_group)
@@ -259,11 +260,16 @@ class Trace:
         """
         buf = _row_buffer(slot, ds.shape[1:], ds.dtype)
         try:
-            ds.read_direct(buf, np.s_[index])
+            if not self._chunks.read_row(ds, index, buf):  # uncompressed rows of a checked file: os.preadv
+                ds.read_direct(buf, np.s_[index])
         except _DAMAGE as e:
             raise TraceError(f"{self.name}: cannot read {ds.name} (corrupt data: {str(e).splitlines()[0][:120]})") \
                 from None
         return buf
+
+    @cached_property
+    def _chunks(self) -> ChunkReader:  # made on the first row read, after _check passed
+        return ChunkReader(self.f, enabled=not self._built_here, why="a view built over rank files")
 
     def _check(self):
         if not self._built_here:  # a file we did not build ourselves: nothing outside it is followed

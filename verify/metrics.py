@@ -1,37 +1,42 @@
-"""Error metrics of one slab of aligned rows, in few passes over reused buffers.
+"""Error metrics of one slab of aligned rows, in one blocked pass over reused buffers.
 
-A slab is (T, W): T rows (one per aligned position) of width W. Per slab, every element is
-touched about ten times (subtract, abs, row max, three row dot products, sum, |ref|, ratio,
-max) into preallocated buffers; the element-wise tolerance bound is only evaluated exactly on
-rows that a cheap screen cannot clear:
+A slab is (T, W): T rows (one per aligned position) of width W. The slab is read from memory
+once, a block of rows at a time; on each block, while it is in the CPU cache, numpy computes
+|c - r|, the signed relative error, their extremes and the per-row sums (squares of r, c and
+c - r, sum of |c - r|), all into preallocated buffers. The element-wise tolerance bound is only
+evaluated exactly on rows that a cheap screen cannot clear:
 
     a row passes for sure when  max_i |d_i| <= atol + ntol·rms(ref row)   (rtol·|ref| >= 0)
                           or when ||d|| <= row_rtol·||ref||                (the row rule)
 
 so a passing comparison costs little more than a bare ``abs(a - b).max()``. For rows cleared
 by the screen, ``min_atol`` and ``min_ntol`` are upper bounds (still passing values, maybe not
-the smallest); on rows checked exactly they are exact.
+the smallest); on rows checked exactly they are exact. Sums of squares are per row in the
+slab's dtype, then added in float64.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
 _local = threading.local()
+BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
 
 
 def _buf(name: str, shape, dtype) -> np.ndarray:
     """A per-thread scratch buffer, reused across slabs (no page faults per slab)."""
-    key = (name, np.dtype(dtype).str)
+    dtype = np.dtype(dtype)
     bufs = getattr(_local, "bufs", None)
     if bufs is None:
         bufs = _local.bufs = {}
-    b = bufs.get(key)
-    size = int(np.prod(shape))
+    b = bufs.get((name, dtype))
+    size = math.prod(shape)
     if b is None or b.size < size:
-        b = bufs[key] = np.empty(max(size, 1), dtype=dtype)
+        b = bufs[(name, dtype)] = np.empty(max(size, 1), dtype=dtype)
     return b[:size].reshape(shape)
 
 
@@ -39,15 +44,11 @@ _ONES: dict = {}
 
 
 def _ones(n: int, dtype) -> np.ndarray:
+    """n ones, kept (row sums as dot products)."""
     key = (n, np.dtype(dtype).str)
     if key not in _ONES:
         _ONES[key] = np.ones(n, dtype=dtype)
     return _ONES[key]
-
-
-def _row_dots(x: np.ndarray) -> np.ndarray:
-    """Squared norm of every row, as one batched BLAS call: (T, W) -> (T,)."""
-    return np.matmul(x[:, None, :], x[:, :, None]).reshape(-1)
 
 
 @dataclass
@@ -89,6 +90,51 @@ class Partial:
             self.head_bad = o.head_bad if self.head_bad is None else (self.head_bad | o.head_bad)
 
 
+class _Rows(NamedTuple):
+    """What one pass over a slab gives: per-row sums (views into reused per-thread buffers) and extremes."""
+    rr: np.ndarray  # squared norm of each reference row
+    dd: np.ndarray  # of each row of c - r
+    cc: np.ndarray  # of each candidate row
+    dsum: np.ndarray  # sum of |c - r| over each row
+    gmax: float  # largest |c - r| (NaN or inf if the slab holds one)
+    qmax: float  # largest and smallest signed relative error (c - r) / r, NaN ignored
+    qmin: float
+
+
+def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
+    """Every sum and extreme the metrics need, block by block so that each block stays in cache.
+
+    Each block of rows (BLOCK_BYTES per operand) is read from memory once, by the subtraction; the
+    other nine numpy calls on it find it in the CPU cache, and |c - r| is kept only for the block
+    (written to memory, it would double the traffic). Row sums are dot products, one row each
+    (np.vecdot): no threaded BLAS call on a whole slab, which on a loaded 2-core machine waits for a
+    busy core (it made slabs three times slower).
+    """
+    T, W = r.shape
+    dt = r.dtype
+    rows = max(1, min(T, BLOCK_BYTES // (W * dt.itemsize)))
+    d, q = _buf("db", (rows, W), dt), _buf("q", (rows, W), dt)
+    rr, dd, cc, dsum = (_buf(k, (T,), dt) for k in ("rr", "dd", "cc", "dsum"))
+    n_blocks = -(-T // rows)
+    hi, qhi, qlo = (_buf(k, (n_blocks,), dt) for k in ("hi", "qhi", "qlo"))
+    ones = _ones(W, dt)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for k, i in enumerate(range(0, T, rows)):
+            j = min(i + rows, T)
+            rb, cb, db, qb = r[i:j], c[i:j], d[:j - i], q[:j - i]
+            np.subtract(cb, rb, out=db)  # inf - inf -> nan, 3e38 - -3e38 -> inf: the caller handles both
+            np.divide(db, rb, out=qb)  # signed relative error; 0/0 -> nan, x/0 -> ±inf
+            np.vecdot(db, db, out=dd[i:j])
+            np.abs(db, out=db)
+            hi[k] = np.maximum.reduce(db, axis=None)
+            qhi[k], qlo[k] = np.fmax.reduce(qb, axis=None), np.fmin.reduce(qb, axis=None)
+            np.vecdot(db, ones, out=dsum[i:j])
+            np.vecdot(rb, rb, out=rr[i:j])
+            np.vecdot(cb, cb, out=cc[i:j])
+    return _Rows(rr=rr, dd=dd, cc=cc, dsum=dsum, gmax=float(hi.max()), qmax=float(np.fmax.reduce(qhi)),
+                 qmin=float(np.fmin.reduce(qlo)))
+
+
 def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: np.ndarray,
          heads: int | None = None, _scaled: bool = False) -> Partial:
     """Metrics of aligned rows r (reference) and c (candidate), (T, W)."""
@@ -98,29 +144,20 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
     dt = np.result_type(r.dtype, c.dtype, np.float32)
     if r.dtype != dt or c.dtype != dt:
         r, c = r.astype(dt), c.astype(dt)
-    T, W = r.shape
-    d = _buf("d", (T, W), dt)
-    q = _buf("q", (T, W), dt)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        np.subtract(c, r, out=d)  # inf - inf -> nan, 3e38 - -3e38 -> inf: both handled below
-        np.divide(d, r, out=q)  # signed relative error; |q| = |d| / |r|; 0/0 -> nan, x/0 -> ±inf
-    np.abs(d, out=d)
-    gmax = float(d.max())
-    if not np.isfinite(gmax):
-        r, c, d = _finite_part(r, c, d, p, equal_nan, sample, toks)
-        gmax = float(d.max())
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            q = d / np.abs(r)  # on the finite elements only (the others were zeroed)
-    a, rt, nt = tol.atol, tol.rtol, tol.ntol
+    W = r.shape[1]
+    s = _pass(r, c)
+    if not np.isfinite(s.gmax):  # again, on the finite elements only (the others zeroed on both sides)
+        r, c = _finite_part(r, c, p, equal_nan, sample, toks)
+        s = _pass(r, c)
+    gmax = s.gmax
+    a, nt = tol.atol, tol.ntol
+    rr, dd = s.rr, s.dd
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is detected below and handled
-        rr = _row_dots(r)  # (T,) squared row norms, one BLAS call
-        dd = _row_dots(d)
-        p.sum_abs = float(np.dot(d @ _ones(W, dt), _ones(T, dt)))
+        p.sum_abs = float(s.dsum.sum(dtype=np.float64))
         rr_sum, dd_sum = float(rr.sum(dtype=np.float64)), float(dd.sum(dtype=np.float64))
-        flat_c = c.reshape(-1)
-        p.rr, p.cc = rr_sum, float(np.dot(flat_c, flat_c))
+        p.rr, p.cc = rr_sum, float(s.cc.sum(dtype=np.float64))
         p.rc = (p.rr + p.cc - dd_sum) / 2  # ||c - r||² = ||c||² + ||r||² - 2<r, c>
-    p.n = d.size
+    p.n = r.size
     p.max_abs = gmax
     if not _scaled and not all(np.isfinite((rr_sum, dd_sum, p.cc, p.sum_abs))):
         return _rescaled(p, r, c, tol, equal_nan, sample, toks, heads)
@@ -131,17 +168,28 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         row_rel = np.sqrt(dd) / np.sqrt(rr)  # 0/0 -> nan (an all-zero row equal on both sides), x/0 -> inf
     p.max_row_rel = float(np.fmax.reduce(row_rel))
-    p.max_rel = max(float(np.fmax.reduce(q, axis=None)), -float(np.fmin.reduce(q, axis=None)))
+    p.max_rel = max(s.qmax, -s.qmin)
     rms = np.sqrt(rr / W)
     rms_min = float(rms.min())
     if gmax <= a + nt * rms_min:  # every row passes: the largest error is within the smallest row's bound
         p.min_atol = max(0.0, gmax - nt * rms_min)
         p.min_ntol = (gmax - a) / rms_min if gmax > a else 0.0
         return p
-    # screen row by row: a row passes for sure if its largest error is within atol + ntol·rms
+    _screen(p, r, c, rms, row_rel, tol, sample, toks, heads)
+    return p
+
+
+def _screen(p: Partial, r, c, rms, row_rel, tol, sample, toks, heads) -> None:
+    """Row by row: a row passes for sure if its largest error is within atol + ntol·rms, or by the row rule;
+    the element rule is evaluated exactly on the others."""
+    a, nt = tol.atol, tol.ntol
+    d = _buf("d", r.shape, r.dtype)  # |c - r| again, whole (a slab that is not cleared at once is rare)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(c, r, out=d)
+    np.abs(d, out=d)
     dmax = d.max(axis=1)
     by_elem = dmax <= a + nt * rms
-    whole = row_rel <= tol.row_rtol if tol.row_rtol > 0 else np.zeros(T, dtype=bool)
+    whole = row_rel <= tol.row_rtol if tol.row_rtol > 0 else np.zeros(d.shape[0], dtype=bool)
     if by_elem.any():
         p.min_atol = max(0.0, float((dmax - nt * rms)[by_elem].max()))
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -149,8 +197,7 @@ def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: 
         p.min_ntol = float(np.fmax.reduce(np.where(np.isnan(need_n), np.inf, need_n)))
     cleared = by_elem | whole
     if not cleared.all():
-        _exact(p, np.flatnonzero(~cleared), d, np.abs(r), rms, row_rel, whole, tol, sample, toks, heads)
-    return p
+        _exact(p, np.flatnonzero(~cleared), d, r, rms, row_rel, whole, tol, sample, toks, heads)
 
 
 def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
@@ -177,7 +224,7 @@ def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
     return q
 
 
-def _finite_part(r, c, d, p: Partial, equal_nan: bool, sample: int, toks):
+def _finite_part(r, c, p: Partial, equal_nan: bool, sample: int, toks):
     """Count finite-mask differences; return the slab with non-finite elements zeroed."""
     fr, fc = np.isfinite(r), np.isfinite(c)
     both = ~fr & ~fc
@@ -189,13 +236,13 @@ def _finite_part(r, c, d, p: Partial, equal_nan: bool, sample: int, toks):
     ok = fr & fc
     if (~ok).any():
         p.bad_samples.setdefault(sample, int(toks[int(np.argmax((~ok).any(axis=1)))]))
-    return np.where(ok, r, 0), np.where(ok, c, 0), np.where(ok, d, 0)
+    return np.where(ok, r, 0), np.where(ok, c, 0)
 
 
-def _exact(p: Partial, rows, d, ar, rms, row_rel, whole, tol, sample, toks, heads):
+def _exact(p: Partial, rows, d, r, rms, row_rel, whole, tol, sample, toks, heads):
     """The element rule on the rows the screen could not clear (rows accepted by row_rtol are counted)."""
     a, rt, nt = tol.atol, tol.rtol, tol.ntol
-    d, ar, rms_r = d[rows], ar[rows], rms[rows][:, None]
+    d, ar, rms_r = d[rows], np.abs(r[rows]), rms[rows][:, None]
     slack = d - rt * ar - nt * rms_r  # > atol: the element rule fails
     elem_bad = (slack > a).any(axis=1)
     if elem_bad.any():

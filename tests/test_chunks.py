@@ -1,0 +1,266 @@
+"""dumps/chunks.py: rows read straight from the file equal h5py's reads, and every file or dataset that is
+not plainly ours (compressed, crafted chunk index, big-endian, virtual, open for writing) goes to h5py."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from prefill_diff.dumps.chunks import ChunkReader, Refused, RowPlan
+from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.dumps.recorder import Recorder
+from prefill_diff.verify.report import compare_traces
+
+S, C, W, H, D, L = 3, 12, 16, 2, 4, 2
+STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")
+
+
+def record(path, level="full", compression=None, noise=0.0, seed=0):
+    """A small trace through the public Recorder, random values (each row differs from every other)."""
+    rng = np.random.default_rng(seed)
+    meta = {"model": {"args": {"dim": W, "n_layers": L, "n_heads": H, "n_kv_heads": H, "head_dim": D,
+                               "vocab_size": 32}}, "engine": {"dtype": "float32"}}
+    with Recorder(path, level, force=True, compression=compression, sample_tokens=4, sample_channels=8) as rec:
+        rec.begin([list(range(1, C + 1))] * S, C, meta)
+        for s in range(S):
+            rec.inputs(s, 0, np.arange(1, C + 1), np.ones(C), np.arange(C), np.arange(C))
+        for layer in range(L):
+            for name in STATES:
+                for s in range(S):
+                    x = np.random.default_rng(1000 * layer + 10 * s + STATES.index(name)).standard_normal(
+                        (C, W), dtype=np.float32)
+                    rec.state(layer, name, s, 0, x + noise * rng.standard_normal((C, W), dtype=np.float32))
+            for s in range(S):
+                kv = np.random.default_rng(7 + layer * S + s).standard_normal((H, C, D), dtype=np.float32)
+                rec.cache(layer, s, kv, kv + 1, np.arange(C))
+            rec.layer_done(layer)
+        for s in range(S):
+            rec.final(s, np.ones(W, np.float32), np.arange(32, dtype=np.float32), C - 1, C - 1)
+    return path
+
+
+def row_datasets(f: h5py.File, min_ndim: int = 3):
+    out = []
+    f.visititems(lambda n, o: out.append(o) if isinstance(o, h5py.Dataset) and o.ndim >= min_ndim else None)
+    return out
+
+
+def assert_rows_read_directly(t: Trace, datasets, layout):
+    """Every row of every dataset: a direct read, byte-for-byte equal to h5py's read."""
+    assert datasets
+    for ds in datasets:
+        plan = t._chunks.plan(ds)
+        assert isinstance(plan, RowPlan), (ds.name, plan)
+        assert (ds.chunks is None) == (layout == "contiguous"), ds.name
+        for i in range(ds.shape[0]):
+            buf = np.full(ds.shape[1:], np.nan, dtype=ds.dtype)
+            assert t._chunks.read_row(ds, i, buf)
+            assert buf.tobytes() == ds[i].tobytes(), (ds.name, i)
+            assert t.read_row(ds, i, "x").tobytes() == ds[i].tobytes()
+
+
+def test_full_trace_rows_read_directly_equal_h5py(tmp_path):
+    with Trace(record(tmp_path / "full.h5")) as t:
+        assert t._chunks.refusal is None
+        states = [ds for ds in row_datasets(t.f) if "/cache/" not in ds.name]
+        caches = [ds for ds in row_datasets(t.f) if "/cache/" in ds.name]
+        assert len(states) == L * len(STATES) and len(caches) == 2 * L
+        assert_rows_read_directly(t, states + caches, "chunked")
+        # a row index h5py would refuse is not read directly either
+        assert not t._chunks.read_row(states[0], S, np.empty(states[0].shape[1:], np.float32))
+
+
+def test_sampled_trace_rows_read_directly_equal_h5py(tmp_path):
+    """The sampled level keeps its (sample, slot, channel) values contiguous: offsets from get_offset()."""
+    with Trace(record(tmp_path / "sampled.h5", level="sampled")) as t:
+        sampled = [ds for ds in row_datasets(t.f) if "/sampled/" in ds.name]
+        assert len(sampled) == L * (len(STATES) + 2)
+        assert_rows_read_directly(t, sampled, "contiguous")
+
+
+def test_compare_with_direct_reads_equals_compare_through_h5py(tmp_path, monkeypatch):
+    ref, cand = record(tmp_path / "ref.h5"), record(tmp_path / "cand.h5", noise=1e-3)
+
+    def run():
+        with Trace(ref) as a, Trace(cand) as b:
+            rep = compare_traces(a, b)
+            return bool(rep), [(t.tensor, t.max_abs, t.max_rel, t.n_bad, t.cosine) for lr in rep.layers
+                               for t in lr.tensors]
+
+    direct = run()
+    monkeypatch.setattr(ChunkReader, "read_row", lambda self, ds, index, buf: False)
+    assert direct == run()
+    assert not direct[0] and any(n_bad for _, _, _, n_bad, _ in direct[1])  # the noise breaks tolerance
+
+
+def test_gzip_trace_is_read_by_h5py(tmp_path):
+    with Trace(record(tmp_path / "gz.h5", compression="gzip")) as t:
+        ds = t.layer(0).state("mid")
+        plan = t._chunks.plan(ds)
+        assert isinstance(plan, Refused) and "filters" in plan.reason
+        assert not t._chunks.read_row(ds, 1, np.empty(ds.shape[1:], ds.dtype))
+        assert np.array_equal(t.read_row(ds, 1, "x"), ds[1])
+
+
+def _patch_chunk_entry(path, ds_name: str, row: int, address: int | None = None, size: int | None = None):
+    """Rewrite one row's entry in the dataset's chunk index (a v1 B-tree, no checksum: the recorder writes
+    HDF5 1.8 format): its chunk address and/or stored size. The entry is found by its address, which must
+    appear once in the file; the key before it is size (4 bytes), filter mask (4), rank + 1 coordinates (8 each)."""
+    with h5py.File(path, "r") as f:
+        ds = f[ds_name]
+        info = ds.id.get_chunk_info_by_coord((row,) + (0,) * (ds.ndim - 1))
+        key_bytes = 8 + 8 * (ds.ndim + 1)
+    data = bytearray(open(path, "rb").read())
+    old = info.byte_offset.to_bytes(8, "little")
+    assert data.count(old) == 1, "the chunk address must appear once in the file (the v1 B-tree entry)"
+    at = data.index(old)
+    assert int.from_bytes(data[at - key_bytes:at - key_bytes + 4], "little") == info.size
+    if address is not None:
+        data[at:at + 8] = address.to_bytes(8, "little")
+    if size is not None:
+        data[at - key_bytes:at - key_bytes + 4] = size.to_bytes(4, "little")
+    open(path, "wb").write(bytes(data))
+
+
+def test_chunk_offset_past_end_of_file_is_never_read(tmp_path, monkeypatch):
+    """A crafted chunk index points one row past the end of the file: no direct read goes there, h5py's read
+    fails, and the comparison reports a damaged trace."""
+    good = record(tmp_path / "good.h5")
+    bad = tmp_path / "bad.h5"
+    shutil.copy(good, bad)
+    name = "layers/001/mid"
+    _patch_chunk_entry(bad, name, 1, address=os.path.getsize(bad) + 4096)
+    size = os.path.getsize(bad)
+    reads = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset, *flags):
+        n = sum(memoryview(b).nbytes for b in buffers)
+        reads.append((os.fstat(fd).st_size, offset, n))
+        return real(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    with Trace(bad) as t:
+        ds = t.f[name]
+        plan = t._chunks.plan(ds)
+        assert isinstance(plan, Refused) and "outside the file" in plan.reason, plan
+        assert not t._chunks.read_row(ds, 0, np.empty(ds.shape[1:], ds.dtype))  # the whole dataset refused
+        with pytest.raises(TraceError, match="cannot read"):
+            t.read_row(ds, 1, "x")
+        other = t.f["layers/000/mid"]  # the rest of the file is still read directly
+        assert isinstance(t._chunks.plan(other), RowPlan)
+    with Trace(good) as a, Trace(bad) as b, pytest.raises(TraceError):
+        compare_traces(a, b)
+    assert reads and all(offset + n <= file_size for file_size, offset, n in reads)
+    assert any(file_size == size for file_size, _, _ in reads)  # the crafted file was read directly, inside
+
+
+def test_chunk_index_pointing_inside_the_file_reads_what_h5py_reads(tmp_path):
+    """An address moved onto another row's bytes (inside the file) is not refused, but it is read exactly as
+    HDF5 reads it: direct and h5py reads agree, so the comparison sees the same (wrong) values either way."""
+    path = tmp_path / "moved.h5"
+    shutil.copy(record(tmp_path / "good.h5"), path)
+    with h5py.File(path, "r") as f:
+        target = f["layers/001/mid"].id.get_chunk_info_by_coord((0, 0, 0)).byte_offset
+    _patch_chunk_entry(path, "layers/001/mid", 2, address=target)
+    with Trace(path) as t:
+        ds = t.f["layers/001/mid"]
+        buf = np.empty(ds.shape[1:], ds.dtype)
+        assert t._chunks.read_row(ds, 2, buf)
+        assert buf.tobytes() == ds[2].tobytes() == ds[0].tobytes()
+
+
+def test_chunk_of_the_wrong_stored_size_is_read_by_h5py(tmp_path):
+    path = tmp_path / "size.h5"
+    shutil.copy(record(tmp_path / "good.h5"), path)
+    _patch_chunk_entry(path, "layers/000/mlp_update", 1, size=C * W * 4 - 4)
+    with Trace(path) as t:
+        ds = t.f["layers/000/mlp_update"]
+        plan = t._chunks.plan(ds)
+        assert isinstance(plan, Refused) and f"stored as {C * W * 4 - 4} bytes" in plan.reason, plan
+        assert not t._chunks.read_row(ds, 0, np.empty(ds.shape[1:], ds.dtype))
+
+
+def test_addresses_hdf5_reads_differently_refuse_the_whole_file(tmp_path, monkeypatch):
+    """The probe: if this module and HDF5 disagreed on what a chunk address means (HDF5 before 1.14.4 left
+    the user block out of it), the first row read both ways differs and nothing of the file is read directly."""
+    from prefill_diff.dumps import chunks
+    real = chunks._row_offsets
+    monkeypatch.setattr(chunks, "_row_offsets", lambda ds, n, size: tuple(o - 64 for o in real(ds, n, size)))
+    with Trace(record(tmp_path / "t.h5")) as t:
+        ds = t.layer(0).state("mid")
+        plan = t._chunks.plan(ds)
+        assert isinstance(plan, Refused) and "differs" in plan.reason
+        assert t._chunks.refusal and isinstance(t._chunks.plan(t.layer(1).state("mid")), Refused)
+        assert np.array_equal(t.read_row(ds, 1, "x"), ds[1])
+
+
+def test_big_endian_dataset_is_read_by_h5py(tmp_path):
+    path = record(tmp_path / "be.h5")
+    with h5py.File(path, "r+") as f:
+        name = "layers/000/attn_update"
+        x = f[name][()]
+        attrs = dict(f[name].attrs)
+        del f[name]
+        ds = f.create_dataset(name, data=x.astype(">f4"), chunks=(1, C, W))
+        ds.attrs.update(attrs)
+    with Trace(path) as t:
+        ds = t.layer(0).state("attn_update")
+        assert ds.dtype == np.dtype(">f4")
+        plan = t._chunks.plan(ds)
+        assert isinstance(plan, Refused) and "little-endian" in plan.reason
+        assert not t._chunks.read_row(ds, 1, np.empty(ds.shape[1:], ds.dtype))
+        assert np.array_equal(t.read_row(ds, 1, "x"), x[1])
+        assert isinstance(t._chunks.plan(t.layer(0).state("mid")), RowPlan)
+
+
+def test_chunks_that_are_not_one_row_are_read_by_h5py(tmp_path):
+    path = record(tmp_path / "split.h5")
+    with h5py.File(path, "r+") as f:
+        x = f["layers/000/mid"][()]
+        del f["layers/000/mid"]
+        f.create_dataset("layers/000/mid", data=x, chunks=(1, C // 2, W))
+    with Trace(path) as t:
+        ds = t.layer(0).state("mid")
+        assert isinstance(t._chunks.plan(ds), Refused)
+        assert np.array_equal(t.read_row(ds, 2, "x"), x[2])
+
+
+def test_virtual_views_writable_files_and_user_blocks_are_read_by_h5py(tmp_path):
+    path = record(tmp_path / "t.h5")
+
+    class View(Trace):  # as dumps.ranks.RankTrace: a logical view the tool built itself
+        _built_here = True
+
+    with View(path) as t:
+        assert t._chunks.refusal == "a view built over rank files"
+        ds = t.layer(0).state("mid")
+        assert np.array_equal(t.read_row(ds, 1, "x"), ds[1])
+    layout = h5py.VirtualLayout(shape=(S, C, W), dtype=np.float32)
+    layout[:] = h5py.VirtualSource(str(path), "layers/000/mid", shape=(S, C, W))
+    with h5py.File(tmp_path / "v.h5", "w") as f:
+        f.create_virtual_dataset("v", layout)
+    with h5py.File(tmp_path / "v.h5", "r") as f:
+        plan = ChunkReader(f).plan(f["v"])
+        assert isinstance(plan, Refused) and "neither chunked nor contiguous" in plan.reason
+    with h5py.File(path, "r+") as f:
+        assert "writing" in ChunkReader(f).refusal
+    with h5py.File(tmp_path / "ub.h5", "w", userblock_size=512) as f:
+        f.create_dataset("x", data=np.ones((2, 3, 4), np.float32), chunks=(1, 3, 4))
+    with h5py.File(tmp_path / "ub.h5", "r") as f:
+        assert "user block" in ChunkReader(f).refusal
+        assert not ChunkReader(f).read_row(f["x"], 0, np.empty((3, 4), np.float32))
+
+
+def test_a_file_shorter_than_its_plan_falls_back(tmp_path):
+    """If the file shrinks after the plan was made, the short read is not used: h5py reads (and fails)."""
+    path = record(tmp_path / "t.h5")
+    with h5py.File(path, "r") as f:
+        r = ChunkReader(f)
+        ds = f["layers/001/layer_output"]
+        assert isinstance(r.plan(ds), RowPlan)
+        os.truncate(path, r.plan(ds).offsets[S - 1] + 8)
+        assert not r.read_row(ds, S - 1, np.empty(ds.shape[1:], ds.dtype))
