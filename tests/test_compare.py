@@ -95,9 +95,9 @@ def test_smallest_passing_tolerance_is_reported(traces, tmp_path):
         row = r.final["logits"][0].astype(np.float64)
     ref, rms = abs(row[3]), float(np.sqrt(np.mean(row ** 2)))
     # the rule: |d| <= atol + rtol·|ref| + ntol·rms(ref row); each smallest value holds the other two fixed
-    assert t.min_atol == pytest.approx(0.01 - t.rtol * ref - t.ntol * rms, abs=2e-6)
-    assert t.min_rtol == pytest.approx((0.01 - t.atol - t.ntol * rms) / ref, rel=1e-3)
-    assert t.min_ntol == pytest.approx((0.01 - t.atol - t.rtol * ref) / rms, rel=1e-3)
+    assert t.needed.atol == pytest.approx(0.01 - t.rtol * ref - t.ntol * rms, abs=2e-6)
+    assert t.needed.rtol == pytest.approx((0.01 - t.atol - t.ntol * rms) / ref, rel=1e-3)
+    assert t.needed.ntol == pytest.approx((0.01 - t.atol - t.rtol * ref) / rms, rel=1e-3)
     assert t.worst_bound == pytest.approx(t.atol + t.rtol * ref + t.ntol * rms, rel=1e-5)
 
 

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..dumps.reader import Trace
-from .compare import Break, Comparator, FinalResult, LayerResult
+from .breaks import Break
+from .calibrate import precisions, same_precisions
+from .comparator import Comparator, LayerResult
+from .diagnose import diagnose
+from .final import FinalResult
+from .identity import differences, note
+from .policy_file import default_policy_for
 from .tolerance import Policy
+from .wording import break_line
 
 REPORT_VERSION = 1
 
@@ -118,56 +126,10 @@ def _jsonable(x):
         return str(x)
 
 
-def break_line(b: Break, token_text: str | None = None) -> str:
-    """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > tol=1.0e-03'.
-
-    tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row). With token_text
-    (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
-    """
-    if b.kind == "coverage":
-        return f"coverage | {b.message.split(': samples ', 1)[0]}: samples {list(b.samples)}"
-    if b.stage == "metadata":
-        return f"metadata | {b.message}"
-    if b.kind in ("cache_length", "cache_positions"):
-        what = "cache length" if b.kind == "cache_length" else "cache positions"
-    else:
-        what = b.tensor + (" finite mask" if b.kind == "finite_mask" else "") + (" top ids" if b.kind == "top_ids"
-                                                                               else "")
-    where = f"layer {b.layer} {what}" if b.stage == "layer" else f"final {what}"
-    parts = [where]
-    loc = " ".join(x for x in (f"sample {b.sample}" if b.sample is not None else "",
-                               f"pos {b.position}" if b.position is not None else "",
-                               repr(token_text) if token_text is not None and b.position is not None else "") if x)
-    if loc:
-        parts.append(loc)
-    if b.kind == "value" and b.check == "change":
-        parts.append(f"row error {b.noise_ratio:.3g}x the measured {b.noise_of} noise > allowed {b.noise_factor:g}x")
-        if b.heads:
-            parts.append("query heads " + ",".join(map(str, b.heads)))
-    elif b.kind == "value":
-        if b.check == "numerics":
-            parts.append("numerics (twin vs reference)")
-        if b.max_abs_error is not None and b.bound is not None:
-            parts.append(f"max_abs={b.max_abs_error:.1e} > tol={b.bound:.1e}")
-        elif b.max_abs_error is not None and "[stats level" in b.message:
-            parts.append(f"statistic error={b.max_abs_error:.1e} (stats level: min, max, mean, rms; no values)")
-        else:
-            parts.append(b.message)
-        if b.heads:
-            parts.append("query heads " + ",".join(map(str, b.heads)) +
-                         (" (reading KV heads " + ",".join(map(str, b.kv_heads)) + ")" if b.kv_heads else ""))
-        elif b.kv_heads:
-            parts.append("KV heads " + ",".join(map(str, b.kv_heads)))
-    elif b.kind == "finite_mask":
-        parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
-    else:
-        parts.append(b.message.split(": ", 1)[-1] if b.message.startswith("sample ") else b.message)
-    return " | ".join(parts)
-
-
-def trace_summary(t: Trace) -> dict:
+def trace_summary(t: Trace, file: str | None) -> dict:
+    """A side of the report: ``file`` is the name the report shows (None: the trace is gone)."""
     m = t.meta
-    return {"file": t.name, "level": t.level, "format_version": t.version,
+    return {"file": file, "level": t.level, "format_version": t.version,
             "origin": m.get("side", {}).get("origin"), "engine": m.get("engine"),
             "weights_digest": m.get("model", {}).get("weights_digest"),
             "adapter": m.get("model", {}).get("adapter"),
@@ -192,13 +154,25 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     return notes, inconclusive
 
 
+class Files(NamedTuple):
+    """The file names a report shows for its two sides (None: recorded into a temporary file, removed)."""
+    ref: str | None
+    cand: str | None
+
+
 class Session:
-    """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
+    """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast).
+
+    policy: a resolved Policy; None takes ``default_policy_for(ref.meta, cand.meta)`` (the baseline's declared
+    tolerance, else the dtype defaults). files: the names the report shows; None: the traces' own names.
+    """
 
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
-                 allow_subset: bool = False, rule_note: str | None = None):
+                 allow_subset: bool = False, rule_note: str | None = None, *, files: Files | tuple | None = None):
         self.ref, self.cand = ref, cand
-        self.cmp = Comparator(ref, cand, policy, calib, allow_subset)
+        self.files = Files(ref.name, cand.name) if files is None else Files(*files)
+        self.cmp = Comparator(ref, cand, default_policy_for(ref.meta, cand.meta) if policy is None else policy,
+                              calib, allow_subset)
         self.layers: list[LayerResult] = []
         self.first_break = self.cmp.metadata_break()
         # a coverage break is a failure but the matched samples are still compared
@@ -218,9 +192,21 @@ class Session:
             final = self.cmp.final()
             if self.first_break is None and final.first_break is not None:
                 self.first_break = final.first_break
-        from .identity import differences, note
-        identity = differences(self.ref.meta, self.cand.meta)
-        notes, inconclusive = [note(d) for d in identity] + list(self.cmp.notes), []
+        notes, inconclusive = self._notes()
+        return Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
+                      tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
+                      trace_summary(self.ref, self.files.ref), trace_summary(self.cand, self.files.cand),
+                      tuple(self.cmp.pairs), stopped_early,
+                      diagnosis=diagnose(self.first_break, self.cmp.pairs, final, self.ref, self.cand),
+                      token_text={**(self.cand.meta.get("token_text") or {}),
+                                  **(self.ref.meta.get("token_text") or {})} or None,
+                      sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
+                      calibration=self.rule)
+
+    def _notes(self) -> tuple[list, list]:
+        """(notes, faults that cannot show): model identity, the comparison's own notes, what each side recorded."""
+        notes = [note(d) for d in differences(self.ref.meta, self.cand.meta)] + list(self.cmp.notes)
+        inconclusive = []
         for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
             n, i = record_notes(t, side)
             notes += n
@@ -232,25 +218,11 @@ class Session:
         if self.ref.level != self.cand.level:
             notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
                          "checks use what both traces have")
-        from .diagnose import diagnose
-        report = Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
-                        tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
-                        trace_summary(self.ref), trace_summary(self.cand), tuple(self.cmp.pairs), stopped_early,
-                        token_text={**(self.cand.meta.get("token_text") or {}),
-                                    **(self.ref.meta.get("token_text") or {})} or None,
-                        sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
-                        calibration=self.rule)
-        return _with_diagnosis(report, diagnose(report, self.ref, self.cand))
-
-
-def _with_diagnosis(report: Report, text: str | None) -> Report:
-    from dataclasses import replace
-    return replace(report, diagnosis=text)
+        return notes, inconclusive
 
 
 def describe_rule(cmp: Comparator) -> str:
     """How values are judged, in words: the calibrated rule, or the fixed rule and where its terms came from."""
-    from .calibrate import precisions, same_precisions
     p = cmp.policy
     if cmp.calib is not None:
         c = cmp.calib
@@ -267,9 +239,10 @@ def describe_rule(cmp: Comparator) -> str:
 
 
 def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False, calib=None,
-                   allow_subset: bool = False, rule_note: str | None = None) -> Report:
-    """Compare two traces; with fail_fast, stop at the first layer that breaks."""
-    s = Session(ref, cand, policy, calib, allow_subset, rule_note)
+                   allow_subset: bool = False, rule_note: str | None = None, *,
+                   files: Files | tuple | None = None) -> Report:
+    """Compare two traces; with fail_fast, stop at the first layer that breaks (see Session for the rest)."""
+    s = Session(ref, cand, policy, calib, allow_subset, rule_note, files=files)
     if s.metadata_failed:
         return s.finish()
     for i in range(ref.n_layers):
