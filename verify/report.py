@@ -23,7 +23,7 @@ from .wording import break_line
 REPORT_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Report:
     first_break: Break | None
     layers: tuple
@@ -33,7 +33,7 @@ class Report:
     notes: tuple = ()
     skipped: tuple = ()
     inconclusive: tuple = ()  # faults that cannot show on this model/inputs
-    ref: dict = field(default_factory=dict)
+    ref: dict = field(default_factory=dict)  # trace_summary of each side
     cand: dict = field(default_factory=dict)
     pairs: tuple = ()
     stopped_early: bool = False
@@ -193,11 +193,12 @@ class Session:
             if self.first_break is None and final.first_break is not None:
                 self.first_break = final.first_break
         notes, inconclusive = self._notes()
-        return Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
-                      tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
-                      trace_summary(self.ref, self.files.ref), trace_summary(self.cand, self.files.cand),
-                      tuple(self.cmp.pairs), stopped_early,
-                      diagnosis=diagnose(self.first_break, self.cmp.pairs, final, self.ref, self.cand),
+        hint = diagnose(self.first_break, self.cmp.pairs, final, self.ref, self.cand)  # the traces are still open
+        return Report(first_break=self.first_break, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
+                      n_layers=self.ref.n_layers, notes=tuple(notes), skipped=tuple(sorted(self.cmp.skipped)),
+                      inconclusive=tuple(inconclusive), ref=trace_summary(self.ref, self.files.ref),
+                      cand=trace_summary(self.cand, self.files.cand), pairs=tuple(self.cmp.pairs),
+                      stopped_early=stopped_early, diagnosis=hint,
                       token_text={**(self.cand.meta.get("token_text") or {}),
                                   **(self.ref.meta.get("token_text") or {})} or None,
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
