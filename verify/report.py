@@ -18,6 +18,7 @@ from .final import FinalResult
 from .identity import differences, note
 from .policy_file import default_policy_for
 from .tolerance import Policy
+from . import wording
 from .wording import break_line
 
 REPORT_VERSION = 1
@@ -74,13 +75,9 @@ class Report:
 
     def verdict_line(self) -> str:
         if self:
-            line = f"PASSED | {len(self.layers)}/{self.n_layers} layers, logits and cache within tolerance"
-            if self.inconclusive:
-                line += " | INCONCLUSIVE: the injected fault cannot show here"
-            if any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes):
-                line += " | the model identity differs (see notes)"
-            return line
-        return "FAILED | " + self.line(self.first_break)
+            return wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
+                                  identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes))
+        return wording.failed(self.line(self.first_break))
 
     def as_dict(self) -> dict:
         fb = self.first_break
@@ -142,12 +139,9 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     rec = t.meta.get("record") or {}
     notes, inconclusive = [], []
     for o in rec.get("reuse") or ():
-        if o.get("forced"):
-            notes.append(f"{side} sample {o['sample']}: prefix reuse FORCED although refused: {o['reason']}")
-        elif not o.get("hit"):
-            notes.append(f"{side} sample {o['sample']}: prefix reuse refused: {o['reason']}")
-    for v in rec.get("invariant_violations") or ():
-        notes.append(f"{side} cache invariant broken after prefill: {v}")
+        if o.get("forced") or not o.get("hit"):
+            notes.append(wording.reuse_refused(side, o["sample"], o["reason"], forced=bool(o.get("forced"))))
+    notes += [wording.invariant_broken(side, v) for v in rec.get("invariant_violations") or ()]
     fault = rec.get("fault") or {}
     if fault.get("cannot_show"):
         inconclusive.append(fault["cannot_show"])
@@ -214,11 +208,9 @@ class Session:
             inconclusive += i
         rd, cd = self.ref.meta.get("model", {}), self.cand.meta.get("model", {})
         if rd.get("weights_digest") != cd.get("weights_digest"):
-            notes.append(f"weights differ: reference {str(rd.get('weights_digest') or '?')[:19]}…, "
-                         f"candidate {str(cd.get('weights_digest') or '?')[:19]}…")
+            notes.append(wording.weights_differ(rd.get("weights_digest"), cd.get("weights_digest")))
         if self.ref.level != self.cand.level:
-            notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
-                         "checks use what both traces have")
+            notes.append(wording.levels_differ(self.ref.level, self.cand.level))
         return notes, inconclusive
 
 
@@ -226,21 +218,16 @@ def describe_rule(cmp: Comparator) -> str:
     """How values are judged, in words: the calibrated rule, or the fixed rule and where its terms came from."""
     p = cmp.policy
     if cmp.calib is not None:
-        c = cmp.calib
-        twin = "the reference itself" if c.twin is None else f"the reference's path in {c.label}"
-        return (f"calibrated: each row within {c.factor:g}x the noise of {twin} against a float64 golden "
-                f"(+ floor {c.floor:.2g})" + ("" if c.twin is None else f"; numerics: twin vs reference within "
-                                                                        f"the fixed {p.name} envelope"))
-    declared = any(not str(v).endswith("default") for v in p.sources.values())
-    if declared:
-        return f"declared rule, not calibrated: {p.rule()}"
+        return wording.calibrated_rule(cmp.calib, p.name)
+    if any(not str(v).endswith("default") for v in p.sources.values()):
+        return wording.declared_rule(p.rule())
     if not same_precisions(precisions(cmp.ref.meta), precisions(cmp.cand.meta)):
-        return f"uncalibrated: fixed {p.name} envelope ({p.rule()})"
-    return f"fixed {p.name} rule ({p.rule()})"
+        return wording.envelope_rule(p.name, p.rule())
+    return wording.same_precisions_rule(p.name, p.rule())
 
 
-def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False, calib=None,
-                   allow_subset: bool = False, rule_note: str | None = None, *,
+def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, *, fail_fast: bool = False, calib=None,
+                   allow_subset: bool = False, rule_note: str | None = None,
                    files: Files | tuple | None = None) -> Report:
     """Compare two traces; with fail_fast, stop at the first layer that breaks (see Session for the rest)."""
     s = Session(ref, cand, policy, calib, allow_subset, rule_note, files=files)

@@ -166,6 +166,60 @@ def stats_cover_other_cells(name: str) -> str:
     return f"statistics of {name} cover different cells on the two sides; not compared"
 
 
+# -- the report's header, notes and verdict ---------------------------------------------------------
+
+def calibrated_rule(calib, policy_name: str) -> str:
+    twin = "the reference itself" if calib.twin is None else f"the reference's path in {calib.label}"
+    return (f"calibrated: each row within {calib.factor:g}x the noise of {twin} against a float64 golden "
+            f"(+ floor {calib.floor:.2g})" + ("" if calib.twin is None else f"; numerics: twin vs reference within "
+                                                                            f"the fixed {policy_name} envelope"))
+
+
+def declared_rule(rule: str) -> str:
+    return f"declared rule, not calibrated: {rule}"
+
+
+def envelope_rule(policy_name: str, rule: str) -> str:
+    """The fixed envelope between different precisions, where no golden and twin were recorded."""
+    return f"uncalibrated: fixed {policy_name} envelope ({rule})"
+
+
+def same_precisions_rule(policy_name: str, rule: str) -> str:
+    return f"fixed {policy_name} rule ({rule})"
+
+
+def reuse_refused(side: str, sample: int, reason: str, forced: bool) -> str:
+    if forced:
+        return f"{side} sample {sample}: prefix reuse FORCED although refused: {reason}"
+    return f"{side} sample {sample}: prefix reuse refused: {reason}"
+
+
+def invariant_broken(side: str, violation) -> str:
+    return f"{side} cache invariant broken after prefill: {violation}"
+
+
+def weights_differ(ref_digest, cand_digest) -> str:
+    return (f"weights differ: reference {str(ref_digest or '?')[:19]}…, "
+            f"candidate {str(cand_digest or '?')[:19]}…")
+
+
+def levels_differ(ref_level: str, cand_level: str) -> str:
+    return f"levels differ: reference {ref_level}, candidate {cand_level}; checks use what both traces have"
+
+
+def passed(n_compared: int, n_layers: int, *, inconclusive: bool, identity_differs: bool) -> str:
+    line = f"PASSED | {n_compared}/{n_layers} layers, logits and cache within tolerance"
+    if inconclusive:
+        line += " | INCONCLUSIVE: the injected fault cannot show here"
+    if identity_differs:
+        line += " | the model identity differs (see notes)"
+    return line
+
+
+def failed(break_words: str) -> str:
+    return "FAILED | " + break_words
+
+
 # -- the verdict line of a break ---------------------------------------------------------------------
 
 def break_line(b, token_text: str | None = None) -> str:
