@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..dumps.reader import LayerView
+from . import wording
 from .context import Context
 from .results import Accumulator, TensorResult
 from .tolerance import Tolerance
-from . import wording
 
 
 def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:

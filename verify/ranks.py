@@ -15,8 +15,6 @@ divergence, then the Comparator's own checks (finite masks, cache, values).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..dumps.schema import REQUIRED_STATES
 from .breaks import Break
 from .metrics import slab
