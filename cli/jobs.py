@@ -23,9 +23,9 @@ from ..dumps.recorder import Recorder
 from ..engine.errors import ConfigError, PrefillDiffError
 from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, precision_key, precision_label, precisions,
                                 same_precisions, sibling_paths, unit_roundoff)
-from ..verify.policy_file import policy_spec, resolve_policy, spec_sources
+from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
 from ..verify.report import Report, Session, compare_traces
-from ..verify.tolerance import TOL_FIELDS, Policy
+from ..verify.tolerance import Policy
 
 # label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
 SideProgress = Callable[[str], Callable[[int], None] | None]
@@ -73,9 +73,7 @@ def resolve(declared: dict | None, ref: Trace, cand: Trace) -> Policy:
     spec = policy_spec(**declared) if declared else None
     if spec is not None:
         return resolve_policy(spec, ref.meta, cand.meta, spec_sources(**declared))
-    base = ref.meta.get("tolerance")
-    return resolve_policy(base, ref.meta, cand.meta,
-                          {k: "baseline trace" for k in ("base", *TOL_FIELDS)} if base else None)
+    return default_policy_for(ref.meta, cand.meta)
 
 
 def _explicit(declared: dict | None) -> bool:
@@ -179,8 +177,9 @@ def _judge(ref_path: str, cand_path: str, declared: dict | None, plan: CalibPlan
             golden = stack.enter_context(open_any(siblings[0]))
             twin = stack.enter_context(open_any(siblings[1])) if siblings[1] else None
             calib, note = plan.calibration(golden, twin), None
+        files = (ref.name if kept[0] else None, cand.name if kept[1] else None)
         return compare_traces(ref, cand, resolve(None if calib else declared, ref, cand), fail_fast=fail_fast,
-                              calib=calib, allow_subset=allow_subset, rule_note=note, kept=kept)
+                              calib=calib, allow_subset=allow_subset, rule_note=note, files=files)
 
 
 # -- the three jobs ----------------------------------------------------------------------------------------

@@ -269,7 +269,7 @@ def _metrics_lines(tr) -> Text:
     if tr.level == "stats":
         head = (f"{tr.tensor} (stats level, {tr.compared} statistics): largest statistic error "
                 f"{_g(tr.max_abs)}, {tr.n_bad} statistics out of tolerance")
-        extra = f"; would pass with atol >= {_g(tr.min_atol)}" if tr.n_bad else ""
+        extra = f"; would pass with atol >= {_g(tr.needed.atol)}" if tr.n_bad else ""
         return Text(head + extra + ("" if tr else f"  {BAD}"), style="" if tr else "red")
     s = (f"{tr.tensor} ({tr.level} level, {tr.compared} values): max abs {_g(tr.max_abs)}, max rel "
          f"{_g(tr.max_rel)}, mean abs {_g(tr.mean_abs)}, cosine {_g(tr.cosine)}, largest row error "
@@ -277,11 +277,13 @@ def _metrics_lines(tr) -> Text:
     if tr.worst:
         s += (f", worst at sample {tr.worst[0]} pos {tr.worst[1]} channel {tr.worst[2]}"
               f" (tolerance there {_g(tr.worst_bound)})")
-    s += (f"; would pass with atol >= {_g(tr.min_atol)}, rtol >= {_g(tr.min_rtol)}, ntol >= {_g(tr.min_ntol)} "
-          f"or row_rtol >= {_g(tr.min_row_rtol)}")
+    n = tr.needed
+    s += (f"; would pass with atol >= {_g(n.atol)}, rtol >= {_g(n.rtol)}, ntol >= {_g(n.ntol)} "
+          f"or row_rtol >= {_g(n.row_rtol)}")
     if not tr.finite_ok:
-        s += (f"; non-finite: {tr.finite_cand_only} finite only in the candidate, {tr.finite_ref_only} only in "
-              f"the reference, padding {tr.pad_nonfinite_ref} vs {tr.pad_nonfinite_cand}")
+        f = tr.finite
+        s += (f"; non-finite: {f.cand_only} finite only in the candidate, {f.ref_only} only in "
+              f"the reference, padding {f.pad_ref} vs {f.pad_cand}")
     if tr.bit_identical:
         s += "; bit-identical"
     return Text(s + ("" if tr else f"  {BAD}"), style="" if tr else "red")

@@ -167,10 +167,10 @@ def test_fault_masked_row_softmax_nan_in_padding_then_spread(store):
     fb = rep.first_break
     assert (fb.layer, fb.kind, fb.padding) == (0, "finite_mask", True)
     l0 = rep.layers[0]
-    assert l0.tensor("attn_update").finite_cand_only == 0  # layer 0 valid rows still finite ...
+    assert l0.tensor("attn_update").finite.cand_only == 0  # layer 0 valid rows still finite ...
     assert l0.tensor("attn_update").max_abs == 0
     l1 = rep.layers[1]
-    assert l1.tensor("attn_update").finite_ref_only > 0  # ... then NaN spreads into valid rows
+    assert l1.tensor("attn_update").finite.ref_only > 0  # ... then NaN spreads into valid rows
     assert not rep.final.tensor("logits").finite_ok
 
 

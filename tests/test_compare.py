@@ -95,9 +95,9 @@ def test_smallest_passing_tolerance_is_reported(traces, tmp_path):
         row = r.final["logits"][0].astype(np.float64)
     ref, rms = abs(row[3]), float(np.sqrt(np.mean(row ** 2)))
     # the rule: |d| <= atol + rtol·|ref| + ntol·rms(ref row); each smallest value holds the other two fixed
-    assert t.min_atol == pytest.approx(0.01 - t.rtol * ref - t.ntol * rms, abs=2e-6)
-    assert t.min_rtol == pytest.approx((0.01 - t.atol - t.ntol * rms) / ref, rel=1e-3)
-    assert t.min_ntol == pytest.approx((0.01 - t.atol - t.rtol * ref) / rms, rel=1e-3)
+    assert t.needed.atol == pytest.approx(0.01 - t.rtol * ref - t.ntol * rms, abs=2e-6)
+    assert t.needed.rtol == pytest.approx((0.01 - t.atol - t.ntol * rms) / ref, rel=1e-3)
+    assert t.needed.ntol == pytest.approx((0.01 - t.atol - t.rtol * ref) / rms, rel=1e-3)
     assert t.worst_bound == pytest.approx(t.atol + t.rtol * ref + t.ntol * rms, rel=1e-5)
 
 
@@ -132,3 +132,41 @@ def test_differing_checksums_alone_are_never_a_failure(tmp_path):
     rep = compare(a, b)
     assert rep  # passes within tolerance ...
     assert any(t.bit_identical is False for lr in rep.layers for t in lr.tensors)  # ... though bits differ
+
+
+def test_cache_break_comes_before_a_value_break_at_the_same_layer(traces, tmp_path):
+    def both(f):  # a value far out of tolerance and a cache position, both at layer 0
+        f["layers/000/mlp_update"][0, 3, 0] += 5.0
+        f["layers/000/cache/positions"][2, 4] = 40
+    rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, both))
+    assert (rep.first_break.layer, rep.first_break.kind) == (0, "cache_positions")
+    assert not rep.layers[0].tensor("mlp_update")  # the value break is there, ranked after the cache's
+
+
+def test_the_report_names_the_files_it_is_given(traces):
+    with Trace(traces["reference"]) as ra, Trace(traces["batched-left"]) as rb:
+        own = compare_traces(ra, rb)
+        given = compare_traces(ra, rb, files=(None, "cand (recorded now)"))
+    assert own.ref["file"] == str(traces["reference"]) and own.cand["file"] == str(traces["batched-left"])
+    assert given.ref["file"] is None and given.cand["file"] == "cand (recorded now)"
+    d = given.as_dict()
+    assert d["reference"]["file"] is None and d["candidate"]["file"] == "cand (recorded now)"
+
+
+def test_the_comparator_takes_a_resolved_policy_and_none_means_the_default(traces):
+    from prefill_diff.verify.comparator import Comparator
+    from prefill_diff.verify.policy_file import default_policy_for
+    with Trace(traces["reference"]) as ra, Trace(traces["batched-left"]) as rb:
+        with pytest.raises(TypeError, match="needs a resolved Policy"):
+            Comparator(ra, rb, None)
+        rep = compare_traces(ra, rb)
+        assert rep.policy == default_policy_for(ra.meta, rb.meta)
+        assert rep.policy.sources["atol"] == "float32 default"
+
+
+def test_the_default_policy_is_the_baselines_declared_tolerance():
+    from prefill_diff.verify.policy_file import default_policy_for
+    meta = {"engine": {"dtype": "float32"}}
+    declared = default_policy_for({**meta, "tolerance": {"base": "bfloat16", "atol": 0.5}}, meta)
+    assert declared.kinds["residual"].atol == 0.5 and declared.sources["atol"] == "baseline trace"
+    assert default_policy_for(meta, {"engine": {"dtype": "bfloat16"}}).name == "bfloat16"

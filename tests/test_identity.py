@@ -59,13 +59,13 @@ def test_identical_models_have_no_identity_note(run_cli, tmp_path):
 
 @pytest.mark.parametrize("key,first", [("hidden_act", "mlp_update"), ("lm_head_bias", "final")])
 def test_hint_says_when_the_break_is_not_where_the_difference_first_shows(key, first):
-    from prefill_diff.verify.compare import Break
+    from prefill_diff.verify.breaks import Break
     from prefill_diff.verify.identity import differences, hint
     ref = {"model": {"args": {"hidden_act": "silu", "lm_head_bias": False}}}
     cand = {"model": {"args": {"hidden_act": "gelu\x1b[31m", "lm_head_bias": True}}}
     diffs = [d for d in differences(ref, cand) if d["key"] == key]
     assert diffs
-    fb = Break("layer", "value", "m", 2, "attn_update")
+    fb = Break(stage="layer", kind="value", message="m", layer=2, tensor="attn_update")
     text = hint(diffs, fb)
     assert "it would first show at" in text and "the first break is the layer-2 attn_update break" in text
     assert "\x1b" not in text  # foreign text is escaped

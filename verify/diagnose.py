@@ -1,10 +1,14 @@
 """A short hint that matches the first break's pattern to the seed's §2.11 table.
 
-Worded as a hint, never as proof: it names what the pattern is consistent with.
+Worded as a hint, never as proof: it names what the pattern is consistent with. Called while the
+report is built, with the traces still open (some hints read the candidate's inputs or cache).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .identity import differences, hint
+from .ranks import heads_note
 
 
 def _padded_samples(trace, pairs) -> set:
@@ -28,106 +32,140 @@ def _restarted(cand, pairs, layer0) -> list:
     return out
 
 
-def _identity_hint(report, ref, cand) -> str | None:
-    from .identity import differences, hint
-    return hint(differences(ref.meta, cand.meta), report.first_break)
+def _reuse(cand, key: str) -> list:
+    """The candidate's recorded prefix-reuse decisions with ``key`` set (hit, forced)."""
+    return [o for o in (cand.meta.get("record") or {}).get("reuse") or () if o.get(key)]
 
 
-def diagnose(report, ref, cand) -> str | None:
-    fb = report.first_break
+def diagnose(fb, pairs, final, ref, cand) -> str | None:
+    """The hint for first break fb of a comparison of ref and cand (pairs: matched samples; final: the final
+    stage's result or None)."""
     if fb is None:
         return None
-    pairs = report.pairs
-    rec = cand.meta.get("record") or {}
     if fb.kind == "coverage":
         return ("The candidate did not prefill every request of the reference: a request dropped by the candidate "
                 "engine, or the same prompt tokenised differently (an extra BOS?). A gate that compared only the "
                 "rest would pass without ever seeing them.")
     if fb.stage == "metadata":
         return "The traces are not of the same model architecture or prompts, so no layer can be compared."
-    if fb.kind == "shape":
-        return f"Tensor shapes differ at layer {fb.layer}: the two runs do not use the same model configuration?"
-    if fb.kind == "cache_length":
-        prev = "" if fb.layer == 0 else f" (layers 0..{fb.layer - 1} agree)"
-        return (f"The cache of layer {fb.layer} holds a different number of tokens{prev}: consistent with one layer "
-                "skipping (or duplicating) a KV write — §2.11 row 2, 'equal lengths across layers'. "
-                "The first decode step would fail on shape or read misaligned history.")
-    if fb.kind == "cache_positions":
-        restarts = _restarted(cand, pairs, cand.layer(0))
-        reused = [o for o in rec.get("reuse") or () if o.get("hit")]
-        if fb.layer == 0 and restarts and reused:
-            s, at = restarts[0]
-            return (f"Cache positions differ from layer 0 and restart at 0 at slot {at} of sample {s}, right after "
-                    "the reused prefix: position ids restarted after prefix reuse? — §2.11 row 3, "
-                    "'token/position mapping'.")
-        return (f"Cache positions differ from layer {fb.layer}: the position descriptor (or its offset after a "
-                "reused prefix or chunk) is not the reference's.")
-    if fb.kind == "positions":
-        return ("The position ids given to the model differ while the cache positions agree: the position "
-                "descriptor (or its offset after a reused prefix or chunk) is not the reference's, or one trace's "
-                "/inputs/positions does not record what was run.")
-    if fb.kind == "finite_mask":
-        if fb.padding:
-            return ("NaN/Inf first appear in padding rows: consistent with a fully masked padding query row "
-                    "entering softmax (no sentinel) — §2.11 row 7; it spreads through padding keys/values into "
-                    "valid rows in later layers.")
-        return (f"Non-finite values appear in valid rows at {fb.tensor}: overflow in low precision, or NaN "
-                "spreading from padding rows at an earlier layer?")
-    if fb.kind == "rank_divergence":
-        sub = "attention output projection" if fb.tensor == "attn_update" else (
-            "MLP down projection" if fb.tensor == "mlp_update" else "layer")
-        return (f"Tensor-parallel ranks hold different values of {fb.tensor} at layer {fb.layer}, which every rank "
-                f"must hold identically: consistent with the {sub}'s row-parallel partial sums not being "
-                "all-reduced (or reduced over the wrong group), or a rank-dependent computation.")
-    identity = _identity_hint(report, ref, cand)  # a different model explains a value break before numerics
+    structural = STRUCTURAL.get(fb.kind)
+    if structural is not None:
+        return structural(fb, pairs, cand)
+    identity = hint(differences(ref.meta, cand.meta), fb)  # a different model explains a value break before numerics
     if identity:
         return identity
     if fb.kind == "top_ids":
         return ("Logits agree within tolerance but the top-ranked ids differ beyond it: check the logits' "
                 "tolerance; a top-k difference alone changes greedy decoding.")
     if fb.stage == "final":
-        gathers = [g for g in (report.final.gather if report.final is not None else ()) if g[2] != g[3]]
-        if gathers:
-            cand_of = dict(pairs)
-            cols = cand.final["gather_col"]
-            each = []
-            for s, _, got, last in gathers:
-                col = int(cols[cand_of[s]])
-                read = "a padding cell" if got < 0 else f"token {got}"
-                each.append(f"sample {s} from stored column {col} ({read}; its last valid token is {last})")
-            width = cand.n_cols
-            last_col = all(int(cols[cand_of[g[0]]]) == width - 1 for g in gathers)
-            return (f"All layers agree, but the final logits of sample{'s' if len(gathers) > 1 else ''} "
-                    f"{', '.join(str(g[0]) for g in gathers)} were not gathered at the last valid token: "
-                    + "; ".join(each) + ". " +
-                    (f"Every one was read from column {width - 1}, the rectangle's last: the gather took the last "
-                     "column instead of each sample's last valid token" if last_col else
-                     "The gather did not use each sample's last valid token") +
-                    " — §2.11 row 1, 'first-step condition prefix'.")
-        return ("All layers agree but the final logits do not: the final norm, the unembedding or its bias differs?")
-    # value breaks inside a layer
-    forced = [o for o in rec.get("reuse") or () if o.get("forced")]
+        return _final_values(pairs, final, cand)
+    return _layer_values(fb, pairs, ref, cand)
+
+
+def _shape(fb, pairs, cand) -> str:
+    return f"Tensor shapes differ at layer {fb.layer}: the two runs do not use the same model configuration?"
+
+
+def _cache_length(fb, pairs, cand) -> str:
+    prev = "" if fb.layer == 0 else f" (layers 0..{fb.layer - 1} agree)"
+    return (f"The cache of layer {fb.layer} holds a different number of tokens{prev}: consistent with one layer "
+            "skipping (or duplicating) a KV write — §2.11 row 2, 'equal lengths across layers'. "
+            "The first decode step would fail on shape or read misaligned history.")
+
+
+def _cache_positions(fb, pairs, cand) -> str:
+    restarts = _restarted(cand, pairs, cand.layer(0))
+    if fb.layer == 0 and restarts and _reuse(cand, "hit"):
+        s, at = restarts[0]
+        return (f"Cache positions differ from layer 0 and restart at 0 at slot {at} of sample {s}, right after "
+                "the reused prefix: position ids restarted after prefix reuse? — §2.11 row 3, "
+                "'token/position mapping'.")
+    return (f"Cache positions differ from layer {fb.layer}: the position descriptor (or its offset after a "
+            "reused prefix or chunk) is not the reference's.")
+
+
+def _positions(fb, pairs, cand) -> str:
+    return ("The position ids given to the model differ while the cache positions agree: the position "
+            "descriptor (or its offset after a reused prefix or chunk) is not the reference's, or one trace's "
+            "/inputs/positions does not record what was run.")
+
+
+def _finite_mask(fb, pairs, cand) -> str:
+    if fb.padding:
+        return ("NaN/Inf first appear in padding rows: consistent with a fully masked padding query row "
+                "entering softmax (no sentinel) — §2.11 row 7; it spreads through padding keys/values into "
+                "valid rows in later layers.")
+    return (f"Non-finite values appear in valid rows at {fb.tensor}: overflow in low precision, or NaN "
+            "spreading from padding rows at an earlier layer?")
+
+
+def _rank_divergence(fb, pairs, cand) -> str:
+    sub = "attention output projection" if fb.tensor == "attn_update" else (
+        "MLP down projection" if fb.tensor == "mlp_update" else "layer")
+    return (f"Tensor-parallel ranks hold different values of {fb.tensor} at layer {fb.layer}, which every rank "
+            f"must hold identically: consistent with the {sub}'s row-parallel partial sums not being "
+            "all-reduced (or reduced over the wrong group), or a rank-dependent computation.")
+
+
+# breaks that say what is wrong by their kind alone, hinted before any model-identity difference
+STRUCTURAL = {"shape": _shape, "cache_length": _cache_length, "cache_positions": _cache_positions,
+              "positions": _positions, "finite_mask": _finite_mask, "rank_divergence": _rank_divergence}
+
+
+def _final_values(pairs, final, cand) -> str:
+    """Every layer agrees but the final stage does not: a gather at the wrong token, or the head itself."""
+    gathers = [g for g in (final.gather if final is not None else ()) if g.candidate != g.last_valid]
+    if not gathers:
+        return "All layers agree but the final logits do not: the final norm, the unembedding or its bias differs?"
+    cand_of = dict(pairs)
+    cols = cand.final["gather_col"]
+    each = []
+    for g in gathers:
+        read = "a padding cell" if g.candidate < 0 else f"token {g.candidate}"
+        each.append(f"sample {g.sample} from stored column {int(cols[cand_of[g.sample]])} ({read}; its last valid "
+                    f"token is {g.last_valid})")
+    width = cand.n_cols
+    last_col = all(int(cols[cand_of[g.sample]]) == width - 1 for g in gathers)
+    return (f"All layers agree, but the final logits of sample{'s' if len(gathers) > 1 else ''} "
+            f"{', '.join(str(g.sample) for g in gathers)} were not gathered at the last valid token: "
+            + "; ".join(each) + ". " +
+            (f"Every one was read from column {width - 1}, the rectangle's last: the gather took the last "
+             "column instead of each sample's last valid token" if last_col else
+             "The gather did not use each sample's last valid token") +
+            " — §2.11 row 1, 'first-step condition prefix'.")
+
+
+def _layer_values(fb, pairs, ref, cand) -> str | None:
+    """A value break inside a layer: a forced reuse, one head's wrong KV head, padding seen, or drift."""
+    forced = _reuse(cand, "forced")
     if fb.tensor in ("cache_keys", "cache_values") and forced:
         return (f"Cache values of the reused prefix differ at layer {fb.layer}, and the candidate forced a prefix "
                 f"reuse that the metadata check refused ({forced[0]['reason']}): a cache built under another "
                 "adapter or weights was reused? — §2.11 row 6, 'snapshot identity'.")
     if fb.tensor in ("attn_update", "attn_heads") and fb.layer == 0:
-        n_heads = ref.args.get("n_heads")
-        if fb.heads is not None and 0 < len(fb.heads) < (n_heads or 0):
-            from .ranks import heads_note
-            owner = heads_note(cand, fb.heads) if getattr(cand, "ranks", None) else None
-            if owner:
-                return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while the cached K/V "
-                        f"agree, and {owner}: consistent with that rank attending with another rank's KV shard "
-                        "(a tensor-parallel head-to-rank mapping error; cf. §2.11 row 4).")
-            return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while K/V agree: "
-                    "consistent with a query head reading the wrong KV head (g(h) = ⌊h·H_kv/H_q⌋) — §2.11 row 4.")
-        padded = _padded_samples(cand, pairs)
-        bad = set(fb.samples)
-        if bad and padded and bad <= padded and len(bad) < len(pairs):
-            return (f"At layer 0 only padded samples {sorted(bad)} differ; unpadded samples agree: padding keys "
-                    "visible to valid queries? — §2.11 row 5, 'valid-position semantics'.")
+        attention = _attention_at_layer0(fb, pairs, ref, cand)
+        if attention:
+            return attention
     t = fb.max_abs_error
     return (f"First value difference at layer {fb.layer} {fb.tensor} (max_abs={t:.2g}); the smallest atol that "
             f"would pass is in the report. If it grows steadily with depth it is numeric drift of the candidate's "
             "precision or kernel; a jump at one layer points at that layer's computation.") if t is not None else None
+
+
+def _attention_at_layer0(fb, pairs, ref, cand) -> str | None:
+    """Attention differs at layer 0: some query heads only (a head-to-KV-head mapping), or padded samples only."""
+    n_heads = ref.args.get("n_heads")
+    if fb.heads is not None and 0 < len(fb.heads) < (n_heads or 0):
+        owner = heads_note(cand, fb.heads) if getattr(cand, "ranks", None) else None
+        if owner:
+            return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while the cached K/V "
+                    f"agree, and {owner}: consistent with that rank attending with another rank's KV shard "
+                    "(a tensor-parallel head-to-rank mapping error; cf. §2.11 row 4).")
+        return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while K/V agree: "
+                "consistent with a query head reading the wrong KV head (g(h) = ⌊h·H_kv/H_q⌋) — §2.11 row 4.")
+    padded = _padded_samples(cand, pairs)
+    bad = set(fb.samples)
+    if bad and padded and bad <= padded and len(bad) < len(pairs):
+        return (f"At layer 0 only padded samples {sorted(bad)} differ; unpadded samples agree: padding keys "
+                "visible to valid queries? — §2.11 row 5, 'valid-position semantics'.")
+    return None

@@ -1,6 +1,6 @@
 """The model's whole identity beyond its shapes, compared between two traces.
 
-Shapes (``compare.ARCH_KEYS``) decide whether two traces can be compared at all. The keys here do not
+Shapes (``align.ARCH_KEYS``) decide whether two traces can be compared at all. The keys here do not
 change a tensor's shape but do change what the model computes: two traces that differ in one of them
 compare, and the difference is the first thing a report says (a note and the diagnosis hint), because it
 explains a break better than any numeric cause.

@@ -58,16 +58,14 @@ def cache_breaks(report: Report) -> list[tuple[int, str]]:
 
 
 def plot_errors(report: Report, path: str) -> None:
-    try:
+    try:  # matplotlib is optional and slow to import: only --plot loads it
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, MaxNLocator
     except ImportError:
         raise PrefillDiffError("--plot needs matplotlib: pip install 'prefill-diff[plot]'") from None
     data = plot_data(report)
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     panels = ((ax, "max_abs"), (ax2, "max_row_rel"))
     floors = {}
     for a, key in panels:
@@ -75,6 +73,26 @@ def plot_errors(report: Report, path: str) -> None:
         if key == "max_abs":
             vals += [v for s in data.values() for v in s["allowed"]]
         floors[key] = baseline(vals)
+    _series(ax, panels, data, floors, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    row_rtol = report.policy.kinds["residual"].row_rtol
+    if row_rtol > 0:
+        ax2.axhline(row_rtol, color="red", linestyle="--", label=f"row_rtol {row_rtol:g} (residual)")
+    for a, key in panels:
+        a.set_yscale("log")
+        _zero_baseline(a, [v for s in data.values() for v in s[key]], floors[key])
+    _breaks(report, ax, ax2)
+    _labels(report, data, ax, ax2, row_rtol)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as e:
+        raise PrefillDiffError(f"cannot write {path}: {e}") from None
+    finally:
+        plt.close(fig)
+
+
+def _series(ax, panels, data: dict, floors: dict, colours) -> None:
+    """Each series on both panels (zeros on the baseline, broken points circled) and its dashed allowed floor."""
     for k, s in enumerate(data.values()):
         colour = colours[k % len(colours)]
         for a, key in panels:
@@ -92,28 +110,29 @@ def plot_errors(report: Report, path: str) -> None:
             ax.plot(*zip(*allowed), linestyle="--", linewidth=1, color=colour, alpha=0.8)
     ax.plot([], [], linestyle="--", color="grey", label="allowed error floor\natol + ntol·rms (dashed)")
     ax.scatter([], [], s=160, facecolors="none", edgecolors="red", linewidths=2, label="out of tolerance")
-    row_rtol = report.policy.kinds["residual"].row_rtol
-    if row_rtol > 0:
-        ax2.axhline(row_rtol, color="red", linestyle="--", label=f"row_rtol {row_rtol:g} (residual)")
-    for a, key in panels:  # the exact-zero baseline, outside the log scale's data range
-        a.set_yscale("log")
-        values = [v for s in data.values() for v in s[key]]
-        if not any(v == 0 for v in values):
-            continue
-        zero = floors[key]
-        a.axhspan(zero / 2.5, zero * 2.5, color="0.92", zorder=0)
-        a.axhline(zero, color="0.6", linewidth=0.8, zorder=1)
-        lo, hi = a.get_ylim()
-        a.set_ylim(zero / 2.5, max(hi, zero * 20))
-        if all(v == 0 for v in values):
-            a.annotate("every series is exactly 0 at every layer", xy=(0.5, 0.5), xycoords="axes fraction",
-                       ha="center", fontsize="small", color="0.4")
-        base = LogFormatterSciNotation()
-        base.set_axis(a.yaxis)
-        a.yaxis.set_major_formatter(FuncFormatter(
-            lambda v, pos, zero=zero, base=base: "exact 0" if math.isclose(v, zero) else
-            ("" if v < zero * 3 else base(v, pos))))
-        a.yaxis.set_minor_formatter(FuncFormatter(lambda v, pos: ""))
+
+
+def _zero_baseline(a, values, zero: float) -> None:
+    """The exact-zero baseline of one log-scale panel, outside its data range, labelled "exact 0"."""
+    from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation  # deferred with matplotlib itself
+    if not any(v == 0 for v in values):
+        return
+    a.axhspan(zero / 2.5, zero * 2.5, color="0.92", zorder=0)
+    a.axhline(zero, color="0.6", linewidth=0.8, zorder=1)
+    lo, hi = a.get_ylim()
+    a.set_ylim(zero / 2.5, max(hi, zero * 20))
+    if all(v == 0 for v in values):
+        a.annotate("every series is exactly 0 at every layer", xy=(0.5, 0.5), xycoords="axes fraction",
+                   ha="center", fontsize="small", color="0.4")
+    base = LogFormatterSciNotation()
+    base.set_axis(a.yaxis)
+    a.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, pos: "exact 0" if math.isclose(v, zero) else ("" if v < zero * 3 else base(v, pos))))
+    a.yaxis.set_minor_formatter(FuncFormatter(lambda v, pos: ""))
+
+
+def _breaks(report: Report, ax, ax2) -> None:
+    """The first break's layer, labelled, and every cache break's."""
     fb = report.first_break
     if fb is not None and fb.layer is not None:
         kind = fb.kind.replace("_", " ")
@@ -131,6 +150,12 @@ def plot_errors(report: Report, path: str) -> None:
         ax.annotate(what, xy=(layer, 0.0), xycoords=("data", "axes fraction"), xytext=(4, 4),
                     textcoords="offset points", fontsize="small", color="purple",
                     bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="purple", alpha=0.9), zorder=5)
+
+
+def _labels(report: Report, data: dict, ax, ax2, row_rtol: float) -> None:
+    """Title (origins, verdict, the rule), axis labels and the legends beside the axes."""
+    from matplotlib.ticker import MaxNLocator  # deferred with matplotlib itself
+    fb = report.first_break
     res = report.policy.kinds["residual"]
     stats = any(s["stats"] for s in data.values())
     origins = visible(f"{report.ref.get('origin')} vs {report.cand.get('origin')}").replace("$", r"\$")  # no mathtext
@@ -144,10 +169,3 @@ def plot_errors(report: Report, path: str) -> None:
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     if row_rtol > 0:
         ax2.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=100)
-    except OSError as e:
-        raise PrefillDiffError(f"cannot write {path}: {e}") from None
-    finally:
-        plt.close(fig)

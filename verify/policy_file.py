@@ -13,6 +13,8 @@ Policy file (every key optional; unknown keys are errors)::
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..engine.errors import ConfigError, PrefillDiffError
 from ..engine.untrusted import read_small_file
 from .tolerance import KINDS, POLICY_ALIASES, TOL_FIELDS, Policy, default_policy, dtype_policy
@@ -130,7 +132,12 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
         elif k in top or any(k in v for v in kinds.values()):
             src[k] = "explicit atol/rtol"
     if spec.get("name"):
-        from dataclasses import replace
         p = replace(p, name=str(spec["name"]))
-    from dataclasses import replace
     return replace(p, sources=src)
+
+
+def default_policy_for(ref_meta: dict, cand_meta: dict) -> Policy:
+    """The policy when none is given: the tolerance the reference (a baseline) declares, else the dtype defaults."""
+    declared = ref_meta.get("tolerance")
+    return resolve_policy(declared, ref_meta, cand_meta,
+                          {k: "baseline trace" for k in ("base", *TOL_FIELDS)} if declared else None)

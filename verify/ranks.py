@@ -1,5 +1,7 @@
 """Checks only a multi-rank (tensor-parallel) trace needs, run per layer by the Comparator.
 
+The functions take the comparison's ``verify.context.Context`` (ref, cand, pairs, policy, notes).
+
 1. The rank shards of every sharded tensor tile it (no gap, no overlap): otherwise a ``shape`` break.
 2. The replicated tensors agree across ranks: rank r's residual-stream states against rank 0's,
    over every valid cell, with the tolerance the comparison uses for that tensor (full level), or
@@ -8,45 +10,43 @@
    tensors from rank 0 only, so without this check a rank that drifted would go unseen.
 3. A break with query heads on a rank set gets a note naming the ranks that hold those heads.
 
-Order within a layer: a tiling problem first (as a shape break), then rank divergence, then the
-Comparator's own checks (finite masks, cache, values).
+Order within a layer (verify/breaks.py's ORDER): a tiling problem first (as a shape break), then rank
+divergence, then the Comparator's own checks (finite masks, cache, values).
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..dumps.schema import REQUIRED_STATES
-from .compare import Break
+from .breaks import Break
 from .metrics import slab
 
 
-def _rank_sides(cmp):
-    for trace, side in ((cmp.ref, "reference"), (cmp.cand, "candidate")):
+def _rank_sides(ctx):
+    for trace, side in ((ctx.ref, "reference"), (ctx.cand, "candidate")):
         if getattr(trace, "ranks", None):
             yield trace, side
 
 
-def _ref_sample(cmp, side: str, s: int) -> int:
+def _ref_sample(ctx, side: str, s: int) -> int:
     """The reference's index of a sample of ``side`` (breaks name reference samples)."""
     if side == "reference":
         return s
-    return next((rs for rs, cs in cmp.pairs if cs == s), s)
+    return next((rs for rs, cs in ctx.pairs if cs == s), s)
 
 
-def tiling_break(cmp, layer: int) -> Break | None:
-    for trace, side in _rank_sides(cmp):
+def tiling_break(ctx, layer: int) -> Break | None:
+    for trace, side in _rank_sides(ctx):
         for (i, tensor), why in sorted(trace.shard_problems.items()):
             if i == layer:
-                return Break("layer", "shape", f"{side} {why}", layer, tensor)
+                return Break(stage="layer", kind="shape", message=f"{side} {why}", layer=layer, tensor=tensor)
     return None
 
 
-def divergence_break(cmp, layer: int) -> Break | None:
-    for trace, side in _rank_sides(cmp):
+def divergence_break(ctx, layer: int) -> Break | None:
+    for trace, side in _rank_sides(ctx):
         ranks = trace.ranks
-        samples = [rs if side == "reference" else cs for rs, cs in cmp.pairs]
+        samples = [rs if side == "reference" else cs for rs, cs in ctx.pairs]
         for name in REQUIRED_STATES:
-            tol = cmp.policy.tol(name, layer)
+            tol = ctx.policy.tol(name, layer)
             base = ranks[0].layer(layer)
             for r in range(1, len(ranks)):
                 other = ranks[r].layer(layer)
@@ -57,7 +57,7 @@ def divergence_break(cmp, layer: int) -> Break | None:
                     for s in samples:
                         cols, toks = trace.cells(s)
                         part = slab(ranks[0].read(a, (s,))[cols], ranks[r].read(b, (s,))[cols], tol,
-                                    cmp.policy.equal_nan, s, toks)
+                                    ctx.policy.equal_nan, s, toks)
                         nonfinite = part.fin[0] + part.fin[1]  # finite on one rank only
                         if part.n_bad or nonfinite:
                             n_bad += part.n_bad + nonfinite
@@ -67,23 +67,23 @@ def divergence_break(cmp, layer: int) -> Break | None:
                                 worst = (part.max_abs, s, pos)
                     if n_bad:
                         mx, s, pos = worst
-                        rs = _ref_sample(cmp, side, s)
-                        return Break("layer", "rank_divergence",
-                                     f"ranks 0 and {r} of the {side} disagree on replicated {name}: {n_bad} values "
-                                     f"differ beyond tolerance, max_abs={mx:.3g} (sample {rs}, position {pos})",
-                                     layer, name, rs, pos, max_abs_error=mx,
-                                     samples=tuple(sorted(_ref_sample(cmp, side, x) for x in bad)))
+                        rs = _ref_sample(ctx, side, s)
+                        return Break(stage="layer", kind="rank_divergence", message=(
+                            f"ranks 0 and {r} of the {side} disagree on replicated {name}: {n_bad} values "
+                            f"differ beyond tolerance, max_abs={mx:.3g} (sample {rs}, position {pos})"),
+                            layer=layer, tensor=name, sample=rs, position=pos, max_abs_error=mx,
+                            samples=tuple(sorted(_ref_sample(ctx, side, x) for x in bad)))
                     continue
                 ca, cb = base.checksum(name), other.checksum(name)
                 if ca is not None and cb is not None:
                     diff = [s for s in samples if ca[s] != cb[s]]
                     if diff:
-                        rs = _ref_sample(cmp, side, diff[0])
-                        return Break("layer", "rank_divergence",
-                                     f"ranks 0 and {r} of the {side} disagree on replicated {name}: checksums "
-                                     f"differ for samples "
-                                     f"{[_ref_sample(cmp, side, x) for x in diff]} (stats level)",
-                                     layer, name, rs, samples=tuple(_ref_sample(cmp, side, x) for x in diff))
+                        rs = _ref_sample(ctx, side, diff[0])
+                        return Break(stage="layer", kind="rank_divergence", message=(
+                            f"ranks 0 and {r} of the {side} disagree on replicated {name}: checksums differ for "
+                            f"samples {[_ref_sample(ctx, side, x) for x in diff]} (stats level)"),
+                            layer=layer, tensor=name, sample=rs,
+                            samples=tuple(_ref_sample(ctx, side, x) for x in diff))
     return None
 
 
@@ -109,20 +109,11 @@ def heads_note(trace, heads) -> str | None:
     return "; ".join(parts)
 
 
-def rank_checks(cmp, layer: int, first: Break | None) -> Break | None:
-    """The layer's first break once the multi-rank checks are added (see the module docstring)."""
-    tb = tiling_break(cmp, layer)
-    if tb is not None:
-        return tb
-    if first is None or first.kind != "shape":
-        db = divergence_break(cmp, layer)
-        if db is not None:
-            first = db
-    if first is not None and first.heads:
-        for trace, side in _rank_sides(cmp):
-            note = heads_note(trace, first.heads)
-            if note:
-                text = f"layer {layer}: {side} {note}"
-                if text not in cmp.notes:
-                    cmp.notes.append(text)
-    return first
+def heads_notes(ctx, layer: int, first: Break) -> None:
+    """Notes naming the ranks that hold the query heads of a layer's first break (rank sets only)."""
+    for trace, side in _rank_sides(ctx):
+        note = heads_note(trace, first.heads)
+        if note:
+            text = f"layer {layer}: {side} {note}"
+            if text not in ctx.notes:
+                ctx.notes.append(text)

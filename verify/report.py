@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..dumps.reader import Trace
-from .compare import Break, Comparator, FinalResult, LayerResult
+from .breaks import Break
+from .calibrate import precisions, same_precisions
+from .comparator import Comparator, LayerResult
+from .diagnose import diagnose
+from .final import FinalResult
+from .identity import differences, note
+from .policy_file import default_policy_for
 from .tolerance import Policy
+from . import wording
+from .wording import break_line
 
 REPORT_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Report:
     first_break: Break | None
     layers: tuple
@@ -25,7 +34,7 @@ class Report:
     notes: tuple = ()
     skipped: tuple = ()
     inconclusive: tuple = ()  # faults that cannot show on this model/inputs
-    ref: dict = field(default_factory=dict)
+    ref: dict = field(default_factory=dict)  # trace_summary of each side
     cand: dict = field(default_factory=dict)
     pairs: tuple = ()
     stopped_early: bool = False
@@ -66,13 +75,9 @@ class Report:
 
     def verdict_line(self) -> str:
         if self:
-            line = f"PASSED | {len(self.layers)}/{self.n_layers} layers, logits and cache within tolerance"
-            if self.inconclusive:
-                line += " | INCONCLUSIVE: the injected fault cannot show here"
-            if any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes):
-                line += " | the model identity differs (see notes)"
-            return line
-        return "FAILED | " + self.line(self.first_break)
+            return wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
+                                  identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes))
+        return wording.failed(self.line(self.first_break))
 
     def as_dict(self) -> dict:
         fb = self.first_break
@@ -118,56 +123,10 @@ def _jsonable(x):
         return str(x)
 
 
-def break_line(b: Break, token_text: str | None = None) -> str:
-    """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > tol=1.0e-03'.
-
-    tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row). With token_text
-    (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
-    """
-    if b.kind == "coverage":
-        return f"coverage | {b.message.split(': samples ', 1)[0]}: samples {list(b.samples)}"
-    if b.stage == "metadata":
-        return f"metadata | {b.message}"
-    if b.kind in ("cache_length", "cache_positions"):
-        what = "cache length" if b.kind == "cache_length" else "cache positions"
-    else:
-        what = b.tensor + (" finite mask" if b.kind == "finite_mask" else "") + (" top ids" if b.kind == "top_ids"
-                                                                               else "")
-    where = f"layer {b.layer} {what}" if b.stage == "layer" else f"final {what}"
-    parts = [where]
-    loc = " ".join(x for x in (f"sample {b.sample}" if b.sample is not None else "",
-                               f"pos {b.position}" if b.position is not None else "",
-                               repr(token_text) if token_text is not None and b.position is not None else "") if x)
-    if loc:
-        parts.append(loc)
-    if b.kind == "value" and b.check == "change":
-        parts.append(f"row error {b.noise_ratio:.3g}x the measured {b.noise_of} noise > allowed {b.noise_factor:g}x")
-        if b.heads:
-            parts.append("query heads " + ",".join(map(str, b.heads)))
-    elif b.kind == "value":
-        if b.check == "numerics":
-            parts.append("numerics (twin vs reference)")
-        if b.max_abs_error is not None and b.bound is not None:
-            parts.append(f"max_abs={b.max_abs_error:.1e} > tol={b.bound:.1e}")
-        elif b.max_abs_error is not None and "[stats level" in b.message:
-            parts.append(f"statistic error={b.max_abs_error:.1e} (stats level: min, max, mean, rms; no values)")
-        else:
-            parts.append(b.message)
-        if b.heads:
-            parts.append("query heads " + ",".join(map(str, b.heads)) +
-                         (" (reading KV heads " + ",".join(map(str, b.kv_heads)) + ")" if b.kv_heads else ""))
-        elif b.kv_heads:
-            parts.append("KV heads " + ",".join(map(str, b.kv_heads)))
-    elif b.kind == "finite_mask":
-        parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
-    else:
-        parts.append(b.message.split(": ", 1)[-1] if b.message.startswith("sample ") else b.message)
-    return " | ".join(parts)
-
-
-def trace_summary(t: Trace, kept: bool = True) -> dict:
+def trace_summary(t: Trace, file: str | None) -> dict:
+    """A side of the report: ``file`` is the name the report shows (None: the trace is gone)."""
     m = t.meta
-    return {"file": t.name if kept else None, "level": t.level, "format_version": t.version,
+    return {"file": file, "level": t.level, "format_version": t.version,
             "origin": m.get("side", {}).get("origin"), "engine": m.get("engine"),
             "weights_digest": m.get("model", {}).get("weights_digest"),
             "adapter": m.get("model", {}).get("adapter"),
@@ -180,26 +139,34 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     rec = t.meta.get("record") or {}
     notes, inconclusive = [], []
     for o in rec.get("reuse") or ():
-        if o.get("forced"):
-            notes.append(f"{side} sample {o['sample']}: prefix reuse FORCED although refused: {o['reason']}")
-        elif not o.get("hit"):
-            notes.append(f"{side} sample {o['sample']}: prefix reuse refused: {o['reason']}")
-    for v in rec.get("invariant_violations") or ():
-        notes.append(f"{side} cache invariant broken after prefill: {v}")
+        if o.get("forced") or not o.get("hit"):
+            notes.append(wording.reuse_refused(side, o["sample"], o["reason"], forced=bool(o.get("forced"))))
+    notes += [wording.invariant_broken(side, v) for v in rec.get("invariant_violations") or ()]
     fault = rec.get("fault") or {}
     if fault.get("cannot_show"):
         inconclusive.append(fault["cannot_show"])
     return notes, inconclusive
 
 
+class Files(NamedTuple):
+    """The file names a report shows for its two sides (None: recorded into a temporary file, removed)."""
+    ref: str | None
+    cand: str | None
+
+
 class Session:
-    """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast)."""
+    """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast).
+
+    policy: a resolved Policy; None takes ``default_policy_for(ref.meta, cand.meta)`` (the baseline's declared
+    tolerance, else the dtype defaults). files: the names the report shows; None: the traces' own names.
+    """
 
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
-                 allow_subset: bool = False, rule_note: str | None = None, kept: tuple = (True, True)):
+                 allow_subset: bool = False, rule_note: str | None = None, *, files: Files | tuple | None = None):
         self.ref, self.cand = ref, cand
-        self.kept = kept  # (ref, cand): False for a temporary trace, removed after the comparison
-        self.cmp = Comparator(ref, cand, policy, calib, allow_subset)
+        self.files = Files(ref.name, cand.name) if files is None else Files(*files)
+        self.cmp = Comparator(ref, cand, default_policy_for(ref.meta, cand.meta) if policy is None else policy,
+                              calib, allow_subset)
         self.layers: list[LayerResult] = []
         self.first_break = self.cmp.metadata_break()
         # a coverage break is a failure but the matched samples are still compared
@@ -219,60 +186,51 @@ class Session:
             final = self.cmp.final()
             if self.first_break is None and final.first_break is not None:
                 self.first_break = final.first_break
-        from .identity import differences, note
-        identity = differences(self.ref.meta, self.cand.meta)
-        notes, inconclusive = [note(d) for d in identity] + list(self.cmp.notes), []
+        notes, inconclusive = self._notes()
+        hint = diagnose(self.first_break, self.cmp.pairs, final, self.ref, self.cand)  # the traces are still open
+        return Report(first_break=self.first_break, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
+                      n_layers=self.ref.n_layers, notes=tuple(notes), skipped=tuple(sorted(self.cmp.skipped)),
+                      inconclusive=tuple(inconclusive), ref=trace_summary(self.ref, self.files.ref),
+                      cand=trace_summary(self.cand, self.files.cand), pairs=tuple(self.cmp.pairs),
+                      stopped_early=stopped_early, diagnosis=hint,
+                      token_text={**(self.cand.meta.get("token_text") or {}),
+                                  **(self.ref.meta.get("token_text") or {})} or None,
+                      sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
+                      calibration=self.rule)
+
+    def _notes(self) -> tuple[list, list]:
+        """(notes, faults that cannot show): model identity, the comparison's own notes, what each side recorded."""
+        notes = [note(d) for d in differences(self.ref.meta, self.cand.meta)] + list(self.cmp.notes)
+        inconclusive = []
         for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
             n, i = record_notes(t, side)
             notes += n
             inconclusive += i
         rd, cd = self.ref.meta.get("model", {}), self.cand.meta.get("model", {})
         if rd.get("weights_digest") != cd.get("weights_digest"):
-            notes.append(f"weights differ: reference {str(rd.get('weights_digest') or '?')[:19]}…, "
-                         f"candidate {str(cd.get('weights_digest') or '?')[:19]}…")
+            notes.append(wording.weights_differ(rd.get("weights_digest"), cd.get("weights_digest")))
         if self.ref.level != self.cand.level:
-            notes.append(f"levels differ: reference {self.ref.level}, candidate {self.cand.level}; "
-                         "checks use what both traces have")
-        from .diagnose import diagnose
-        report = Report(self.first_break, tuple(self.layers), final, self.cmp.policy, self.ref.n_layers,
-                        tuple(notes), tuple(sorted(self.cmp.skipped)), tuple(inconclusive),
-                        trace_summary(self.ref, self.kept[0]), trace_summary(self.cand, self.kept[1]),
-                        tuple(self.cmp.pairs), stopped_early,
-                        token_text={**(self.cand.meta.get("token_text") or {}),
-                                    **(self.ref.meta.get("token_text") or {})} or None,
-                        sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
-                        calibration=self.rule)
-        return _with_diagnosis(report, diagnose(report, self.ref, self.cand))
-
-
-def _with_diagnosis(report: Report, text: str | None) -> Report:
-    from dataclasses import replace
-    return replace(report, diagnosis=text)
+            notes.append(wording.levels_differ(self.ref.level, self.cand.level))
+        return notes, inconclusive
 
 
 def describe_rule(cmp: Comparator) -> str:
     """How values are judged, in words: the calibrated rule, or the fixed rule and where its terms came from."""
-    from .calibrate import precisions, same_precisions
     p = cmp.policy
     if cmp.calib is not None:
-        c = cmp.calib
-        twin = "the reference itself" if c.twin is None else f"the reference's path in {c.label}"
-        return (f"calibrated: each row within {c.factor:g}x the noise of {twin} against a float64 golden "
-                f"(+ floor {c.floor:.2g})" + ("" if c.twin is None else f"; numerics: twin vs reference within "
-                                                                        f"the fixed {p.name} envelope"))
-    declared = any(not str(v).endswith("default") for v in p.sources.values())
-    if declared:
-        return f"declared rule, not calibrated: {p.rule()}"
+        return wording.calibrated_rule(cmp.calib, p.name)
+    if any(not str(v).endswith("default") for v in p.sources.values()):
+        return wording.declared_rule(p.rule())
     if not same_precisions(precisions(cmp.ref.meta), precisions(cmp.cand.meta)):
-        return f"uncalibrated: fixed {p.name} envelope ({p.rule()})"
-    return f"fixed {p.name} rule ({p.rule()})"
+        return wording.envelope_rule(p.name, p.rule())
+    return wording.same_precisions_rule(p.name, p.rule())
 
 
-def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, fail_fast: bool = False, calib=None,
-                   allow_subset: bool = False, rule_note: str | None = None, kept: tuple = (True, True)) -> Report:
-    """Compare two traces; with fail_fast, stop at the first layer that breaks. ``kept``: (ref, cand), False
-    for a temporary trace that will be gone when the report is read (its file is reported as None)."""
-    s = Session(ref, cand, policy, calib, allow_subset, rule_note, kept)
+def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, *, fail_fast: bool = False, calib=None,
+                   allow_subset: bool = False, rule_note: str | None = None,
+                   files: Files | tuple | None = None) -> Report:
+    """Compare two traces; with fail_fast, stop at the first layer that breaks (see Session for the rest)."""
+    s = Session(ref, cand, policy, calib, allow_subset, rule_note, files=files)
     if s.metadata_failed:
         return s.finish()
     for i in range(ref.n_layers):

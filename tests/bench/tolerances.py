@@ -23,7 +23,7 @@ from prefill_diff.verify.report import compare_traces
 
 def _ntol_without_rows(t) -> float:
     """min_ntol is measured on rows the row rule did not accept; with the rule on it understates."""
-    return float("nan") if t.rows_by_row_rule else t.min_ntol
+    return float("nan") if t.rows_by_row_rule else t.needed.ntol
 
 
 def main(argv=None):
@@ -49,7 +49,7 @@ def main(argv=None):
                 rep = compare_traces(r, c)
             vals = [t for lr in rep.layers for t in lr.tensors] + list(rep.final.tensors if rep.final is not None else ())
             mx = max((t.max_abs for t in vals), default=0.0)
-            need = max((t.min_ntol if not t.row_rtol else _ntol_without_rows(t) for t in vals), default=0.0)
+            need = max((t.needed.ntol if not t.row_rtol else _ntol_without_rows(t) for t in vals), default=0.0)
             row = max((t.max_row_rel for t in vals), default=0.0)
             lg = rep.final.tensor("logits").max_abs if rep.final is not None else float("nan")
             fb = "" if rep.first_break is None else rep.verdict_line().split(" | ", 1)[1]

@@ -1,0 +1,69 @@
+"""What every comparer of one evidence level needs: both traces, the policy, the alignment, the calibration.
+
+The comparers (verify/full.py, sampled.py, stats.py, cache.py, final.py) are functions of a
+``Context``; they add what they could not check to ``skipped`` and what a reader should know to
+``notes``, the two collections the report shows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..dumps.reader import Trace, TraceError
+from .align import Alignment
+from .calibrate import CalibAcc, Calibration
+from .tolerance import Policy, Tolerance
+
+# In a calibrated comparison the values are judged by the candidate's row error against the float64 golden,
+# relative to the twin's; this tolerance only gathers the candidate-vs-reference metrics for the report.
+METRICS_ONLY = Tolerance(float("inf"), 0.0)
+
+
+@dataclass
+class Context:
+    ref: Trace
+    cand: Trace
+    policy: Policy
+    align: Alignment
+    calib: Calibration | None = None
+    notes: list = field(default_factory=list)
+    skipped: set = field(default_factory=set)
+
+    @property
+    def pairs(self):
+        return self.align.pairs
+
+    @property
+    def equal_nan(self) -> bool:
+        return self.policy.equal_nan
+
+    @property
+    def noise_of(self) -> str | None:
+        """A calibrated comparison's twin precisions, in words."""
+        return None if self.calib is None else self.calib.label
+
+    def value_tol(self, name: str, layer: int | None = None) -> Tolerance:
+        return METRICS_ONLY if self.calib is not None else self.policy.tol(name, layer)
+
+    def calib_acc(self, heads: int | None = None) -> CalibAcc | None:
+        return None if self.calib is None else CalibAcc(self.calib.factor, self.calib.floor, heads)
+
+    def calib_datasets(self, layer: int, name: str):
+        """The golden's and the twin's dataset of one tensor (twin None: the reference is the twin)."""
+        if self.calib is None:
+            return None, None
+
+        def get(t):
+            v = t.layer(layer)
+            ds = v.cache(name[len("cache_"):]) if name.startswith("cache_") else v.state(name)
+            if ds is None:
+                raise TraceError(f"{t.name}: layer {layer} has no full {name} (a calibrated comparison needs full "
+                                 "golden and twin traces)")
+            return ds
+        return get(self.calib.golden), None if self.calib.twin is None else get(self.calib.twin)
+
+    def kv_heads_read(self, heads) -> tuple | None:
+        """The KV heads g(h) = ⌊h·H_kv/H_q⌋ that query heads ``heads`` read, by the reference's model."""
+        hq, hkv = self.ref.args.get("n_heads"), self.ref.args.get("n_kv_heads")
+        if not heads or not isinstance(hq, int) or not isinstance(hkv, int) or hq < 1:
+            return None
+        return tuple(sorted({h * hkv // hq for h in heads}))

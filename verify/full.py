@@ -1,0 +1,43 @@
+"""The full level: every value of a residual-stream state, over the cells both sides computed.
+
+One sample row of each trace is read at a time (one HDF5 chunk each, into reused buffers); its
+aligned cells go through verify.metrics, its padding cells are counted for non-finite values. In a
+calibrated comparison the candidate's, twin's and golden's rows also feed check (1).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..dumps.reader import LayerView
+from . import wording
+from .context import Context
+from .results import Accumulator, TensorResult
+from .tolerance import Tolerance
+
+
+def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:
+    """State ``name`` of one layer, both sides at the full level."""
+    rd, cd = r.state(name), c.state(name)
+    if rd.shape[2] != cd.shape[2]:
+        return TensorResult(tensor=name, level="full", tol=tol,
+                            shape_detail=wording.width_differs(name, rd.shape[2], cd.shape[2]))
+    acc = Accumulator(tol, ctx.equal_nan)
+    heads = ctx.ref.args.get("n_heads") if name == "attn_heads" else None
+    cal = ctx.calib_acc(heads)
+    gd, td = ctx.calib_datasets(r.layer, name)
+    pad_r = pad_c = 0
+    for rs, cs in ctx.pairs:
+        cells = ctx.align.cells[rs]
+        rrow, crow = ctx.ref.read_row(rd, rs, "ref"), ctx.cand.read_row(cd, cs, "cand")
+        a, b = rrow[cells.ref_cols], crow[cells.cand_cols]
+        if cal is not None:
+            g = ctx.calib.golden.read(gd, (rs,))[cells.ref_cols]
+            t = a if td is None else ctx.calib.twin.read(td, (rs,))[cells.ref_cols]
+            cal.add(b, t, g, rs, cells.tokens)
+        acc.add(a, b, rs, cells.tokens, heads)
+        nr = int((~np.isfinite(rrow[cells.ref_pad])).sum()) if cells.ref_pad.size else 0
+        nc = int((~np.isfinite(crow[cells.cand_pad])).sum()) if cells.cand_pad.size else 0
+        if nc != nr:
+            acc.p.bad_samples.setdefault(rs, None)
+        pad_r, pad_c = pad_r + nr, pad_c + nc
+    return acc.result(name, "full", pad_ref=pad_r, pad_cand=pad_c, calib=None if cal is None else cal.result())

@@ -1,0 +1,277 @@
+"""Every sentence a comparison says, built in one place from the numbers the results carry.
+
+Results (verify/results.py, verify/breaks.py) hold numbers; the messages stored beside them
+(``Break.message``, ``CacheResult.detail``, ``TensorResult.shape_detail``, notes) are worded here,
+and so is the one-line verdict of a break (``break_line``). The wording is part of the report's
+contract: the README's outputs are checked byte for byte (tests/test_readme.py).
+"""
+from __future__ import annotations
+
+
+def span(toks) -> str:
+    """Token indices in words: '3..7' for a run, '5' for one, else the first eight as a list."""
+    toks = sorted(int(t) for t in toks)
+    if toks == list(range(toks[0], toks[-1] + 1)):
+        return f"{toks[0]}..{toks[-1]}" if len(toks) > 1 else str(toks[0])
+    return str(toks[:8])[:-1] + (", ...]" if len(toks) > 8 else "]")
+
+
+# -- alignment and coverage -------------------------------------------------------------------------
+
+def only_in_reference(sample: int, toks) -> str:
+    return (f"sample {sample}: positions {span(toks)} have residual states in the reference only"
+            " (compared as cache entries where the cache holds them)")
+
+
+def only_in_candidate(sample: int, toks) -> str:
+    return f"sample {sample}: positions {span(toks)} have residual states in the candidate only"
+
+
+def near_miss(m) -> str:
+    """One ``align.NearMiss`` in words."""
+    i, j, r, c = m.ref_sample, m.cand_sample, m.ref_tokens, m.cand_tokens
+    if len(c) == len(r) + 1 and c[1:] == r:
+        return f"candidate sample {j} equals reference sample {i} with one extra leading token {c[0]}"
+    if len(c) == len(r) + 1 and c[:-1] == r:
+        return f"candidate sample {j} equals reference sample {i} with one extra trailing token {c[-1]}"
+    if len(r) == len(c) + 1 and r[1:] == c:
+        return f"candidate sample {j} equals reference sample {i} without its leading token {r[0]}"
+    if len(r) == len(c) + 1 and r[:-1] == c:
+        return f"candidate sample {j} equals reference sample {i} without its trailing token {r[-1]}"
+    return (f"reference sample {i} ({len(r)} tokens) and candidate sample {j} ({len(c)} tokens) share "
+            f"a prefix of {m.prefix} and a suffix of {m.suffix} tokens")
+
+
+def near_misses(misses) -> str:
+    """'; ' and every near miss in words, or '' when there is none."""
+    return ("; " + "; ".join(near_miss(m) for m in misses)) if misses else ""
+
+
+def architectures_differ(diffs) -> str:
+    return "traces are not comparable: architectures differ (" + "; ".join(diffs) + ")"
+
+
+def no_common_sample(n_ref: int, n_cand: int, misses) -> str:
+    return ("traces are not comparable: no sample has the same token ids "
+            f"(reference {n_ref} samples, candidate {n_cand} samples)" + near_misses(misses))
+
+
+def coverage(ref_only, total: int, misses) -> str:
+    n = len(ref_only)
+    return (f"{n} of {total} reference sample{'s' if total > 1 else ''} "
+            f"{'have' if n > 1 else 'has'} no counterpart in the candidate (not compared): samples "
+            f"{list(ref_only)}" + near_misses(misses) + "; pass --allow-subset to compare against a subset on purpose")
+
+
+def candidate_only_note(cand_only) -> str:
+    return f"candidate samples {list(cand_only)} have no counterpart in the reference (not compared)"
+
+
+def subset_note(ref_only, total: int) -> str:
+    return (f"{len(ref_only)} of {total} reference samples skipped "
+            f"(--allow-subset): samples {list(ref_only)} have no counterpart in the candidate")
+
+
+def positions_differ(sample: int, token: int, cand_id: int, ref_id: int, n_diff: int, n_tokens: int) -> str:
+    return (f"sample {sample}: token {token} was given position id {cand_id} in the candidate, {ref_id} in the "
+            f"reference ({n_diff} of {n_tokens} computed tokens differ)")
+
+
+# -- shapes, finite masks, cache ---------------------------------------------------------------------
+
+def width_differs(name: str, ref_width: int, cand_width: int) -> str:
+    return f"{name} width {ref_width} vs {cand_width}"
+
+
+def cache_shape_differs(name: str, ref_shape, cand_shape) -> str:
+    return (f"cache {name}: n_kv_heads x head_dim {ref_shape[1]}x{ref_shape[3]} vs "
+            f"{cand_shape[1]}x{cand_shape[3]}")
+
+
+def cache_length_differs(sample: int, cand_len: int, ref_len: int, first_slot: int) -> str:
+    return (f"sample {sample}: candidate holds {cand_len} tokens, reference {ref_len} "
+            f"(first differing slot {first_slot})")
+
+
+def cache_positions_differ(sample: int, slot: int, cand_pos: int, ref_pos: int, n_diff: int, n_slots: int) -> str:
+    return (f"sample {sample}: slot {slot} holds position {cand_pos} in the candidate, "
+            f"{ref_pos} in the reference ({n_diff} of {n_slots} slots differ)")
+
+
+def nonfinite_valid(t) -> str:
+    f = t.finite
+    return (f"non-finite values in valid rows of {t.tensor}: {f.cand_only} valid values finite only in the "
+            f"candidate, {f.ref_only} finite only in the reference, {f.both} non-finite in both")
+
+
+def nonfinite_padding(t) -> str:
+    f = t.finite
+    side = "candidate" if f.pad_cand > f.pad_ref else "reference"
+    return (f"{max(f.pad_cand, f.pad_ref)} non-finite values in padding rows of {t.tensor} in the {side} only "
+            "(a padding row entered a softmax with no finite score?)")
+
+
+# -- values ------------------------------------------------------------------------------------------
+
+def stats_values(t) -> str:
+    return (f"{t.n_bad} of {t.compared} statistics (min, max, mean, rms per sample) of {t.tensor} out of "
+            f"tolerance; largest statistic error {t.max_abs:.3g} (atol={t.atol:g}, rtol={t.rtol:g}, "
+            f"ntol={t.ntol:g} of the sample's rms); would pass with atol>={t.needed.atol:.3g} [stats level: "
+            "no element, row or relative error is recorded]")
+
+
+def values(t) -> str:
+    n = t.needed
+    msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
+           f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
+           f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={n.atol:.3g}, "
+           f"rtol>={n.rtol:.3g}, ntol>={n.ntol:.3g} or row_rtol>={n.row_rtol:.3g}")
+    return msg if t.level == "full" else msg + f" [{t.level} level]"
+
+
+def calibrated_values(t, label: str) -> str:
+    k = t.calib
+    return (f"row error {k.max_ratio:.3g}x the measured {label} noise (allowed {k.factor:g}x): "
+            f"{k.bad_rows} of {k.rows} rows of {t.tensor} out; at the worst row the candidate is {k.cand_error:.3g} "
+            f"of the row norm from the float64 golden, the twin {k.noise:.3g}, allowed {k.allowed:.3g} "
+            f"(K x noise + floor {k.floor:.2g}); would pass with --noise-factor {k.min_factor:.3g}")
+
+
+def numerics(label: str, policy_name: str, message: str) -> str:
+    return (f"the {label} numerics themselves break here (check 2): the twin, the reference's own path in {label}, "
+            f"differs from the reference beyond the fixed {policy_name} envelope: {message}")
+
+
+def top_ids_differ(sample: int, rank: int, cand_id: int, ref_id: int, got: float, want: float) -> str:
+    return (f"sample {sample}: rank {rank} is id {cand_id} in the candidate, id {ref_id} in the reference "
+            f"(reference logits {got:.4g} vs {want:.4g}, beyond tolerance)")
+
+
+# -- what was not checked ----------------------------------------------------------------------------
+
+SAMPLED_ONLY = "values compared on the sampled subset only (sampled level)"
+STATS_ONLY = "values compared as statistics only (stats level): max_abs is the largest statistic error"
+
+
+def stats_for_lack_of_values(name: str, ref_level: str, cand_level: str) -> str:
+    return (f"{name}: compared as statistics only (levels {ref_level} and {cand_level} share no values of it): "
+            "max_abs is the largest statistic error")
+
+
+def not_recorded(name: str) -> str:
+    return f"{name}: not recorded in one trace"
+
+
+def stats_cover_other_cells(name: str) -> str:
+    return f"statistics of {name} cover different cells on the two sides; not compared"
+
+
+# -- the report's header, notes and verdict ---------------------------------------------------------
+
+def calibrated_rule(calib, policy_name: str) -> str:
+    twin = "the reference itself" if calib.twin is None else f"the reference's path in {calib.label}"
+    return (f"calibrated: each row within {calib.factor:g}x the noise of {twin} against a float64 golden "
+            f"(+ floor {calib.floor:.2g})" + ("" if calib.twin is None else f"; numerics: twin vs reference within "
+                                                                            f"the fixed {policy_name} envelope"))
+
+
+def declared_rule(rule: str) -> str:
+    return f"declared rule, not calibrated: {rule}"
+
+
+def envelope_rule(policy_name: str, rule: str) -> str:
+    """The fixed envelope between different precisions, where no golden and twin were recorded."""
+    return f"uncalibrated: fixed {policy_name} envelope ({rule})"
+
+
+def same_precisions_rule(policy_name: str, rule: str) -> str:
+    return f"fixed {policy_name} rule ({rule})"
+
+
+def reuse_refused(side: str, sample: int, reason: str, forced: bool) -> str:
+    if forced:
+        return f"{side} sample {sample}: prefix reuse FORCED although refused: {reason}"
+    return f"{side} sample {sample}: prefix reuse refused: {reason}"
+
+
+def invariant_broken(side: str, violation) -> str:
+    return f"{side} cache invariant broken after prefill: {violation}"
+
+
+def weights_differ(ref_digest, cand_digest) -> str:
+    return (f"weights differ: reference {str(ref_digest or '?')[:19]}…, "
+            f"candidate {str(cand_digest or '?')[:19]}…")
+
+
+def levels_differ(ref_level: str, cand_level: str) -> str:
+    return f"levels differ: reference {ref_level}, candidate {cand_level}; checks use what both traces have"
+
+
+def passed(n_compared: int, n_layers: int, *, inconclusive: bool, identity_differs: bool) -> str:
+    line = f"PASSED | {n_compared}/{n_layers} layers, logits and cache within tolerance"
+    if inconclusive:
+        line += " | INCONCLUSIVE: the injected fault cannot show here"
+    if identity_differs:
+        line += " | the model identity differs (see notes)"
+    return line
+
+
+def failed(break_words: str) -> str:
+    return "FAILED | " + break_words
+
+
+# -- the verdict line of a break ---------------------------------------------------------------------
+
+def break_line(b, token_text: str | None = None) -> str:
+    """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > tol=1.0e-03'.
+
+    tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row). With token_text
+    (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
+    """
+    if b.kind == "coverage":
+        return f"coverage | {b.message.split(': samples ', 1)[0]}: samples {list(b.samples)}"
+    if b.stage == "metadata":
+        return f"metadata | {b.message}"
+    parts = [_where(b)]
+    loc = " ".join(x for x in (f"sample {b.sample}" if b.sample is not None else "",
+                               f"pos {b.position}" if b.position is not None else "",
+                               repr(token_text) if token_text is not None and b.position is not None else "") if x)
+    if loc:
+        parts.append(loc)
+    if b.kind == "value":
+        parts += _value_parts(b)
+    elif b.kind == "finite_mask":
+        parts.append("NaN/Inf in padding rows" if b.padding else "NaN/Inf where the other side is finite")
+    else:
+        parts.append(b.message.split(": ", 1)[-1] if b.message.startswith("sample ") else b.message)
+    return " | ".join(parts)
+
+
+def _where(b) -> str:
+    if b.kind in ("cache_length", "cache_positions"):
+        what = "cache length" if b.kind == "cache_length" else "cache positions"
+    else:
+        what = b.tensor + (" finite mask" if b.kind == "finite_mask" else "") + (" top ids" if b.kind == "top_ids"
+                                                                               else "")
+    return f"layer {b.layer} {what}" if b.stage == "layer" else f"final {what}"
+
+
+def _value_parts(b) -> list:
+    if b.check == "change":
+        parts = [f"row error {b.noise_ratio:.3g}x the measured {b.noise_of} noise > allowed {b.noise_factor:g}x"]
+        if b.heads:
+            parts.append("query heads " + ",".join(map(str, b.heads)))
+        return parts
+    parts = ["numerics (twin vs reference)"] if b.check == "numerics" else []
+    if b.max_abs_error is not None and b.bound is not None:
+        parts.append(f"max_abs={b.max_abs_error:.1e} > tol={b.bound:.1e}")
+    elif b.max_abs_error is not None and "[stats level" in b.message:
+        parts.append(f"statistic error={b.max_abs_error:.1e} (stats level: min, max, mean, rms; no values)")
+    else:
+        parts.append(b.message)
+    if b.heads:
+        parts.append("query heads " + ",".join(map(str, b.heads)) +
+                     (" (reading KV heads " + ",".join(map(str, b.kv_heads)) + ")" if b.kv_heads else ""))
+    elif b.kv_heads:
+        parts.append("KV heads " + ",".join(map(str, b.kv_heads)))
+    return parts
