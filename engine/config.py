@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import os
 import typing
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from .cache import CacheLayout
 from .errors import ConfigError, PrefillDiffError

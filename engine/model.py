@@ -14,7 +14,7 @@ attention only calls ``step.rope`` and ``step.attend``, and the block only ``ste
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F

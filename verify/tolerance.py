@@ -16,7 +16,7 @@ this project's presets and on SmolLM2-135M (docs/tolerances.md).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from ..engine.errors import ConfigError
 
