@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from . import model_cache
 from .errors import ConfigError, ModelLoadError
 from .model import ModelArgs
 from .snapshot import Snapshot
@@ -270,9 +271,11 @@ def load(source: str) -> Snapshot:
     if source.startswith("hf:"):
         return load_hf_dir(source[3:])
     from .gguf_loader import load_gguf, smollm2_path
-    if source == "smollm2":
-        return load_gguf(smollm2_path(), source)
-    return load_gguf(source[5:], source)
+    path = smollm2_path() if source == "smollm2" else source[5:]
+    if not os.path.isfile(path):  # the loader's own message, before the cache hashes the file
+        return load_gguf(path, source)
+    return model_cache.cached(path, "native", lambda: load_gguf(path, source), model_cache.save_snapshot,
+                              lambda entry: model_cache.load_snapshot(entry, source, Tokenizer))
 
 
 def load_hf_dir(path: str) -> Snapshot:
