@@ -121,8 +121,12 @@ def cached(source: str, kind: str, convert: Callable, save: Callable, load: Call
     where = root()
     if where is None:
         return convert()
-    models = _models_dir(where)
-    digest = source_sha256(source)
+    try:
+        models = _models_dir(where)
+        digest = source_sha256(source)
+    except OSError as e:  # an unwritable cache directory, an unreadable source (its loader says why)
+        _say(f"cannot use the model cache in {where} ({e.strerror or e}); running without it")
+        return convert()
     name = f"{digest}-{kind}"
     entry = _lookup(models, name, digest)
     if entry is not None:
@@ -140,30 +144,32 @@ def _say(message: str) -> None:
 
 
 def _models_dir(where: str) -> str:
-    """``where``/models, after making sure ``where`` is ours (created, with its marker, when new or empty)."""
-    try:
-        os.makedirs(where, exist_ok=True)
-        if not os.path.isdir(where):
-            raise ConfigError(f"model cache {visible(where)} is not a directory (set --model-cache DIR or off)")
-        marker = os.path.join(where, MARKER)
-        if not os.path.lexists(marker):
-            if os.listdir(where):
-                raise ConfigError(f"model cache {visible(where)} is not a prefill-diff cache (no {MARKER}) and is "
-                                  "not empty: refusing to use it (choose another --model-cache DIR, or off)")
-            _write_atomic(where, MARKER, json.dumps({"prefill_diff_model_cache": FORMAT}).encode())
-        elif not _is_regular(marker):
-            raise ConfigError(f"model cache {visible(where)}: {MARKER} is not a regular file: refusing to use it")
-        models = os.path.join(where, "models")
-        try:
-            os.mkdir(models)
+    """``where``/models, after making sure ``where`` is ours (made ours when new or empty)."""
+    os.makedirs(where, exist_ok=True)
+    if not os.path.isdir(where):
+        raise ConfigError(f"model cache {visible(where)} is not a directory (set --model-cache DIR or off)")
+    marker = os.path.join(where, MARKER)
+    if not os.path.lexists(marker):
+        if os.listdir(where):
+            raise ConfigError(f"model cache {visible(where)} is not a prefill-diff cache (no {MARKER}) and is "
+                              "not empty: refusing to use it (choose another --model-cache DIR, or off)")
+        try:  # created in place (O_EXCL), so a concurrent run never sees a non-empty directory without it
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"prefill_diff_model_cache": FORMAT}, f)
         except FileExistsError:
             pass
-        if os.path.islink(models) or not os.path.isdir(models):
-            raise ConfigError(f"model cache {visible(models)} is not a directory of ours (a link or a file): "
-                              "refusing to use it")
-        return models
-    except OSError as e:
-        raise ConfigError(f"model cache {visible(where)}: {e.strerror or e} (set --model-cache DIR or off)") from None
+    if not _is_regular(marker):
+        raise ConfigError(f"model cache {visible(where)}: {MARKER} is not a regular file: refusing to use it")
+    models = os.path.join(where, "models")
+    try:
+        os.mkdir(models)
+    except FileExistsError:
+        pass
+    if os.path.islink(models) or not os.path.isdir(models):
+        raise ConfigError(f"model cache {visible(models)} is not a directory of ours (a link or a file): "
+                          "refusing to use it")
+    return models
 
 
 def _is_regular(path: str) -> bool:
@@ -171,17 +177,6 @@ def _is_regular(path: str) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _write_atomic(directory: str, name: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
 
 
 def _unlink_quietly(path: str) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
-import gguf
 import h5py
 import numpy as np
 import pytest
@@ -15,34 +16,19 @@ import torch
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine import hub, model_cache
 from prefill_diff.engine.errors import ConfigError
-from prefill_diff.engine.gguf_loader import smollm2_path
-from prefill_diff.engine.gguf_writer import write_gguf
-from prefill_diff.engine.model import ModelArgs
-from prefill_diff.engine.snapshot import Snapshot, digest_tensors, synthetic_state
+from prefill_diff.engine.snapshot import Snapshot, digest_tensors
 
-ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, vocab_size=49152,
-                 tie_embeddings=True)
+sys.path.insert(0, str(Path(__file__).parent / "bench"))
+from bench_model_cache import TINY as ARGS, write_tiny_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """A small llama GGUF (F32, tied embeddings) with SmolLM2's tokenizer metadata, so the loader builds a
     tokenizer from it as it does for real files."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    smol = gguf.GGUFReader(smollm2_path())
-    tok_fields = [(n, f) for n, f in smol.fields.items() if n.startswith("tokenizer.")]
-
-    def add_tokenizer(self, model):  # instead of gguf_writer's "no_vocab"
-        for name, f in tok_fields:
-            if f.types[0] == gguf.GGUFValueType.ARRAY:
-                self.add_key_value(name, f.contents(), f.types[0], sub_type=f.types[-1])
-            else:
-                self.add_key_value(name, f.contents(), f.types[0])
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf.GGUFWriter, "add_tokenizer_model", add_tokenizer)
-        write_gguf(Snapshot("tiny", ARGS, synthetic_state(ARGS, 3)), str(path))
-    return str(path)
+    path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    write_tiny_gguf(path)
+    return path
 
 
 @pytest.fixture
