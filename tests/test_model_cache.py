@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -187,14 +188,20 @@ def test_the_default_place_and_the_environment_variable(tiny_gguf, tmp_path, mon
     assert len(_entries(tmp_path / "moved")) == 1 and not (tmp_path / "home").exists()
 
 
+def _copy(path, tmp_path, name):
+    """The GGUF under another name: a model source the CLI's process has not loaded yet (it keeps one)."""
+    shutil.copyfile(path, tmp_path / name)
+    return f"gguf:{tmp_path / name}"
+
+
 def test_the_model_cache_option_moves_it_and_turns_it_off(tiny_gguf, tmp_path, monkeypatch, run_cli):
     monkeypatch.setenv(model_cache.ENV, str(tmp_path / "env"))  # the option wins over the variable
-    res = run_cli("record", "reference", "--model", f"gguf:{tiny_gguf}", "--tokens", "5,6,7", "-o",
-                  tmp_path / "a.h5", "--model-cache", tmp_path / "opt")
+    res = run_cli("record", "reference", "--model", _copy(tiny_gguf, tmp_path, "a.gguf"), "--tokens", "5,6,7",
+                  "-o", tmp_path / "a.h5", "--model-cache", tmp_path / "opt")
     assert res.exit_code == 0, res.output
     assert len(_entries(tmp_path / "opt")) == 1 and not (tmp_path / "env").exists()
-    res = run_cli("record", "reference", "--model", f"gguf:{tiny_gguf}", "--tokens", "5,6,7", "-o",
-                  tmp_path / "b.h5", "--model-cache", "off")
+    res = run_cli("record", "reference", "--model", _copy(tiny_gguf, tmp_path, "b.gguf"), "--tokens", "5,6,7",
+                  "-o", tmp_path / "b.h5", "--model-cache", "off")
     assert res.exit_code == 0, res.output
     assert os.environ[model_cache.ENV] == "off" and not (tmp_path / "env").exists()
 
@@ -207,8 +214,8 @@ def test_a_directory_that_is_not_ours_is_refused_and_left_alone(tiny_gguf, tmp_p
     monkeypatch.setenv(model_cache.ENV, str(foreign))
     with pytest.raises(ConfigError, match="is not a prefill-diff cache"):
         _load(tiny_gguf)
-    res = run_cli("record", "reference", "--model", f"gguf:{tiny_gguf}", "--tokens", "5,6,7", "-o",
-                  tmp_path / "a.h5", "--model-cache", foreign)
+    res = run_cli("record", "reference", "--model", _copy(tiny_gguf, tmp_path, "c.gguf"), "--tokens", "5,6,7",
+                  "-o", tmp_path / "a.h5", "--model-cache", foreign)
     assert res.exit_code == 2 and "is not a prefill-diff cache" in res.output
     assert not (tmp_path / "a.h5").exists()
     assert sorted(p.name for p in foreign.iterdir()) == ["holiday.jpg", "models"]
