@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -243,14 +244,15 @@ def _datasets(path) -> dict:
         return out, t.model
 
 
-def test_smollm2_traces_are_identical_with_and_without_the_cache(tmp_path, monkeypatch, run_cli):
-    """The first run converts (the uncached path) and stores; the second loads both engines from the cache:
-    every recorded tensor, and the model identity with its weights digest, are the same."""
-    monkeypatch.setenv(model_cache.ENV, str(tmp_path / "cache"))
+def test_smollm2_traces_are_identical_with_and_without_the_cache(tmp_path):
+    """The first run converts (the uncached path) and stores; the second, a new process, loads both engines
+    from the cache: every recorded tensor, and the model identity with its weights digest, are the same."""
+    env = {**os.environ, model_cache.ENV: str(tmp_path / "cache")}
     for run in ("first", "second"):
-        res = run_cli("run", "reference", "transformers", "--model", "smollm2", "--prompt",
-                      "The capital of France is", "--out", tmp_path / run, "-q")
-        assert res.exit_code == 0, res.output
+        res = subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", "run", "reference", "transformers",
+                              "--model", "smollm2", "--prompt", "The capital of France is", "--out", tmp_path / run,
+                              "-q"], env=env, capture_output=True, text=True)
+        assert res.returncode == 0 and res.stderr == "", res.stdout + res.stderr
     assert sorted(e.rsplit("-", 1)[1] for e in _entries(tmp_path / "cache")) == ["native", "transformers"]
     for side in ("ref.h5", "cand.h5"):
         (a, ma), (b, mb) = _datasets(tmp_path / "first" / side), _datasets(tmp_path / "second" / side)
