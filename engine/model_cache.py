@@ -102,9 +102,18 @@ def source_sha256(path: str) -> str:
     return _SOURCE_DIGESTS[key]
 
 
+_CONVERTERS = ("gguf_loader.py", "model_cache.py")  # our code that makes an entry's files
+
+
 def versions() -> dict:
-    """The packages whose code makes a conversion: an entry made by other versions is stale."""
-    out = {"format": FORMAT}
+    """The code that makes a conversion (ours, by the sha256 of its source, and the packages it calls): an entry
+    made by other code is stale."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in _CONVERTERS:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    out = {"format": FORMAT, "code": h.hexdigest()[:16]}
     for pkg in ("gguf", "transformers", "safetensors", "tokenizers"):
         try:
             out[pkg] = importlib.metadata.version(pkg)
@@ -208,8 +217,12 @@ def _verify(path: str, digest: str) -> dict:
     if body.get("source_sha256") != digest:
         raise _Unusable(f"is damaged (made from source sha256 {str(body.get('source_sha256'))[:16]}…, "
                         f"the name says {digest[:16]}…)")
-    if body.get("versions") != versions():
-        raise _Unusable(f"is stale (made by {body.get('versions')}, now {versions()})")
+    made, now = body.get("versions"), versions()
+    if made != now:
+        made = made if isinstance(made, dict) else {}
+        differ = ", ".join(f"{k} {made.get(k)} -> {now.get(k)}" for k in sorted(set(made) | set(now))
+                           if made.get(k) != now.get(k))
+        raise _Unusable(f"is stale (made by other code: {differ})")
     files = body.get("files")
     if not isinstance(files, dict):
         raise _Unusable("is damaged (its manifest lists no files)")
