@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from . import model_cache
 from .cache import torch_dtype
 from .errors import ConfigError, ModelLoadError
 from .gguf_loader import smollm2_path
@@ -86,8 +87,13 @@ def build_model(snapshot, dtype: str, attn: str):
         raise ConfigError(f"transformers' tensor parallelism needs --model hf:DIR (got {src!r})")
     elif src.startswith("gguf:") or src == "smollm2":
         path = smollm2_path() if src == "smollm2" else src[5:]
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
-                                                     dtype=tdt, attn_implementation=attn, local_files_only=True)
+        kw = dict(dtype=tdt, attn_implementation=attn, local_files_only=True)
+        model = model_cache.cached(  # transformers' own conversion of the GGUF, saved once
+            path, "transformers",
+            lambda: AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".",
+                                                         gguf_file=os.path.basename(path), **kw),
+            model_cache.save_hf_model,
+            lambda entry: AutoModelForCausalLM.from_pretrained(entry.dir, use_safetensors=True, **kw))
     else:
         model = AutoModelForCausalLM.from_config(hf_config(snapshot.args), dtype=tdt, attn_implementation=attn)
         missing, unexpected = model.load_state_dict(

@@ -5,11 +5,13 @@ a comparison that name the same model share its weights.
 """
 from __future__ import annotations
 
-from . import budget
+import os
+
+from . import budget, model_cache
 from .adapters import seeded_adapter
 from .errors import ConfigError
 from .gguf_loader import load_gguf, smollm2_path
-from .hub import load_hf_dir
+from .hub import Tokenizer, load_hf_dir
 from .model import MODEL_PRESETS
 from .snapshot import Snapshot
 from .spec import ModelSpec
@@ -53,4 +55,8 @@ def _load_source(spec: ModelSpec) -> Snapshot:
         raise ConfigError(f"model size overrides apply to synthetic models only (source {src!r})")
     if src.startswith("hf:"):
         return load_hf_dir(src[3:])
-    return load_gguf(smollm2_path() if src == "smollm2" else src[5:], src)
+    path = smollm2_path() if src == "smollm2" else src[5:]
+    if not os.path.isfile(path):  # the loader's own message, before the cache hashes the file
+        return load_gguf(path, src)
+    return model_cache.cached(path, "native", lambda: load_gguf(path, src), model_cache.save_snapshot,
+                              lambda entry: model_cache.load_snapshot(entry, src, Tokenizer))

@@ -14,6 +14,16 @@ settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _model_cache(tmp_path_factory):
+    """The suite never writes into the user's cache directory: one converted-model cache for the session
+    (processes the tests start inherit it)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFILL_DIFF_CACHE", str(tmp_path_factory.mktemp("model-cache")))
+    yield
+    mp.undo()
+
+
 def spawning_presets() -> set:
     """Presets that start processes (tp > 1) or compile with inductor (seconds each): the loops over every
     preset leave them out; tests/test_parallel.py runs each of them once."""

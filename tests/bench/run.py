@@ -1,4 +1,4 @@
-"""Run the benchmarks: python tests/bench/run.py [record|compare|engine|failfast|calibrate|llamacpp|startup|all] [--smoke]
+"""Run the benchmarks: python tests/bench/run.py [BENCH ...|all] [--smoke]
 
 Each benchmark prints ratios measured side by side in this one process, with the machine, thread count
 and sizes. --smoke runs seconds-long sizes (the test suite does this, to keep the benchmarks working);
@@ -19,12 +19,13 @@ import bench_compare  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_failfast  # noqa: E402
 import bench_llamacpp  # noqa: E402
+import bench_model_cache  # noqa: E402
 import bench_record  # noqa: E402
 import bench_startup  # noqa: E402
 
 BENCHES = {"record": bench_record.run, "compare": bench_compare.run, "engine": bench_engine.run,
            "failfast": bench_failfast.run, "calibrate": bench_calibrate.run,
-           "llamacpp": bench_llamacpp.run, "startup": bench_startup.run}
+           "llamacpp": bench_llamacpp.run, "startup": bench_startup.run, "model_cache": bench_model_cache.run}
 
 
 def machine() -> dict:

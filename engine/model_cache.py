@@ -1,0 +1,369 @@
+"""A cache of converted models: a GGUF file is parsed, dequantised and its tokenizer built once, not every run.
+
+Where: ``$PREFILL_DIFF_CACHE`` (the ``--model-cache`` option sets it), else ``$XDG_CACHE_HOME/prefill-diff``,
+else ``~/.cache/prefill-diff``; the value ``off`` disables the cache. Layout under that root::
+
+    prefill-diff-cache.json       marks the directory as ours: a non-empty directory without it is refused
+    models/<sha256 of the source file>-<kind>/
+        manifest.json             the source's sha256 and size, the format and package versions, what the kind
+                                  records (ModelArgs, weights digest), the size and sha256 of every other file,
+                                  and its own sha256
+        ...                       the converted files (flat: no subdirectories, no links)
+
+Kinds: ``native`` (our float32 master weights under our names, and the tokenizer transformers built from the
+GGUF metadata, saved as tokenizer files) and ``transformers`` (the model transformers' own GGUF loader built,
+saved with ``save_pretrained``: config.json + model.safetensors). They are kept apart on purpose: the
+transformers engine is the implementation we did not write, so its weights come from its own GGUF reader,
+never from ours.
+
+Every use verifies the entry: the manifest is intact and names exactly the files present, each a regular
+file (never a link) of the recorded size and sha256, made from a source with the sha256 we just computed, by
+the same format and package versions. A damaged or stale entry is reported on stderr in one line, moved
+aside and rebuilt. Entries are written to a temporary directory inside ``models/`` and renamed into place, so
+a reader never sees half an entry and concurrent runs cannot corrupt each other (a losing rename discards its
+copy). Nothing outside the cache directory is ever written or removed.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+import uuid
+from typing import Callable, NamedTuple
+
+from .errors import ConfigError
+from .untrusted import visible
+
+ENV = "PREFILL_DIFF_CACHE"
+OFF = "off"
+MARKER = "prefill-diff-cache.json"
+MANIFEST = "manifest.json"
+FORMAT = 1  # bump when a conversion changes what it writes: older entries become stale and are rebuilt
+_CHUNK = 4 << 20
+_MANIFEST_LIMIT = 1 << 20
+
+
+class Entry(NamedTuple):
+    """A verified cache entry: its directory and what its writer recorded."""
+    dir: str
+    meta: dict
+
+
+class _Unusable(Exception):
+    """An entry that must not be used (damaged or stale); the message says why."""
+
+
+def configure(value: str) -> None:
+    """The ``--model-cache`` option: a directory, or ``off``. Set as the environment variable, so that
+    processes this one starts (tensor-parallel ranks) use the same cache."""
+    if not value.strip():
+        raise ConfigError("--model-cache needs a directory or 'off' (got an empty value)")
+    os.environ[ENV] = value
+
+
+def root() -> str | None:
+    """The cache directory, or None when the cache is off."""
+    value = os.environ.get(ENV, "").strip()
+    if value == OFF:
+        return None
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(os.path.abspath(base), "prefill-diff")
+
+
+def file_sha256(path: str, follow: bool = False) -> str:
+    """sha256 of a file's bytes, read in chunks; a link is refused (O_NOFOLLOW) unless ``follow``."""
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+_SOURCE_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns, inode) -> sha256: one hash per file per process
+
+
+def source_sha256(path: str) -> str:
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _SOURCE_DIGESTS:
+        _SOURCE_DIGESTS[key] = file_sha256(path, follow=True)  # the user's file: a link to it is fine
+    return _SOURCE_DIGESTS[key]
+
+
+_CONVERTERS = ("gguf_loader.py", "model_cache.py")  # our code that makes an entry's files
+
+
+def versions() -> dict:
+    """The code that makes a conversion (ours, by the sha256 of its source, and the packages it calls): an entry
+    made by other code is stale."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for name in _CONVERTERS:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(f.read())
+    out = {"format": FORMAT, "code": h.hexdigest()[:16]}
+    for pkg in ("gguf", "transformers", "safetensors", "tokenizers"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def cached(source: str, kind: str, convert: Callable, save: Callable, load: Callable):
+    """``load(entry)`` from a verified entry for ``source``'s bytes, else ``convert()``, stored with
+    ``save(value, directory)`` (it writes the files and returns what to record, or None to store nothing).
+
+    With the cache off this is ``convert()``. A cache that cannot be written is reported and skipped."""
+    where = root()
+    if where is None:
+        return convert()
+    try:
+        models = _models_dir(where)
+        digest = source_sha256(source)
+    except OSError as e:  # an unwritable cache directory, an unreadable source (its loader says why)
+        _say(f"cannot use the model cache in {where} ({e.strerror or e}); running without it")
+        return convert()
+    name = f"{digest}-{kind}"
+    entry = _lookup(models, name, digest)
+    if entry is not None:
+        return load(entry)
+    value = convert()
+    try:
+        _store(models, name, digest, os.path.getsize(source), lambda d: save(value, d))
+    except OSError as e:
+        _say(f"cannot write the model cache in {models} ({e.strerror or e}); running without it")
+    return value
+
+
+def _say(message: str) -> None:
+    print(f"prefill-diff: {visible(message)}", file=sys.stderr, flush=True)
+
+
+def _models_dir(where: str) -> str:
+    """``where``/models, after making sure ``where`` is ours (made ours when new or empty)."""
+    os.makedirs(where, exist_ok=True)
+    if not os.path.isdir(where):
+        raise ConfigError(f"model cache {visible(where)} is not a directory (set --model-cache DIR or off)")
+    marker = os.path.join(where, MARKER)
+    if not os.path.lexists(marker):
+        if os.listdir(where):
+            raise ConfigError(f"model cache {visible(where)} is not a prefill-diff cache (no {MARKER}) and is "
+                              "not empty: refusing to use it (choose another --model-cache DIR, or off)")
+        try:  # created in place (O_EXCL), so a concurrent run never sees a non-empty directory without it
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"prefill_diff_model_cache": FORMAT}, f)
+        except FileExistsError:
+            pass
+    if not _is_regular(marker):
+        raise ConfigError(f"model cache {visible(where)}: {MARKER} is not a regular file: refusing to use it")
+    models = os.path.join(where, "models")
+    try:
+        os.mkdir(models)
+    except FileExistsError:
+        pass
+    if os.path.islink(models) or not os.path.isdir(models):
+        raise ConfigError(f"model cache {visible(models)} is not a directory of ours (a link or a file): "
+                          "refusing to use it")
+    return models
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _lookup(models: str, name: str, digest: str) -> Entry | None:
+    """The verified entry, None when there is none; a damaged or stale one is reported and moved aside."""
+    path = os.path.join(models, name)
+    if not os.path.lexists(path):
+        return None
+    try:
+        return Entry(path, _verify(path, digest))
+    except _Unusable as why:
+        _say(f"model cache entry {path} {why}; rebuilding it")
+        _discard(models, path)
+        return None
+
+
+def _verify(path: str, digest: str) -> dict:
+    """What the entry's writer recorded, after checking every byte of the entry; raises _Unusable."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise _Unusable("is damaged (not a directory)")
+    manifest = _read_manifest(path)
+    body = manifest["body"]
+    if body.get("source_sha256") != digest:
+        raise _Unusable(f"is damaged (made from source sha256 {str(body.get('source_sha256'))[:16]}…, "
+                        f"the name says {digest[:16]}…)")
+    made, now = body.get("versions"), versions()
+    if made != now:
+        made = made if isinstance(made, dict) else {}
+        differ = ", ".join(f"{k} {made.get(k)} -> {now.get(k)}" for k in sorted(set(made) | set(now))
+                           if made.get(k) != now.get(k))
+        raise _Unusable(f"is stale (made by other code: {differ})")
+    files = body.get("files")
+    if not isinstance(files, dict):
+        raise _Unusable("is damaged (its manifest lists no files)")
+    present = set(os.listdir(path)) - {MANIFEST}
+    if present != set(files):
+        raise _Unusable(f"is damaged (files {sorted(present ^ set(files))} differ from its manifest)")
+    for fname, want in sorted(files.items()):
+        fpath = os.path.join(path, fname)
+        st = os.lstat(fpath)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Unusable(f"is damaged ({fname} is not a regular file)")
+        if not isinstance(want, dict) or st.st_size != want.get("size"):
+            raise _Unusable(f"is damaged ({fname} has {st.st_size} bytes, its manifest says "
+                            f"{want.get('size') if isinstance(want, dict) else want})")
+        if file_sha256(fpath) != want.get("sha256"):
+            raise _Unusable(f"is damaged ({fname}: sha256 differs from its manifest)")
+    return body.get("meta") or {}
+
+
+def _read_manifest(path: str) -> dict:
+    mpath = os.path.join(path, MANIFEST)
+    if not _is_regular(mpath):
+        raise _Unusable(f"is damaged (no {MANIFEST})")
+    try:
+        fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_MANIFEST_LIMIT + 1)
+        manifest = json.loads(raw)
+        body = manifest["body"]
+        ok = len(raw) <= _MANIFEST_LIMIT and isinstance(body, dict) and manifest["sha256"] == _body_sha256(body)
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise _Unusable(f"is damaged ({MANIFEST} is unreadable or does not match its own sha256)")
+    return manifest
+
+
+def _body_sha256(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _discard(models: str, path: str) -> None:
+    """Move an unusable entry aside (atomically, so no reader sees it half-deleted), then delete it."""
+    trash = os.path.join(models, f".trash-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        return  # another run moved it first
+    if os.path.islink(trash) or not os.path.isdir(trash):
+        _unlink_quietly(trash)
+    else:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _store(models: str, name: str, digest: str, size: int, write: Callable[[str], dict | None]) -> None:
+    """Write an entry into a temporary directory, record every file in its manifest, rename it into place."""
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=models)
+    try:
+        meta = write(tmp)
+        if meta is None:
+            return
+        files = {}
+        for fname in sorted(os.listdir(tmp)):
+            fpath = os.path.join(tmp, fname)
+            st = os.lstat(fpath)
+            if not stat.S_ISREG(st.st_mode):  # our writers write flat files; anything else is a bug
+                raise RuntimeError(f"model cache writer left {fname!r}, not a regular file")
+            files[fname] = {"size": st.st_size, "sha256": file_sha256(fpath)}
+        body = {"source_sha256": digest, "source_size": size, "versions": versions(), "files": files, "meta": meta}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"body": body, "sha256": _body_sha256(body)}, f, sort_keys=True, indent=1)
+        try:
+            os.rename(tmp, os.path.join(models, name))
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # another run stored the same entry first: keep theirs
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- the native engine's snapshot: float32 weights under our names, the GGUF's tokenizer
+
+WEIGHTS = "weights.safetensors"
+
+
+def save_snapshot(snap, directory: str) -> dict:
+    """Write a snapshot's weights and tokenizer; returns what ``load_snapshot`` needs besides them."""
+    from safetensors.torch import save_file  # deferred: safetensors imports torch
+    state = dict(snap.state)
+    tied = snap.args.tie_embeddings and state.get("output.weight") is state.get("tok_embeddings.weight")
+    if tied:
+        del state["output.weight"]  # one tensor in the file; load_snapshot ties it again
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(directory, WEIGHTS))
+    if snap.tokenizer is not None:
+        snap.tokenizer.tok.save_pretrained(directory)
+    return {"args": snap.args.as_dict(), "weights_digest": snap.weights_digest, "tied_output": tied,
+            "tokenizer": snap.tokenizer is not None}
+
+
+def load_snapshot(entry: Entry, source: str, wrap_tokenizer: Callable):
+    """The snapshot ``save_snapshot`` wrote, named ``source`` (the trace's model identity is unchanged)."""
+    from safetensors.torch import load_file  # deferred: torch
+
+    from .model import ModelArgs
+    from .snapshot import Snapshot  # deferred: torch
+    meta = entry.meta
+    state = load_file(os.path.join(entry.dir, WEIGHTS))
+    if meta["tied_output"]:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    args = ModelArgs.from_dict(meta["args"])
+    tokenizer = None
+    if meta["tokenizer"]:
+        from transformers import AutoTokenizer  # deferred: seconds to import
+        tokenizer = wrap_tokenizer(AutoTokenizer.from_pretrained(entry.dir, local_files_only=True))
+    return Snapshot(source, args, state, tokenizer=tokenizer, _digest=meta["weights_digest"])
+
+
+# -- the transformers engine's model: what transformers' own GGUF loader built
+
+def save_hf_model(model, directory: str) -> dict | None:
+    """transformers' model as a checkpoint directory (config.json, model.safetensors), for a float32 model only:
+    one loaded in a lower precision would lose bits a later float32 run needs (that run converts and stores).
+
+    ``save_pretrained`` refuses a GGUF-loaded model (its quantizer is "not serializable"), so the files are
+    written here: the config without its quantization_config (the weights are already dequantised), every
+    tensor of the state dict once (tensors sharing storage are tied: transformers ties them again on load)."""
+    import torch  # deferred: this module stays light for the CLI's option parsing
+    from safetensors.torch import save_file
+    if model.dtype != torch.float32:
+        return None
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("quantization_config", None)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=1, sort_keys=True)
+    tensors, seen = {}, set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        tensors[name] = t.detach().contiguous()
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return {"dtype": "float32"}
