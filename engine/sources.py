@@ -29,7 +29,7 @@ def load_snapshot(spec: ModelSpec) -> Snapshot:
 
 
 def _load(spec: ModelSpec) -> Snapshot:
-    snap = _load_source(spec)
+    snap = load_source(spec)
     if spec.adapter:
         a = dict(spec.adapter)
         unknown = sorted(set(a) - {"id", "rank", "seed", "scale"})
@@ -42,7 +42,8 @@ def _load(spec: ModelSpec) -> Snapshot:
     return snap
 
 
-def _load_source(spec: ModelSpec) -> Snapshot:
+def load_source(spec: ModelSpec) -> Snapshot:
+    """A snapshot of the spec's source, loaded now (without the adapter and the per-process cache)."""
     src = spec.source
     if src in MODEL_PRESETS:
         args = MODEL_PRESETS[src].replace(**dict(spec.overrides)) if spec.overrides else MODEL_PRESETS[src]

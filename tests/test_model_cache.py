@@ -16,9 +16,12 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine import hub, model_cache
+from prefill_diff.engine import model_cache
 from prefill_diff.engine.errors import ConfigError
-from prefill_diff.engine.snapshot import Snapshot, digest_tensors
+from prefill_diff.engine.digest import digest_tensors
+from prefill_diff.engine.snapshot import Snapshot
+from prefill_diff.engine.sources import load_source
+from prefill_diff.engine.spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).parent / "bench"))
 from bench_model_cache import TINY as ARGS, write_tiny_gguf  # noqa: E402
@@ -41,7 +44,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _load(path):
-    return hub.load(f"gguf:{path}")  # not load_snapshot: that keeps one model per process
+    return load_source(ModelSpec(f"gguf:{path}"))  # not load_snapshot: that keeps one model per process
 
 
 def _entries(cache_dir):

@@ -34,7 +34,8 @@ def write_tiny_gguf(path: str) -> None:
 
     from prefill_diff.engine.gguf_loader import smollm2_path
     from prefill_diff.engine.gguf_writer import write_gguf
-    from prefill_diff.engine.snapshot import Snapshot, synthetic_state
+    from prefill_diff.engine.snapshot import Snapshot
+    from prefill_diff.engine.synthetic import synthetic_state
     fields = [(n, f) for n, f in gguf.GGUFReader(smollm2_path()).fields.items() if n.startswith("tokenizer.")]
 
     def add_tokenizer(self, model):  # in place of gguf_writer's "no_vocab"
