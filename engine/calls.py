@@ -48,6 +48,7 @@ class Placement:
 
 @dataclass
 class Call:
+    """One prefill call: its rectangle, any reused prefixes per sequence, where its rows land, its faults."""
     ids: torch.Tensor
     mask: torch.Tensor
     positions: torch.Tensor
@@ -71,7 +72,8 @@ def _rect(rows, positions, samples, side: str, pad_id: int, history=None):
         mask[b, c0:c0 + len(row)] = 1
         pos[b, c0:c0 + len(row)] = torch.tensor(p)
     runs = [TraceRun(row=b, c0=0, c1=n, sample=samples[b], t0=0) for b in range(B)]
-    return Call(ids, mask, pos, None, history or {}, list(samples), runs)
+    return Call(ids=ids, mask=mask, positions=pos, segments=None, history=history or {}, samples=list(samples),
+                runs=runs)
 
 
 def _packed(rows, positions, samples, history=None):
@@ -82,7 +84,8 @@ def _packed(rows, positions, samples, history=None):
     for i, r in enumerate(rows):  # cu_seqlens = cumulative lengths
         runs.append(TraceRun(row=0, c0=at, c1=at + len(r), sample=samples[i], t0=0))
         at += len(r)
-    return Call(ids, torch.ones_like(ids), pos, seg, history or {}, list(samples), runs)
+    return Call(ids=ids, mask=torch.ones_like(ids), positions=pos, segments=seg, history=history or {},
+                samples=list(samples), runs=runs)
 
 
 def plan_calls(rows, positions, samples, batching: str, pad_id: int, history_of=None) -> list[Call]:
