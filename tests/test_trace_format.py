@@ -343,3 +343,17 @@ def test_a_statistic_infinite_on_one_side_only_is_a_break(levels, tmp_path):
         assert fb is not None and (fb.layer, fb.tensor, fb.kind) == (1, "mlp_update", "value")
     with Trace(cand) as b, Trace(cand) as b2:  # infinite on both sides: equal statistics
         assert compare_traces(b, b2)
+
+
+def test_stats_level_names_the_side_whose_values_are_not_finite(levels, tmp_path):
+    """Three non-finite values in the candidate's statistics are 'finite in the reference only', as at full level."""
+    cand = tmp_path / "c.h5"
+    shutil.copy(levels["stats"], cand)
+    with h5py.File(cand, "a") as f:
+        f["layers/002/stats/mid"][1, STAT_COLUMNS.index("finite")] -= 3
+    with Trace(levels["stats"]) as a, Trace(cand) as b:
+        forward, backward = compare_traces(a, b), compare_traces(b, a)
+    fwd = forward.layers[2].tensor("mid").finite
+    bwd = backward.layers[2].tensor("mid").finite
+    assert (fwd.ref_only, fwd.cand_only) == (3, 0) and (bwd.ref_only, bwd.cand_only) == (0, 3)
+    assert forward.first_break.layer == 2 and forward.first_break.kind == "finite_mask"

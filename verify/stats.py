@@ -90,8 +90,8 @@ def compare_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tole
     else:  # e.g. full vs sampled cache: the sampled subset exists on one side only
         ctx.skipped.add(wording.stats_for_lack_of_values(name, ctx.ref.level, ctx.cand.level))
     pad_ref, pad_cand = pad_counts(ctx, r, c, name)
-    # the counts keep the assignment of every earlier version (reference's excess as ref_only), so reports agree
-    finite = Finite(ref_only=int(more_nonfinite[1]), cand_only=int(more_nonfinite[0]), pad_ref=pad_ref,
+    # ref_only: cells finite in the reference only, i.e. the candidate's excess of non-finite values
+    finite = Finite(ref_only=int(more_nonfinite[0]), cand_only=int(more_nonfinite[1]), pad_ref=pad_ref,
                     pad_cand=pad_cand, equal_nan=ctx.equal_nan)
     return TensorResult(tensor=name, level="stats", tol=tol, compared=n, max_abs=max_abs, n_bad=n_bad, worst=worst,
                         needed=Needed(atol=max(min_atol, 0.0)), finite=finite, bad_samples=tuple(sorted(bad)),
