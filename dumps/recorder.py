@@ -61,15 +61,20 @@ This module does not import torch: tensors are used through their own methods.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import secrets
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import h5py
 import numpy as np
 
 from ..engine.errors import INTERRUPT, PrefillDiffError
+from . import schema as sc
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
 
 _MASK64 = (1 << 64) - 1
@@ -122,8 +127,6 @@ class TraceExistsError(PrefillDiffError):
 
 def _renameat2_noreplace(src: str, dst: str) -> bool:
     """rename(src, dst) failing if dst exists (Linux renameat2 RENAME_NOREPLACE); False if unavailable here."""
-    import ctypes
-    import errno
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -349,6 +352,33 @@ def select_channels(width: int, k: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(width, k, replace=False))
 
 
+class TraceWriter(Protocol):
+    """The interface through which a trace is written, in trace coordinates (sample, stored column): what
+    ``Recorder`` implements, in a file or in memory, for a whole run or one tensor-parallel rank. (An engine
+    reports in its own forward coordinates, (batch row, column); engine.runner.Placement maps those onto
+    these calls.) The order: ``begin``; then ``inputs``, ``state``, ``cache`` and ``layer_done`` per layer;
+    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``."""
+
+    def begin(self, samples, n_cols: int, meta: dict) -> None: ...
+    def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None: ...
+    def state(self, layer: int, name: str, sample: int, col: int, x) -> None: ...
+    def cache(self, layer: int, sample: int, keys, values, positions) -> None: ...
+    def layer_done(self, layer: int) -> None: ...
+    def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None: ...
+    def final_top_ids(self) -> list[int]: ...
+    def update_meta(self, **items) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+@dataclass
+class _LayerCache:
+    """A layer's cache datasets, once created."""
+    positions: h5py.Dataset | None = None
+    lengths: h5py.Dataset | None = None
+    tensors: dict = field(default_factory=dict)  # "keys"/"values" -> dataset (full level)
+
+
 class Recorder:
     """Writes one trace. ``begin``, then ``inputs``/``state``/``cache``/``layer_done``, ``final``, ``close``."""
 
@@ -390,6 +420,9 @@ class Recorder:
         self.n_samples = None
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
+        self._groups: dict[int, h5py.Group] = {}  # layer -> its group, created on first use
+        self._caches: dict[int, _LayerCache] = {}
+        self._final: dict | None = None  # FINAL element name -> dataset, created on the first final()
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -437,12 +470,11 @@ class Recorder:
         ids = np.full((S, nmax), -1, dtype=np.int64)
         for i, s in enumerate(samples):
             ids[i, :len(s)] = s
-        self.f.create_dataset("samples/token_ids", data=ids)
-        self.f.create_dataset("samples/lengths", data=self.lengths)
-        for name, dtype, fill in (("input_ids", np.int64, 0), ("valid_mask", np.uint8, 0),
-                                  ("computed", np.uint8, 0), ("positions", np.int64, 0),
-                                  ("token_index", np.int64, -1)):
-            self.f.create_dataset(f"inputs/{name}", shape=(S, n_cols), dtype=dtype, fillvalue=fill)
+        self.dims = {"S": S, "C": n_cols, "N": nmax, "dim": self.args["dim"], "vocab": self.args["vocab_size"],
+                     "H": self.args["n_kv_heads"], "D": self.args["head_dim"], "stat": len(STAT_COLUMNS)}
+        sc.TOKEN_IDS.create(self.f, self.dims, data=ids)
+        sc.LENGTHS.create(self.f, self.dims, data=self.lengths)
+        self._inputs = {name: el.create(self.f, self.dims) for name, el in sc.INPUTS.items()}
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
         self.meta = dict(meta)
@@ -459,8 +491,19 @@ class Recorder:
             st = np.full((S, P), -1, dtype=np.int64)
             for i, t in enumerate(self._sampled_toks):
                 st[i, :len(t)] = t
-            self.f.create_dataset("sampled/token_index", data=st)
-            self.f["sampled"].attrs["seed"] = self.sample_seed
+            self.dims["P"] = P
+            sc.SAMPLED_TOKENS.create(self.f, self.dims, data=st)
+            self.f[sc.SAMPLED_GROUP].attrs[sc.ATTR_SEED] = self.sample_seed
+
+    def _group(self, layer: int) -> h5py.Group:
+        if layer not in self._groups:
+            self._groups[layer] = self.f.require_group(layer_group(layer))
+        return self._groups[layer]
+
+    def _layer_cache(self, layer: int) -> "_LayerCache":
+        if layer not in self._caches:
+            self._caches[layer] = _LayerCache()
+        return self._caches[layer]
 
     def _write_meta(self):
         _text(self.f, "meta", json.dumps(self.meta, sort_keys=True, default=str))
@@ -478,11 +521,12 @@ class Recorder:
             _want(f"inputs(sample {sample}) {what}", x, (T,))
         v = to_numpy(valid).astype(bool)
         sl = np.s_[sample, col:col + T]
-        self.f["inputs/input_ids"][sl] = to_numpy(ids)
-        self.f["inputs/valid_mask"][sl] = v.astype(np.uint8)
-        self.f["inputs/computed"][sl] = np.ones(T, dtype=np.uint8)
-        self.f["inputs/positions"][sl] = to_numpy(positions)
-        self.f["inputs/token_index"][sl] = to_numpy(token_index)
+        inp = self._inputs
+        inp["input_ids"][sl] = to_numpy(ids)
+        inp["valid_mask"][sl] = v.astype(np.uint8)
+        inp["computed"][sl] = np.ones(T, dtype=np.uint8)
+        inp["positions"][sl] = to_numpy(positions)
+        inp["token_index"][sl] = to_numpy(token_index)
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
 
     def _where(self, sample, col, x, what) -> None:
@@ -555,24 +599,21 @@ class Recorder:
     def _state_ds(self, layer, name, x):
         key = (layer, name)
         if key not in self._ds:
-            dt = to_numpy(x[:0]).dtype
-            ds = self.f.create_dataset(f"{layer_group(layer)}/{name}", shape=(self.n_samples, self.n_cols, x.shape[1]),
-                                       dtype=dt, **self._kw((1, self.n_cols, x.shape[1])))
-            _text(ds, "source_dtype", source_dtype(x))
+            dims = {**self.dims, "W": x.shape[1]}
+            ds = sc.STATE.create(self._group(layer), dims, name, to_numpy(x[:0]).dtype,
+                                 **self._kw((1, self.n_cols, x.shape[1])))
+            _text(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(x))
             self._ds[key] = ds
         return self._ds[key]
 
     def _sampled_ds(self, layer, name, width, x):
         key = (layer, "sampled", name)
         if key not in self._ds:
-            P = self.f["sampled/token_index"].shape[1]
             ch = select_channels(width, self.sample_channels, self.sample_seed)
-            dt = to_numpy(x[:0]).dtype
-            ds = self.f.create_dataset(f"{layer_group(layer)}/sampled/{name}", shape=(self.n_samples, P, len(ch)),
-                                       dtype=dt, fillvalue=np.nan)
-            ds.attrs["channels"] = ch
-            ds.attrs["width"] = width
-            _text(ds, "source_dtype", source_dtype(x))
+            ds = sc.SAMPLED.create(self._group(layer), {**self.dims, "K": len(ch)}, name, to_numpy(x[:0]).dtype)
+            ds.attrs[sc.ATTR_CHANNELS] = ch
+            ds.attrs[sc.ATTR_WIDTH] = width
+            _text(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(x))
             self._ds[key] = (ds, ch)
         return self._ds[key]
 
@@ -590,32 +631,33 @@ class Recorder:
             _want(f"layer {layer} cache {what} of sample {sample}", t,
                   (self.args["n_kv_heads"], T, self.args["head_dim"]))
         self._seen.add((layer, "cache"))
-        g = f"{layer_group(layer)}/cache"
         pos = to_numpy(positions).astype(np.int64)
         H, D = keys.shape[0], keys.shape[2]
-        if f"{g}/positions" not in self.f:
+        lc = self._layer_cache(layer)
+        if lc.positions is None:
+            g = self._group(layer)
             tmax = int(self.lengths.max())
-            self.f.create_dataset(f"{g}/positions", shape=(self.n_samples, tmax), maxshape=(self.n_samples, None),
-                                  dtype=np.int64, fillvalue=-1, chunks=(1, tmax))
-            self.f.create_dataset(f"{g}/lengths", shape=(self.n_samples,), dtype=np.int64, fillvalue=0)
-            self.f[g].attrs["head_dim"] = D
-            self.f[g].attrs["n_kv_heads"] = H
-        pds = self.f[f"{g}/positions"]
+            dims = {**self.dims, "T": tmax}
+            lc.positions = sc.CACHE_POSITIONS.create(g, dims, maxshape=(self.n_samples, None), chunks=(1, tmax))
+            lc.lengths = sc.CACHE_LENGTHS.create(g, dims)
+            g[sc.CACHE_GROUP].attrs[sc.ATTR_HEAD_DIM] = D
+            g[sc.CACHE_GROUP].attrs[sc.ATTR_N_KV_HEADS] = H
+        pds = lc.positions
         if T > pds.shape[1]:
             pds.resize((self.n_samples, T))
         pds[sample, :T] = pos
-        self.f[f"{g}/lengths"][sample] = T
+        lc.lengths[sample] = T
         for name, t in (("keys", keys), ("values", values)):
             flat = t.swapaxes(0, 1).reshape(T, H * D) if T else t.reshape(0, H * D)  # (T, H_kv*d_h)
             self._stat(layer, f"cache_{name}").add(sample, slab_stats(flat))
             if self.level == "full":
-                path = f"{g}/{name}"
-                if path not in self.f:
+                if name not in lc.tensors:
                     tmax = max(int(self.lengths.max()), T)
-                    ds = self.f.create_dataset(path, shape=(self.n_samples, H, tmax, D), dtype=to_numpy(t[:0]).dtype,
-                                               maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D)))
-                    _text(ds, "source_dtype", source_dtype(t))
-                ds = self.f[path]
+                    ds = sc.CACHE.create(self._group(layer), {**self.dims, "T": tmax}, name, to_numpy(t[:0]).dtype,
+                                         maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D)))
+                    _text(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(t))
+                    lc.tensors[name] = ds
+                ds = lc.tensors[name]
                 if T > ds.shape[2]:
                     ds.resize((self.n_samples, H, T, D))
                 if T:
@@ -629,12 +671,12 @@ class Recorder:
         for (lay, name), st in list(self._stats.items()):
             if lay != layer:
                 continue
-            base = f"{layer_group(layer)}/stats"
-            if f"{base}/{name}" in self.f:
-                del self.f[f"{base}/{name}"], self.f[f"{layer_group(layer)}/checksums/{name}"]
-            self.f.create_dataset(f"{base}/{name}", data=st.table())
-            self.f.create_dataset(f"{layer_group(layer)}/checksums/{name}", data=np.array(st.checksum, dtype=np.int64))
-            _text(self.f[base], "columns", json.dumps(STAT_COLUMNS))
+            g = self._group(layer)
+            if sc.STATS.rel(name) in g:
+                del g[sc.STATS.rel(name)], g[sc.CHECKSUM.rel(name)]
+            sc.STATS.create(g, self.dims, name, data=st.table())
+            sc.CHECKSUM.create(g, self.dims, name, data=np.array(st.checksum, dtype=np.int64))
+            _text(g[sc.STATS_GROUP], sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
             del self._stats[(lay, name)]
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
@@ -646,29 +688,29 @@ class Recorder:
         _want(f"final norm_last of sample {sample}", norm_last, (self.args["dim"],))
         _want(f"final logits of sample {sample}", logits, (self.args["vocab_size"],))
         h, z = to_numpy(norm_last), to_numpy(logits)
-        S = self.n_samples
-        if "final/logits" not in self.f:
-            k = min(self.topk, z.shape[0])
-            self.f.create_dataset("final/norm_last", shape=(S, h.shape[0]), dtype=h.dtype)
-            self.f.create_dataset("final/logits", shape=(S, z.shape[0]), dtype=z.dtype)
-            self.f.create_dataset("final/topk_ids", shape=(S, k), dtype=np.int64)
-            self.f.create_dataset("final/topk_logits", shape=(S, k), dtype=z.dtype)
-            self.f.create_dataset("final/gather_col", shape=(S,), dtype=np.int64, fillvalue=-1)
-            self.f.create_dataset("final/gather_token", shape=(S,), dtype=np.int64, fillvalue=-1)
-            self.f.create_dataset("final/written", shape=(S,), dtype=np.uint8)
-            _text(self.f["final/logits"], "source_dtype", source_dtype(logits))
-            _text(self.f["final/norm_last"], "source_dtype", source_dtype(norm_last))
-        k = self.f["final/topk_ids"].shape[1]
-        order = np.argsort(-z.astype(np.float64), kind="stable")[:k]  # ties: lower id first
-        self.f["final/norm_last"][sample] = h
-        self.f["final/logits"][sample] = z
-        self.f["final/topk_ids"][sample] = order
-        self.f["final/topk_logits"][sample] = z[order]
-        self.f["final/gather_col"][sample] = column
-        self.f["final/gather_token"][sample] = token_index
-        self.f["final/written"][sample] = 1
+        if self._final is None:
+            self.dims["k"] = min(self.topk, z.shape[0])
+            own = {"norm_last": h.dtype, "logits": z.dtype, "topk_logits": z.dtype}  # float elements: the tensor's
+            self._final = {key: el.create(self.f, self.dims, dtype=own.get(key)) for key, el in sc.FINAL.items()}
+            _text(self._final["logits"], sc.ATTR_SOURCE_DTYPE, source_dtype(logits))
+            _text(self._final["norm_last"], sc.ATTR_SOURCE_DTYPE, source_dtype(norm_last))
+        fin = self._final
+        order = np.argsort(-z.astype(np.float64), kind="stable")[:self.dims["k"]]  # ties: lower id first
+        fin["norm_last"][sample] = h
+        fin["logits"][sample] = z
+        fin["topk_ids"][sample] = order
+        fin["topk_logits"][sample] = z[order]
+        fin["gather_col"][sample] = column
+        fin["gather_token"][sample] = token_index
+        fin["written"][sample] = 1
+
+    def final_top_ids(self) -> list[int]:
+        """Every sample's top-k ids as recorded so far (what a caller needs for token text after the run);
+        empty before the first ``final``."""
+        return [] if self._final is None else self._final["topk_ids"][:].ravel().tolist()
 
     def update_meta(self, **items) -> None:
+        """Add or replace top-level keys of the trace's meta (written now, and again on close)."""
         self.meta.update(items)
         self._write_meta()
 
@@ -707,7 +749,7 @@ class Recorder:
 
     def _check_complete(self) -> None:
         """Every sample has its final output; every layer its required states and its cache."""
-        written = self.f["final/written"][:] if "final/written" in self.f else np.zeros(self.n_samples)
+        written = self._final["written"][:] if self._final is not None else np.zeros(self.n_samples)
         missing = [int(s) for s in np.flatnonzero(written == 0)]
         if missing:
             raise RecorderError(f"final() was never called for sample(s) {missing[:8]}"
