@@ -104,8 +104,8 @@ class Element:
         want = tuple(d if isinstance(d, int) else dims.get(d) for d in self.shape)
         got = tuple(ds.shape)
         if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
-            shown = tuple("?" if w is None else w for w in want)
-            return f"has shape {got}, expected {shown}"
+            shown = ", ".join("?" if w is None else str(w) for w in want) + ("," if len(want) == 1 else "")
+            return f"has shape {got}, expected ({shown})"
         return None
 
 
