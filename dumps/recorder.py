@@ -66,6 +66,7 @@ import errno
 import json
 import os
 import secrets
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -255,31 +256,56 @@ def _signed64(v: int) -> int:
 
 
 def slab_stats(x) -> tuple:
-    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab (rows, width), on the tensor's own device.
+    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab (rows, width).
 
-    Four passes at memory speed: aminmax, sum, a BLAS dot for the sum of squares, and the checksum;
+    Four passes at memory speed: min/max, sum, a BLAS dot for the sum of squares, and the checksum;
     the finite count is only computed when sum or sumsq is not finite. The checksum is the wrapped int64
     sum, row by row, of the data's 8-byte words (each row zero-padded to a multiple of 8 bytes), so it
     composes over any split into rows: equal data gives equal checksums. A differing checksum alone is
     never a failure.
+
+    A CPU tensor is reduced with numpy on a zero-copy view: torch's reductions fan out to its thread
+    pool, and on an oversubscribed machine each of the ~40 small reductions per layer waits for a
+    descheduled thread (27-78 ms against 3 ms per state of 4 x 256 x 1024 at load 6; issue 18). A tensor
+    on an accelerator is reduced there.
     """
     n = int(np.prod(x.shape))
     if n == 0:
         return 0, 0, np.inf, -np.inf, 0.0, 0.0, 0
     if _is_torch(x):
-        import sys
         torch = sys.modules["torch"]  # x is a torch tensor, so torch is already imported
         xc = x.detach().contiguous()
-        flat = (xc if xc.dtype in (torch.float32, torch.float64) else xc.float()).view(-1)
-        mn, mx = flat.aminmax()
-        v = [float(t) for t in (mn, mx, flat.sum(), torch.dot(flat, flat))]
-        finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(flat.isfinite().sum())
-        return n, finite, v[0], v[1], v[2], v[3], _torch_checksum(xc, torch)
+        if xc.device.type != "cpu":
+            return _torch_stats(xc, n, torch)
+        if xc.dtype == torch.bfloat16:  # numpy has no bfloat16: values widened (exact), checksum of the bits
+            return _numpy_stats(xc.float().numpy(), xc.view(torch.int16).numpy(), n)
+        a = xc.numpy()
+        return _numpy_stats(a, a, n)
     a = np.ascontiguousarray(x)
-    af = (a.astype(np.float64) if a.dtype.itemsize < 4 else a).ravel()
+    return _numpy_stats(a, a, n)
+
+
+def _slots(t, T: int, width: int):
+    """A cache tensor (n_kv_heads, T, head_dim) as rows of slots (T, n_kv_heads·head_dim): a copy made by numpy
+    for a CPU tensor (see slab_stats), kept a torch tensor for bfloat16 (whose checksum is of its own bits)."""
+    if _is_torch(t) and (t.device.type != "cpu" or str(t.dtype) == "torch.bfloat16"):
+        return t.swapaxes(0, 1).reshape(T, width)
+    return np.ascontiguousarray(to_numpy(t).swapaxes(0, 1)).reshape(T, width)
+
+
+def _numpy_stats(values: np.ndarray, bits: np.ndarray, n: int) -> tuple:
+    af = (values.astype(np.float64) if values.dtype.itemsize < 4 else values).ravel()
     s, ss = float(af.sum(dtype=np.float64)), float(np.dot(af, af))
     finite = n if np.isfinite(s) and np.isfinite(ss) else int(np.isfinite(af).sum())
-    return n, finite, float(af.min()), float(af.max()), s, ss, _numpy_checksum(a)
+    return n, finite, float(af.min()), float(af.max()), s, ss, _numpy_checksum(bits)
+
+
+def _torch_stats(xc, n: int, torch) -> tuple:
+    flat = (xc if xc.dtype in (torch.float32, torch.float64) else xc.float()).view(-1)
+    mn, mx = flat.aminmax()
+    v = [float(t) for t in (mn, mx, flat.sum(), torch.dot(flat, flat))]
+    finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(flat.isfinite().sum())
+    return n, finite, v[0], v[1], v[2], v[3], _torch_checksum(xc, torch)
 
 
 def _words_per_row(row_bytes: int) -> int:
@@ -372,11 +398,25 @@ class TraceWriter(Protocol):
 
 
 @dataclass
-class _LayerCache:
-    """A layer's cache datasets, once created."""
-    positions: h5py.Dataset | None = None
-    lengths: h5py.Dataset | None = None
-    tensors: dict = field(default_factory=dict)  # "keys"/"values" -> dataset (full level)
+class _Sampled:
+    """One tensor's sampled values at one layer, kept in memory until the layer is written."""
+    values: np.ndarray  # (S, P, K), NaN where no token was recorded
+    channels: np.ndarray  # (K,) the sampled channels of a ``width``-wide tensor
+    width: int
+    source_dtype: str
+
+
+@dataclass
+class _LayerBuffers:
+    """What a layer accumulates in memory and ``layer_done`` writes, one dataset write each: creating a few
+    hundred small datasets and writing them piecemeal (per sample, by fancy index) was most of what the
+    stats and sampled levels cost (issue 18). Kept after the layer is written: a later prefill call that
+    reaches the same layer adds to them and the layer is rewritten whole."""
+    positions: np.ndarray | None = None  # (S, T) cache positions, -1 past a sample's length
+    lengths: np.ndarray | None = None  # (S,) cache lengths
+    heads: tuple = ()  # (n_kv_heads, head_dim) of the cache, for the cache group's attributes
+    tensors: dict = field(default_factory=dict)  # "keys"/"values" -> dataset (full level, written in place)
+    sampled: dict = field(default_factory=dict)  # tensor name -> _Sampled (sampled level)
 
 
 class Recorder:
@@ -421,7 +461,8 @@ class Recorder:
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
         self._groups: dict[int, h5py.Group] = {}  # layer -> its group, created on first use
-        self._caches: dict[int, _LayerCache] = {}
+        self._layers: dict[int, _LayerBuffers] = {}
+        self._dirty: set = set()  # layers with something not yet written
         self._final: dict | None = None  # FINAL element name -> dataset, created on the first final()
 
     # -- context manager: close on success, remove on error ---------------------------------------
@@ -500,10 +541,11 @@ class Recorder:
             self._groups[layer] = self.f.require_group(layer_group(layer))
         return self._groups[layer]
 
-    def _layer_cache(self, layer: int) -> "_LayerCache":
-        if layer not in self._caches:
-            self._caches[layer] = _LayerCache()
-        return self._caches[layer]
+    def _buffers(self, layer: int) -> _LayerBuffers:
+        self._dirty.add(layer)
+        if layer not in self._layers:
+            self._layers[layer] = _LayerBuffers()
+        return self._layers[layer]
 
     def _write_meta(self):
         _text(self.f, "meta", json.dumps(self.meta, sort_keys=True, default=str))
@@ -592,9 +634,8 @@ class Recorder:
         rows, slots = rows[keep], slots[keep]
         if rows.size == 0:
             return
-        ds, ch = self._sampled_ds(layer, name, x.shape[1], x)
-        order = np.argsort(slots)
-        ds[sample, slots[order].tolist()] = to_numpy(x[rows[order]])[:, ch]
+        buf = self._sampled_buffer(layer, name, x)
+        buf.values[sample, slots] = to_numpy(x)[np.ix_(rows, buf.channels)]  # a numpy gather (see slab_stats)
 
     def _state_ds(self, layer, name, x):
         key = (layer, name)
@@ -606,16 +647,14 @@ class Recorder:
             self._ds[key] = ds
         return self._ds[key]
 
-    def _sampled_ds(self, layer, name, width, x):
-        key = (layer, "sampled", name)
-        if key not in self._ds:
+    def _sampled_buffer(self, layer, name, x) -> _Sampled:
+        sampled = self._buffers(layer).sampled
+        if name not in sampled:
+            width = int(x.shape[1])
             ch = select_channels(width, self.sample_channels, self.sample_seed)
-            ds = sc.SAMPLED.create(self._group(layer), {**self.dims, "K": len(ch)}, name, to_numpy(x[:0]).dtype)
-            ds.attrs[sc.ATTR_CHANNELS] = ch
-            ds.attrs[sc.ATTR_WIDTH] = width
-            _text(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(x))
-            self._ds[key] = (ds, ch)
-        return self._ds[key]
+            shape = sc.SAMPLED.shape_for({**self.dims, "K": len(ch)})
+            sampled[name] = _Sampled(np.full(shape, np.nan, dtype=to_numpy(x[:0]).dtype), ch, width, source_dtype(x))
+        return sampled[name]
 
     def cache(self, layer: int, sample: int, keys, values, positions) -> None:
         """One sample's logical cache at a layer: keys and values (n_kv_heads, T, head_dim), positions (T,)."""
@@ -633,22 +672,19 @@ class Recorder:
         self._seen.add((layer, "cache"))
         pos = to_numpy(positions).astype(np.int64)
         H, D = keys.shape[0], keys.shape[2]
-        lc = self._layer_cache(layer)
+        lc = self._buffers(layer)
         if lc.positions is None:
-            g = self._group(layer)
-            tmax = int(self.lengths.max())
-            dims = {**self.dims, "T": tmax}
-            lc.positions = sc.CACHE_POSITIONS.create(g, dims, maxshape=(self.n_samples, None), chunks=(1, tmax))
-            lc.lengths = sc.CACHE_LENGTHS.create(g, dims)
-            g[sc.CACHE_GROUP].attrs[sc.ATTR_HEAD_DIM] = D
-            g[sc.CACHE_GROUP].attrs[sc.ATTR_N_KV_HEADS] = H
-        pds = lc.positions
-        if T > pds.shape[1]:
-            pds.resize((self.n_samples, T))
-        pds[sample, :T] = pos
+            dims = {**self.dims, "T": int(self.lengths.max())}
+            lc.positions = np.full(sc.CACHE_POSITIONS.shape_for(dims), sc.CACHE_POSITIONS.fill, dtype=np.int64)
+            lc.lengths = np.full(sc.CACHE_LENGTHS.shape_for(dims), sc.CACHE_LENGTHS.fill, dtype=np.int64)
+            lc.heads = (H, D)
+        if T > lc.positions.shape[1]:
+            lc.positions = np.pad(lc.positions, ((0, 0), (0, T - lc.positions.shape[1])),
+                                  constant_values=sc.CACHE_POSITIONS.fill)
+        lc.positions[sample, :T] = pos
         lc.lengths[sample] = T
         for name, t in (("keys", keys), ("values", values)):
-            flat = t.swapaxes(0, 1).reshape(T, H * D) if T else t.reshape(0, H * D)  # (T, H_kv*d_h)
+            flat = _slots(t, T, H * D)  # (T, H_kv*d_h)
             self._stat(layer, f"cache_{name}").add(sample, slab_stats(flat))
             if self.level == "full":
                 if name not in lc.tensors:
@@ -666,18 +702,53 @@ class Recorder:
                 self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool), flat)
 
     def layer_done(self, layer: int) -> None:
-        """Write the statistics of a completed layer (a reader streaming this file may then read it)."""
+        """Write what a completed layer kept in memory: its statistics, cache positions and sampled values (a
+        reader streaming this file may then read the layer)."""
         _check_interrupt()
+        g = self._group(layer)
         for (lay, name), st in list(self._stats.items()):
             if lay != layer:
                 continue
-            g = self._group(layer)
             if sc.STATS.rel(name) in g:
                 del g[sc.STATS.rel(name)], g[sc.CHECKSUM.rel(name)]
             sc.STATS.create(g, self.dims, name, data=st.table())
             sc.CHECKSUM.create(g, self.dims, name, data=np.array(st.checksum, dtype=np.int64))
-            _text(g[sc.STATS_GROUP], sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
             del self._stats[(lay, name)]
+        if sc.STATS_GROUP in g and sc.ATTR_COLUMNS not in g[sc.STATS_GROUP].attrs:
+            _text(g[sc.STATS_GROUP], sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
+        buf = self._layers.get(layer)
+        if buf is not None:
+            self._write_cache_index(g, buf)
+            for name, smp in buf.sampled.items():
+                self._write_sampled_layer(g, name, smp)
+        self._dirty.discard(layer)
+
+    def _write_cache_index(self, g: h5py.Group, buf: _LayerBuffers) -> None:
+        """A layer's cache positions and lengths, in one write each."""
+        if buf.positions is None:
+            return
+        pos = g.get(sc.CACHE_POSITIONS.rel())
+        if pos is None:
+            dims = {**self.dims, "T": buf.positions.shape[1]}
+            sc.CACHE_POSITIONS.create(g, dims, maxshape=(self.n_samples, None), chunks=(1, dims["T"]),
+                                      data=buf.positions)
+            sc.CACHE_LENGTHS.create(g, dims, data=buf.lengths)
+            g[sc.CACHE_GROUP].attrs[sc.ATTR_HEAD_DIM], g[sc.CACHE_GROUP].attrs[sc.ATTR_N_KV_HEADS] = buf.heads[::-1]
+            return
+        if pos.shape != buf.positions.shape:
+            pos.resize(buf.positions.shape)
+        pos[...] = buf.positions
+        g[sc.CACHE_LENGTHS.rel()][...] = buf.lengths
+
+    def _write_sampled_layer(self, g: h5py.Group, name: str, smp: _Sampled) -> None:
+        ds = g.get(sc.SAMPLED.rel(name))
+        if ds is not None:
+            ds[...] = smp.values
+            return
+        ds = sc.SAMPLED.create(g, {**self.dims, "K": len(smp.channels)}, name, smp.values.dtype, data=smp.values)
+        ds.attrs[sc.ATTR_CHANNELS] = smp.channels
+        ds.attrs[sc.ATTR_WIDTH] = smp.width
+        _text(ds, sc.ATTR_SOURCE_DTYPE, smp.source_dtype)
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
         """h_b at the sample's gathered position (dim,), its raw logits (vocab_size,), and where it was gathered
@@ -724,7 +795,7 @@ class Recorder:
         except RecorderError:
             self.abort()  # nothing is left that looks like a trace
             raise
-        for layer in sorted({lay for lay, _ in self._stats}):
+        for layer in sorted({lay for lay, _ in self._stats} | self._dirty):
             self.layer_done(layer)
         self._write_meta()
         self.f.attrs["complete"] = 1
