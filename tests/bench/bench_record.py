@@ -20,7 +20,7 @@ from prefill_diff.engine.runner import Placement
 from prefill_diff.engine.snapshot import Snapshot, synthetic_state
 
 FULL_SIZE = dict(args=ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, hidden_dim=2816,
-                                vocab_size=32000), batch=4, n=1024, repeats=5, short_n=256, short_repeats=7)
+                                vocab_size=32000), batch=4, n=1024, repeats=3, short_n=256, short_repeats=5)
 SMOKE_SIZE = dict(args=ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256,
                                  vocab_size=512), batch=2, n=64, repeats=2, short_n=16, short_repeats=2)
 
