@@ -305,7 +305,7 @@ def test_sampled_values_and_cache_kept_per_layer_are_all_written(tmp_path, call_
     """The recorder keeps a layer's sampled values and cache positions in memory and writes them once per layer
     (issue 18): what reaches the file is what was given, whether or not layer_done was called (close writes)."""
     rng = np.random.default_rng(1)
-    args = {"dim": 6, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 3, "vocab_size": 9}
+    args = {"dim": 6, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 2, "vocab_size": 9}
     lengths, C = (4, 3), 4
     given = {}
     with Recorder(tmp_path / "s.h5", "sampled", sample_tokens=3, sample_channels=4) as rec:
@@ -319,7 +319,7 @@ def test_sampled_values_and_cache_kept_per_layer_are_all_written(tmp_path, call_
                     given[(layer, name, s)] = x
                     rec.state(layer, name, s, 0, x[:2])  # in two parts, as a chunked engine would
                     rec.state(layer, name, s, 2, x[2:])
-                k, v = rng.standard_normal((2, 1, n, 3)).astype(np.float32)
+                k, v = rng.standard_normal((2, 1, n, 2)).astype(np.float32)
                 given[(layer, "cache_keys", s)] = k[0]
                 rec.cache(layer, s, k, v, np.arange(n) + 10)
             if call_layer_done:
