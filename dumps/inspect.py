@@ -5,13 +5,13 @@ full tensor unless asked for one sample's values. Does not import torch.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from ..engine.errors import PrefillDiffError
 from .reader import Trace
-from .schema import STAT_COLUMNS, STATES
-
-STAT_TENSORS = STATES + ("cache_keys", "cache_values")
+from .schema import ATTR_CHANNELS, FINAL, SAMPLED_TOKENS, STAT_COLUMNS, STAT_TENSORS
 FINAL_TENSORS = ("logits", "norm_last")
 DEFAULT_CHANNELS = 8  # values shown per row unless --channel says which
 
@@ -63,9 +63,8 @@ def parse_channels(spec: str | None) -> list[int] | None:
     return out
 
 
-def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sample: int | None = None,
-              position: int | None = None, channel: str | None = None) -> dict:
-    channels = parse_channels(channel)
+def _check_options(t: Trace, layer, tensor, sample, position) -> None:
+    """Refuse a drill-down that names something the trace does not have (InspectError)."""
     if tensor in FINAL_TENSORS and layer is not None:
         raise InspectError(f"{t.name}: --tensor {tensor} is a final-stage tensor; drop --layer")
     if layer is not None and not 0 <= layer < t.n_layers:
@@ -80,13 +79,15 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
     if position is not None and not 0 <= position < int(t.lengths[sample]):
         raise InspectError(f"{t.name}: --position must be in [0, {int(t.lengths[sample])}) for sample {sample} "
                            f"(got {position})")
+
+
+def _header(t: Trace, samples) -> dict:
+    """What the trace says about its model, run and samples."""
     m = t.meta
     side = m.get("side", {})
     run = side.get("run", {})
     texts = m.get("texts") or []
-    token_text = m.get("token_text") or {}
-    samples = range(t.n_samples) if sample is None else [sample]
-    out = {
+    return {
         "file": t.name, "format_version": t.version, "level": t.level,
         "model": {"source": t.model.get("source"), "args": t.args, "weights_digest": t.model.get("weights_digest"),
                   "adapter": t.model.get("adapter"),
@@ -99,12 +100,12 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
                      "computed": int(t.cells(s)[0].size),  # also checks the sample's layout is consistent
                      "text": texts[s] if s < len(texts) else None} for s in samples],
         "rectangle": [t.n_samples, t.n_cols],
-        "layers": [],
-        "final": [],
     }
-    layers = range(t.n_layers) if layer is None else [layer]
-    names = STAT_TENSORS if tensor is None else (tensor,) if tensor in STAT_TENSORS else ()
-    out["levels_note"] = [LEVEL_HOLDS[t.level]] if LEVEL_HOLDS.get(t.level) else []
+
+
+def _layer_rows(t: Trace, layers, names, samples, sample) -> list[dict]:
+    """Per layer: the statistics of each named tensor over ``samples`` (and its checksum for one sample)."""
+    rows = []
     for i in layers:
         v = t.layer(i)
         row = {"layer": i, "tensors": {}, "cache_lengths": [int(v.cache_lengths[s]) for s in samples]}
@@ -115,14 +116,35 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
                 if sample is not None:
                     chk = v.checksum(name)
                     row["tensors"][name]["checksum"] = None if chk is None else int(chk[sample])
-        out["layers"].append(row)
+        rows.append(row)
+    return rows
+
+
+def _final_rows(t: Trace, samples) -> list[dict]:
     fin = t.final
+    token_text = t.meta.get("token_text") or {}
+    out = []
     for s in samples:
         ids = fin["topk_ids"][s].tolist()
-        out["final"].append({"sample": s, "gathered_token": int(fin["gather_token"][s]),
-                             "gathered_column": int(fin["gather_col"][s]),
-                             "top_ids": ids, "top_logits": [float(x) for x in fin["topk_logits"][s]],
-                             "top_text": [token_text.get(str(i)) for i in ids] if token_text else None})
+        out.append({"sample": s, "gathered_token": int(fin["gather_token"][s]),
+                    "gathered_column": int(fin["gather_col"][s]),
+                    "top_ids": ids, "top_logits": [float(x) for x in fin["topk_logits"][s]],
+                    "top_text": [token_text.get(str(i)) for i in ids] if token_text else None})
+    return out
+
+
+def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sample: int | None = None,
+              position: int | None = None, channel: str | None = None) -> dict:
+    """The summary `inspect` renders: header, per-layer statistics, final outputs, and one tensor's values
+    when --layer/--tensor/--sample name one."""
+    channels = parse_channels(channel)
+    _check_options(t, layer, tensor, sample, position)
+    samples = range(t.n_samples) if sample is None else [sample]
+    layers = range(t.n_layers) if layer is None else [layer]
+    names = STAT_TENSORS if tensor is None else (tensor,) if tensor in STAT_TENSORS else ()
+    out = {**_header(t, samples), "layers": _layer_rows(t, layers, names, samples, sample),
+           "final": _final_rows(t, samples),
+           "levels_note": [LEVEL_HOLDS[t.level]] if LEVEL_HOLDS.get(t.level) else []}
     want_values = sample is not None and tensor is not None and (layer is not None or tensor in FINAL_TENSORS)
     if want_values:
         values, why = _values(t, layer, tensor, sample, position, channels)
@@ -145,64 +167,81 @@ def _pick(n: int, channels: list[int] | None, what: str) -> list[int]:
     return channels
 
 
-def _values(t: Trace, layer, tensor, sample, position, channels):
-    """(values dict, None) or (None, why there are none). Rows are token positions (cache: slots)."""
+class Values(NamedTuple):
+    """One tensor's values for `inspect`, or why there are none (exactly one is None)."""
+    values: dict | None
+    why: str | None
+
+
+def _values(t: Trace, layer, tensor, sample, position, channels) -> Values:
+    """Rows are token positions (cache: slots); from the full tensor, else its sampled subset."""
     where = f"{tensor} of layer {layer}" if layer is not None else tensor
     if tensor in FINAL_TENSORS:
-        ds = t.f[f"final/{tensor}"]
-        row = t.read(ds, (sample,))
-        tok = int(t.final["gather_token"][sample])
-        if position is not None and position != tok:
-            return None, (f"{tensor} is kept only at sample {sample}'s gathered position {tok}, "
-                          f"not at position {position}")
-        ch = _pick(row.shape[-1], channels, where)
-        return {"tensor": tensor, "layer": None, "sample": sample, "kind": "final stage, gathered position",
-                "row_name": "pos", "rows": [tok], "shape": [1, int(row.shape[-1])], "channels": ch,
-                "head": [row[ch].tolist()], "dtype": t.source_dtype(ds)}, None
+        return _final_values(t, tensor, sample, position, channels)
     v = t.layer(layer)
-    is_cache = tensor.startswith("cache_")
-    full = v.cache(tensor.split("_", 1)[1]) if is_cache else v.state(tensor)
+    full = v.cache(tensor.split("_", 1)[1]) if tensor.startswith("cache_") else v.state(tensor)
     if full is not None:
-        data = t.read(full, (sample,))
-        if is_cache:  # [H, T, D] -> slots x (H·D), slots up to the sample's cache length
-            T = int(v.cache_lengths[sample])
-            flat = np.transpose(data, (1, 0, 2)).reshape(data.shape[1], -1)[:T]
-            rows = [int(p) for p in v.cache_positions[sample, :T]]
-            kind, row_name = "cache slots in logical order, channels = head·head_dim + d", "position"
-        else:
-            cols, toks = t.cells(sample)
-            flat, rows, kind, row_name = data[cols], [int(x) for x in toks], "valid positions", "pos"
-        if position is not None:
-            if position not in rows:
-                return None, f"{where} holds no row for position {position} of sample {sample}"
-            keep = [rows.index(position)]
-            flat, rows = flat[keep], [position]
-        ch = _pick(flat.shape[-1], channels, where)
-        return {"tensor": tensor, "layer": layer, "sample": sample, "kind": kind, "row_name": row_name,
-                "rows": rows, "shape": list(flat.shape), "channels": ch, "head": flat[:, ch].tolist(),
-                "dtype": t.source_dtype(full)}, None
+        return _full_values(t, v, full, tensor, sample, position, channels, where)
     samp = v.sampled(tensor)
     if samp is not None:
-        have = [int(c) for c in samp.attrs["channels"]]
-        toks = t.read(t.f["sampled/token_index"], (sample,))
-        data = t.read(samp, (sample,))
-        keep = [j for j, tk in enumerate(toks) if tk >= 0 and (position is None or tk == position)]
-        if not keep:
-            return None, (f"sampled level: position {position} of sample {sample} is not among the sampled positions "
-                          f"{[int(x) for x in toks if x >= 0]}")
-        if channels is None:
-            idx = list(range(min(len(have), DEFAULT_CHANNELS)))
-        else:
-            missing = [c for c in channels if c not in have]
-            if missing:
-                return None, (f"sampled level: channel {missing[0]} of {where} is not sampled; the sampled channels "
-                              f"are {have}")
-            idx = [have.index(c) for c in channels]
-        return {"tensor": tensor, "layer": layer, "sample": sample,
-                "kind": "sampled level: declared subset of positions and channels", "row_name": "pos",
-                "rows": [int(toks[j]) for j in keep], "shape": [len(keep), len(have)],
-                "channels": [have[i] for i in idx], "head": data[keep][:, idx].tolist(),
-                "dtype": t.source_dtype(samp)}, None
+        return _sampled_values(t, samp, tensor, layer, sample, position, channels, where)
     if t.level == "stats":
-        return None, f"stats level: no values of {where} in this trace, only its statistics (above)"
-    return None, f"{where} is not recorded in this trace (its statistics, if any, are above)"
+        return Values(None, f"stats level: no values of {where} in this trace, only its statistics (above)")
+    return Values(None, f"{where} is not recorded in this trace (its statistics, if any, are above)")
+
+
+def _final_values(t: Trace, tensor, sample, position, channels) -> Values:
+    ds = t.f[FINAL[tensor].path]
+    row = t.read(ds, (sample,))
+    tok = int(t.final["gather_token"][sample])
+    if position is not None and position != tok:
+        return Values(None, f"{tensor} is kept only at sample {sample}'s gathered position {tok}, "
+                            f"not at position {position}")
+    ch = _pick(row.shape[-1], channels, tensor)
+    return Values({"tensor": tensor, "layer": None, "sample": sample, "kind": "final stage, gathered position",
+                   "row_name": "pos", "rows": [tok], "shape": [1, int(row.shape[-1])], "channels": ch,
+                   "head": [row[ch].tolist()], "dtype": t.source_dtype(ds)}, None)
+
+
+def _full_values(t: Trace, v, full, tensor, sample, position, channels, where) -> Values:
+    data = t.read(full, (sample,))
+    if tensor.startswith("cache_"):  # [H, T, D] -> slots x (H·D), slots up to the sample's cache length
+        T = int(v.cache_lengths[sample])
+        flat = np.transpose(data, (1, 0, 2)).reshape(data.shape[1], -1)[:T]
+        rows = [int(p) for p in v.cache_positions[sample, :T]]
+        kind, row_name = "cache slots in logical order, channels = head·head_dim + d", "position"
+    else:
+        cols, toks = t.cells(sample)
+        flat, rows, kind, row_name = data[cols], [int(x) for x in toks], "valid positions", "pos"
+    if position is not None:
+        if position not in rows:
+            return Values(None, f"{where} holds no row for position {position} of sample {sample}")
+        keep = [rows.index(position)]
+        flat, rows = flat[keep], [position]
+    ch = _pick(flat.shape[-1], channels, where)
+    return Values({"tensor": tensor, "layer": v.layer, "sample": sample, "kind": kind, "row_name": row_name,
+                   "rows": rows, "shape": list(flat.shape), "channels": ch, "head": flat[:, ch].tolist(),
+                   "dtype": t.source_dtype(full)}, None)
+
+
+def _sampled_values(t: Trace, samp, tensor, layer, sample, position, channels, where) -> Values:
+    have = [int(c) for c in samp.attrs[ATTR_CHANNELS]]
+    toks = t.read(t.f[SAMPLED_TOKENS.path], (sample,))
+    data = t.read(samp, (sample,))
+    keep = [j for j, tk in enumerate(toks) if tk >= 0 and (position is None or tk == position)]
+    if not keep:
+        return Values(None, f"sampled level: position {position} of sample {sample} is not among the sampled "
+                            f"positions {[int(x) for x in toks if x >= 0]}")
+    if channels is None:
+        idx = list(range(min(len(have), DEFAULT_CHANNELS)))
+    else:
+        missing = [c for c in channels if c not in have]
+        if missing:
+            return Values(None, f"sampled level: channel {missing[0]} of {where} is not sampled; the sampled "
+                                f"channels are {have}")
+        idx = [have.index(c) for c in channels]
+    return Values({"tensor": tensor, "layer": layer, "sample": sample,
+                   "kind": "sampled level: declared subset of positions and channels", "row_name": "pos",
+                   "rows": [int(toks[j]) for j in keep], "shape": [len(keep), len(have)],
+                   "channels": [have[i] for i in idx], "head": data[keep][:, idx].tolist(),
+                   "dtype": t.source_dtype(samp)}, None)

@@ -30,10 +30,13 @@ import h5py
 import numpy as np
 
 from .reader import Trace, TraceError
+from . import schema as sc
 from .schema import REQUIRED_STATES, layer_group
 
-# logical tensor -> (full dataset path in a layer group, dataset axis sharded, stats name)
-SHARDED = {"attn_heads": ("attn_heads", 2), "cache_keys": ("cache/keys", 1), "cache_values": ("cache/values", 1)}
+# logical tensor (its stats name) -> (full dataset path in a layer group, dataset axis sharded)
+SHARDED = {"attn_heads": (sc.STATE.rel("attn_heads"), 2), "cache_keys": (sc.CACHE.rel("keys"), 1),
+           "cache_values": (sc.CACHE.rel("values"), 1)}
+ATTR_PLACEMENT = "placement"  # format 1.1 (docs/trace-format.md, Rank traces)
 _MASK64 = (1 << 64) - 1
 
 
@@ -75,23 +78,24 @@ def annotate(f: h5py.File, args, rank: int, world: int, ranges: dict | None = No
         if g is None:
             continue
         for name in REQUIRED_STATES:
-            for p in (name, f"stats/{name}", f"checksums/{name}"):
+            for p in (sc.STATE.rel(name), sc.STATS.rel(name), sc.CHECKSUM.rel(name)):
                 if p in g:
-                    g[p].attrs["placement"] = np.bytes_(b"replicated")
-        for p in ("cache/positions", "cache/lengths"):
+                    g[p].attrs[ATTR_PLACEMENT] = np.bytes_(b"replicated")
+        for p in (sc.CACHE_POSITIONS.rel(), sc.CACHE_LENGTHS.rel()):
             if p in g:
-                g[p].attrs["placement"] = np.bytes_(b"replicated")
+                g[p].attrs[ATTR_PLACEMENT] = np.bytes_(b"replicated")
         for tensor, (path, _) in SHARDED.items():
             axis, a, b, size = ranges[tensor]
-            for p in (path, f"stats/{tensor}", f"checksums/{tensor}"):
+            for p in (path, sc.STATS.rel(tensor), sc.CHECKSUM.rel(tensor)):
                 if p in g:
                     ds = g[p]
-                    ds.attrs["placement"] = np.bytes_(b"sharded")
+                    ds.attrs[ATTR_PLACEMENT] = np.bytes_(b"sharded")
                     if p == path:
                         ds.attrs["shard_axis"] = axis
                     ds.attrs["shard_start"], ds.attrs["shard_stop"], ds.attrs["shard_size"] = a, b, size
-    for ds in f["final"].values():
-        ds.attrs["placement"] = np.bytes_(b"replicated")
+    for el in sc.FINAL.values():
+        if el.path in f:
+            f[el.path].attrs[ATTR_PLACEMENT] = np.bytes_(b"replicated")
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -153,9 +157,9 @@ class RankTrace(Trace):
                                  f"{par.get('run_id')!r}); rank traces of different runs cannot be combined")
             if t.level != first.level or t.n_layers != first.n_layers or t.samples != first.samples:
                 raise TraceError(f"{where}: level, layers or samples differ from rank0.h5")
-            for k in ("input_ids", "valid_mask", "computed", "positions", "token_index"):
+            for k, el in sc.INPUTS.items():
                 if not np.array_equal(t.inputs[k], first.inputs[k]):
-                    raise TraceError(f"{where}: /inputs/{k} differs from rank0.h5 (the ranks ran different inputs)")
+                    raise TraceError(f"{where}: /{el.path} differs from rank0.h5 (the ranks ran different inputs)")
         if not isinstance(par.get("model_args"), dict):
             raise TraceError(f"{d}/rank0.h5: meta.parallel.model_args (the whole model's arguments) is missing")
 
@@ -192,10 +196,10 @@ class RankTrace(Trace):
         par["files"] = [f"rank{r}.h5" for r in range(len(self.ranks))]
         meta["parallel"] = par
         mem.attrs["meta"] = np.bytes_(json.dumps(meta, sort_keys=True).encode("utf-8"))
-        for grp in ("samples", "inputs", "final"):
+        for grp in {el.path.split("/")[0] for el in (sc.TOKEN_IDS, *sc.INPUTS.values(), *sc.FINAL.values())}:
             if grp in src:
                 src.copy(src[grp], mem, name=grp)
-        if "sampled" in src:
+        if sc.SAMPLED_GROUP in src:
             raise TraceError(f"{self.dir}: sampled-level rank traces are not supported")
         for i in range(first.n_layers):
             self._logical_layer(mem, i)
@@ -206,7 +210,7 @@ class RankTrace(Trace):
         out = mem.create_group(lg)
         sharded = set()
         for tensor, (path, axis) in SHARDED.items():
-            sharded |= {path, f"stats/{tensor}", f"checksums/{tensor}"}
+            sharded |= {path, sc.STATS.rel(tensor), sc.CHECKSUM.rel(tensor)}
         # replicated: rank 0's, as a virtual dataset (no copy) or, if small, a copy
         def visit(name, obj):
             if isinstance(obj, h5py.Dataset) and name not in sharded:
@@ -217,13 +221,13 @@ class RankTrace(Trace):
                     for k, v in obj.attrs.items():
                         out[name].attrs[k] = v
         g0.visititems(visit)
-        for k, v in g0.get("cache", {}).attrs.items() if "cache" in g0 else ():
-            out.require_group("cache").attrs[k] = v
-        if "cache" in out:
-            out["cache"].attrs["n_kv_heads"] = sum(int(t.f[lg]["cache"].attrs.get("n_kv_heads", 0))
-                                                   for t in self.ranks)
-        for k, v in g0.get("stats", {}).attrs.items() if "stats" in g0 else ():
-            out.require_group("stats").attrs[k] = v
+        cache, stats, heads = sc.CACHE_GROUP, sc.STATS_GROUP, sc.ATTR_N_KV_HEADS
+        for k, v in g0.get(cache, {}).attrs.items() if cache in g0 else ():
+            out.require_group(cache).attrs[k] = v
+        if cache in out:
+            out[cache].attrs[heads] = sum(int(t.f[lg][cache].attrs.get(heads, 0)) for t in self.ranks)
+        for k, v in g0.get(stats, {}).attrs.items() if stats in g0 else ():
+            out.require_group(stats).attrs[k] = v
         for tensor, (path, axis) in SHARDED.items():
             self._logical_shards(out, i, tensor, path, axis)
 
@@ -232,7 +236,7 @@ class RankTrace(Trace):
         parts, sizes = [], set()
         for r, t in enumerate(self.ranks):
             g = t.f[layer_group(i)]
-            ds = g.get(path) if path in g else g.get(f"stats/{tensor}")
+            ds = g.get(path) if path in g else g.get(sc.STATS.rel(tensor))
             if ds is None:
                 return None
             try:
@@ -284,15 +288,15 @@ class RankTrace(Trace):
             pieces = [(self.ranks[r].name, f"{lg}/{path}", self.ranks[r].f[lg][path].shape, (axis, a, b))
                       for a, b, r in parts if path in self.ranks[r].f[lg]]
             _virtual(out, path, pieces, tuple(shape), ds0)
-        stats = [t.f[lg].get(f"stats/{tensor}") for t in self.ranks]
+        stats = [t.f[lg].get(sc.STATS.rel(tensor)) for t in self.ranks]
         if all(s is not None for s in stats):
-            out.create_dataset(f"stats/{tensor}", data=merge_stats([s[()] for s in stats]))
-        chk = [t.f[lg].get(f"checksums/{tensor}") for t in self.ranks]
+            out.create_dataset(sc.STATS.rel(tensor), data=merge_stats([s[()] for s in stats]))
+        chk = [t.f[lg].get(sc.CHECKSUM.rel(tensor)) for t in self.ranks]
         if all(c is not None for c in chk) and path in g0 and self._words_aligned(g0[path], axis):
             total = np.zeros(chk[0].shape, dtype=object)
             for c in chk:
                 total = total + c[()].astype(object)
-            out.create_dataset(f"checksums/{tensor}",
+            out.create_dataset(sc.CHECKSUM.rel(tensor),
                                data=np.array([_signed64(int(v)) for v in total.ravel()], dtype=np.int64))
 
     @staticmethod

@@ -5,6 +5,7 @@ one sample row at a time, so memory stays bounded whatever the trace size.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -17,6 +18,7 @@ from ..engine.errors import PrefillDiffError
 from ..engine.untrusted import regular_file, visible
 from .chunks import ChunkReader
 from .metacheck import MetaError, check_meta, check_meta_against_file
+from . import schema as sc
 from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
                      STAT_COLUMNS, STATES, layer_group)
 
@@ -32,8 +34,6 @@ ROW_LIMIT = 1 << 30  # bytes of one stored sample row a reader will allocate
 
 def _guarded(fn):
     """Turn whatever HDF5 raises on a damaged file into one TraceError naming the file."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(self, *a, **kw):
         try:
@@ -145,20 +145,22 @@ class LayerView:
 
     @_guarded
     def state(self, name: str):
-        return self.g.get(name) if isinstance(self.g.get(name), h5py.Dataset) else None
+        ds = self.g.get(sc.STATE.rel(name))
+        return ds if isinstance(ds, h5py.Dataset) else None
 
     @_guarded
     def sampled(self, name: str):
-        return self.g.get(f"sampled/{name}")
+        return self.g.get(sc.SAMPLED.rel(name))
 
     @_guarded
     def stats(self, name: str):
-        ds = self.g.get(f"stats/{name}")
+        ds = self.g.get(sc.STATS.rel(name))
         if ds is None:
             return None
         st = self.trace.read(ds)
         col = {k: i for i, k in enumerate(STAT_COLUMNS)}
-        limit = self.trace.n_cols * max(int(np.prod(self.g[name].shape[2:])) if name in self.g else 1, 1) * 2 ** 20
+        full = self.g.get(sc.STATE.rel(name))
+        limit = self.trace.n_cols * max(int(np.prod(full.shape[2:])) if full is not None else 1, 1) * 2 ** 20
         for c, f in (("count", "finite"), ("pad_count", "pad_finite")):
             n, k = st[:, col[c]], st[:, col[f]]
             if not (np.isfinite(n).all() and np.isfinite(k).all() and (n == np.round(n)).all()
@@ -169,18 +171,18 @@ class LayerView:
 
     @_guarded
     def checksum(self, name: str):
-        ds = self.g.get(f"checksums/{name}")
+        ds = self.g.get(sc.CHECKSUM.rel(name))
         return None if ds is None else self.trace.read(ds)
 
     @_guarded
     def cache(self, name: str):
-        return self.g.get(f"cache/{name}")
+        return self.g.get(sc.CACHE.rel(name))
 
     @cached_property
     @_guarded
     def cache_lengths(self) -> np.ndarray:
-        lengths = self.trace.read(self.g["cache/lengths"])
-        cap = self.g["cache/positions"].shape[1]
+        lengths = self.trace.read(self.g[sc.CACHE_LENGTHS.rel()])
+        cap = self.g[sc.CACHE_POSITIONS.rel()].shape[1]
         if lengths.dtype.kind not in "iu" or (lengths < 0).any() or (lengths > cap).any():
             raise TraceError(f"{self.trace.name}: layer {self.layer} cache lengths {lengths.tolist()[:8]} are not "
                              f"in [0, {cap}]")
@@ -189,11 +191,11 @@ class LayerView:
     @cached_property
     @_guarded
     def cache_positions(self) -> np.ndarray:
-        return self.trace.read(self.g["cache/positions"])
+        return self.trace.read(self.g[sc.CACHE_POSITIONS.rel()])
 
     @_guarded
     def names(self) -> list[str]:
-        have = set(self.g.keys()) | {k for k in self.g.get("stats", {}).keys()}
+        have = set(self.g.keys()) | {k for k in self.g.get(sc.STATS_GROUP, {}).keys()}
         return [s for s in STATES if s in have]
 
 
@@ -317,66 +319,65 @@ class Trace:
             raise TraceError(f"{where}: meta.model.args must be a JSON object (got {type(model['args']).__name__})")
         model["args"] = model.get("args") or {}
 
+    def _element(self, group, el: sc.Element, dims: dict, name: str | None = None, layer: int | None = None,
+                 required: bool = True):
+        """``group``'s instance of a schema element, checked against it (dtype kind and shape in ``dims``);
+        None when it is absent and not ``required``. Raises TraceError naming the dataset."""
+        ds = group.get(el.rel(name))
+        path = "/" + el.at(layer, name)
+        if not isinstance(ds, h5py.Dataset):
+            if ds is None and not required:
+                return None
+            raise TraceError(f"{self.name}: missing required dataset {path}")
+        why = el.problem(ds, dims)
+        if why:
+            raise TraceError(f"{self.name}: {path} {why}")
+        return ds
+
+    def _model_dims(self) -> dict:
+        """The named dimensions the metadata fixes (schema module docstring); unknown ones are left out."""
+        a = self.args
+        dims = {"S": self.n_samples, "C": self.n_cols, "stat": len(STAT_COLUMNS), "dim": a.get("dim"),
+                "vocab": a.get("vocab_size"), "H": a.get("n_kv_heads"), "D": a.get("head_dim")}
+        return {k: v for k, v in dims.items() if v is not None}
+
     def _check_inputs(self):
         f, where = self.f, self.name
-        for path in ("samples/token_ids", "samples/lengths", "inputs/input_ids", "inputs/valid_mask",
-                     "inputs/computed", "inputs/positions", "inputs/token_index"):
-            if not isinstance(f.get(path), h5py.Dataset):
-                raise TraceError(f"{where}: missing required dataset /{path}")
-        S, C = f["inputs/valid_mask"].shape if f["inputs/valid_mask"].ndim == 2 else (None, None)
-        if S is None:
-            raise TraceError(f"{where}: /inputs/valid_mask must be 2-D [samples, columns]")
-        self.n_samples, self.n_cols = S, C
-        if S * C * 8 > ROW_LIMIT or f["samples/token_ids"].size * 8 > ROW_LIMIT:
+        for el in (sc.TOKEN_IDS, sc.LENGTHS, *sc.INPUTS.values()):
+            if not isinstance(f.get(el.path), h5py.Dataset):
+                raise TraceError(f"{where}: missing required dataset /{el.path}")
+        mask = f[sc.INPUTS["valid_mask"].path]
+        if mask.ndim != 2:
+            raise TraceError(f"{where}: /{mask.name.lstrip('/')} must be 2-D [samples, columns]")
+        self.n_samples, self.n_cols = S, C = mask.shape
+        if S * C * 8 > ROW_LIMIT or f[sc.TOKEN_IDS.path].size * 8 > ROW_LIMIT:
             raise TraceError(f"{where}: declared inputs of {S} x {C} cells are larger than a reader allocates")
-        for path in ("inputs/input_ids", "inputs/computed", "inputs/positions", "inputs/token_index"):
-            if f[path].shape != (S, C):
-                raise TraceError(f"{where}: /{path} has shape {f[path].shape}, expected {(S, C)}")
-        if f["samples/lengths"].shape != (S,) or f["samples/token_ids"].ndim != 2 or \
-                f["samples/token_ids"].shape[0] != S:
-            raise TraceError(f"{where}: /samples datasets do not match {S} samples")
-        for path in ("samples/token_ids", "samples/lengths", "inputs/input_ids", "inputs/valid_mask",
-                     "inputs/computed", "inputs/positions", "inputs/token_index"):
-            if f[path].dtype.kind not in "iu":
-                raise TraceError(f"{where}: /{path} holds {f[path].dtype}, not integers")
-        self.lengths = self.read(f["samples/lengths"]).astype(np.int64)
-        if (self.lengths < 1).any() or (self.lengths > f["samples/token_ids"].shape[1]).any():
-            raise TraceError(f"{where}: /samples/lengths out of range")
+        dims = {"S": S, "C": C}
+        for el in (sc.TOKEN_IDS, sc.LENGTHS, *sc.INPUTS.values()):
+            self._element(f, el, dims)
+        self.lengths = self.read(f[sc.LENGTHS.path]).astype(np.int64)
+        if (self.lengths < 1).any() or (self.lengths > f[sc.TOKEN_IDS.path].shape[1]).any():
+            raise TraceError(f"{where}: /{sc.LENGTHS.path} out of range")
         try:
             check_meta_against_file(self.meta, S, self.lengths)
         except MetaError as e:
             raise TraceError(_meta_message(where, e)) from None
         if self.level == "sampled":
-            ti = f.get("sampled/token_index")
-            if not isinstance(ti, h5py.Dataset) or ti.ndim != 2 or ti.shape[0] != S or ti.dtype.kind not in "iu":
-                raise TraceError(f"{where}: /sampled/token_index must be integers of shape ({S}, slots)")
-            toks = self.read(ti)
+            toks = self.read(self._element(f, sc.SAMPLED_TOKENS, dims))
             if ((toks < -1) | (toks >= self.lengths[:, None])).any():
-                raise TraceError(f"{where}: /sampled/token_index holds token indices outside [-1, length)")
-            self.sampled_slots = ti.shape[1]
+                raise TraceError(f"{where}: /{sc.SAMPLED_TOKENS.path} holds token indices outside [-1, length)")
+            self.sampled_slots = toks.shape[1]
 
     def _check_final(self):
-        f, where, S = self.f, self.name, self.n_samples
-        for path in ("final/logits", "final/norm_last", "final/topk_ids", "final/gather_col", "final/gather_token"):
-            if not isinstance(f.get(path), h5py.Dataset):
-                raise TraceError(f"{where}: missing required dataset /{path}")
-        a = self.meta.get("model", {}).get("args", {}) if isinstance(self.meta.get("model"), dict) else {}
-        vocab, dim = a.get("vocab_size"), a.get("dim")
-        want = {"final/logits": (S, vocab), "final/norm_last": (S, dim), "final/topk_ids": (S, None),
-                "final/gather_col": (S,), "final/gather_token": (S,)}
-        for path, shape in want.items():
-            got = f[path].shape
-            if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
-                raise TraceError(f"{where}: /{path} has shape {got}, expected "
-                                 f"{tuple('?' if w is None else w for w in shape)}")
-            if f[path].dtype.kind not in "fiu":
-                raise TraceError(f"{where}: /{path} holds {f[path].dtype}, not numbers")
-        written = f.get("final/written")
-        if isinstance(written, h5py.Dataset) and written.shape == (S,):
+        dims = self._model_dims()
+        for key, el in sc.FINAL.items():
+            self._element(self.f, el, dims, required=bool(el.levels))
+        written = self.f.get(sc.FINAL["written"].path)
+        if written is not None:
             missing = np.flatnonzero(self.read(written) == 0)
             if missing.size:  # never compare a sample's unwritten (zero) final output
-                raise TraceError(f"{where}: sample(s) {missing[:8].tolist()} have no final output "
-                                 "(/final/written is 0)")
+                raise TraceError(f"{self.name}: sample(s) {missing[:8].tolist()} have no final output "
+                                 f"(/{sc.FINAL['written'].path} is 0)")
 
     def _check_layers(self):
         f, where = self.f, self.name
@@ -397,77 +398,57 @@ class Trace:
         for i in range(self.n_layers):
             self._check_layer(i)
 
-    def _check_layer(self, i: int):
-        g, where = self.f[layer_group(i)], self.name
-        S, C = self.n_samples, self.n_cols
+    def _state_widths(self, names) -> dict:
+        """State or statistics name -> its width by the metadata (None where the metadata does not say)."""
         a = self.args
-        widths = {n: a.get("dim") for n in REQUIRED_STATES}
-        if a.get("n_heads") and a.get("head_dim"):
-            widths["attn_heads"] = a["n_heads"] * a["head_dim"]
-        for name, want in widths.items():
-            ds = g.get(name)
-            if isinstance(ds, h5py.Dataset):
-                if ds.dtype.kind != "f":
-                    raise TraceError(f"{where}: layer {i} {name} holds {ds.dtype}, not floating-point values")
-                if ds.ndim != 3 or (want is not None and ds.shape[2] != want):
-                    raise TraceError(f"{where}: layer {i} {name} has shape {ds.shape}, the model says width {want}")
-                if C * ds.shape[2] * ds.dtype.itemsize > ROW_LIMIT:
-                    raise TraceError(f"{where}: layer {i} {name} declares rows of {C * ds.shape[2]} values, "
-                                     "larger than a reader allocates")
-        for name in REQUIRED_STATES:
-            ds = g.get(name)
-            if self.level == "full":
-                if not isinstance(ds, h5py.Dataset):
-                    raise TraceError(f"{where}: layer {i} is missing dataset {name}")
-                if ds.ndim != 3 or ds.shape[:2] != (S, C):
-                    raise TraceError(f"{where}: layer {i} {name} has shape {ds.shape}, expected ({S}, {C}, width)")
-            st = g.get(f"stats/{name}")
-            if not isinstance(st, h5py.Dataset) or st.shape != (S, len(STAT_COLUMNS)) or st.dtype.kind != "f":
-                raise TraceError(f"{where}: layer {i} is missing statistics for {name} (or they are not numbers)")
-        for name in ("positions", "lengths"):
-            if not isinstance(g.get(f"cache/{name}"), h5py.Dataset):
-                raise TraceError(f"{where}: layer {i} is missing cache {name}")
-        pos, lens = g["cache/positions"], g["cache/lengths"]
-        if pos.ndim != 2 or pos.shape[0] != S or lens.shape != (S,):
-            raise TraceError(f"{where}: layer {i} cache positions/lengths do not match {S} samples")
-        if pos.dtype.kind not in "iu" or lens.dtype.kind not in "iu":
-            raise TraceError(f"{where}: layer {i} cache positions/lengths hold {pos.dtype}/{lens.dtype}, not integers")
-        if isinstance(g.get("sampled"), h5py.Group):
-            self._check_sampled(i, g["sampled"])
-        if self.level == "full":
-            for name in CACHE_TENSORS:
-                ds = g.get(f"cache/{name}")
-                if not isinstance(ds, h5py.Dataset) or ds.ndim != 4 or ds.shape[0] != S or \
-                        ds.shape[2] != pos.shape[1] or ds.dtype.kind != "f":
-                    raise TraceError(f"{where}: layer {i} cache {name} is missing or misshapen")
-                if (a.get("n_kv_heads") is not None and ds.shape[1] != a["n_kv_heads"]) or \
-                        (a.get("head_dim") is not None and ds.shape[3] != a["head_dim"]):
-                    raise TraceError(f"{where}: layer {i} cache {name} has shape {ds.shape}, the model says "
-                                     f"{a.get('n_kv_heads')} KV heads of {a.get('head_dim')}")
-                if int(np.prod(ds.shape[1:])) * ds.dtype.itemsize > ROW_LIMIT:
-                    raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
-
-    def _check_sampled(self, i: int, group: h5py.Group):
-        """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""
-        where, a = self.name, self.args
+        heads = a["n_heads"] * a["head_dim"] if a.get("n_heads") and a.get("head_dim") else None
         kv = a["n_kv_heads"] * a["head_dim"] if a.get("n_kv_heads") and a.get("head_dim") else None
-        widths = {**{n: a.get("dim") for n in REQUIRED_STATES}, "cache_keys": kv, "cache_values": kv,
-                  "attn_heads": a["n_heads"] * a["head_dim"] if a.get("n_heads") and a.get("head_dim") else None}
-        for name, want in widths.items():
-            ds = group.get(name)
+        widths = {**{n: a.get("dim") for n in REQUIRED_STATES}, "attn_heads": heads, "cache_keys": kv,
+                  "cache_values": kv}
+        return {n: widths[n] for n in names}
+
+    def _check_layer(self, i: int):
+        """Every dataset of layer ``i`` against the schema, at the trace's level; sizes against ROW_LIMIT before
+        anything is allocated."""
+        g, where = self.f[layer_group(i)], self.name
+        dims = self._model_dims()
+        for name, want in self._state_widths(STATES).items():
+            ds = g.get(sc.STATE.rel(name))
+            if isinstance(ds, h5py.Dataset) and ds.ndim == 3 and self.n_cols * ds.shape[2] * ds.dtype.itemsize > \
+                    ROW_LIMIT:
+                raise TraceError(f"{where}: layer {i} {name} declares rows of {self.n_cols * ds.shape[2]} values, "
+                                 "larger than a reader allocates")
+            required = self.level == "full" and name in REQUIRED_STATES
+            self._element(g, sc.STATE, {**dims, **({"W": want} if want else {})}, name, i, required)
+        for name in sc.STAT_TENSORS:  # the five states' MUST exist (contract: docs/trace-format.md), others MAY
+            self._element(g, sc.STATS, dims, name, i, required=name in REQUIRED_STATES)
+            self._element(g, sc.CHECKSUM, dims, name, i, required=name in REQUIRED_STATES)
+        pos = self._element(g, sc.CACHE_POSITIONS, dims, layer=i)
+        self._element(g, sc.CACHE_LENGTHS, dims, layer=i)
+        if isinstance(g.get("sampled"), h5py.Group):
+            self._check_sampled(i, g)
+        for name in CACHE_TENSORS:
+            ds = g.get(sc.CACHE.rel(name))
+            if isinstance(ds, h5py.Dataset) and ds.ndim == 4 and int(np.prod(ds.shape[1:])) * ds.dtype.itemsize > \
+                    ROW_LIMIT:
+                raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
+            self._element(g, sc.CACHE, {**dims, "T": pos.shape[1]}, name, i, required=self.level == "full")
+
+    def _check_sampled(self, i: int, g: h5py.Group):
+        """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""
+        where = self.name
+        dims = {**self._model_dims(), **({"P": self.sampled_slots} if hasattr(self, "sampled_slots") else {})}
+        for name, want in self._state_widths(sc.STAT_TENSORS).items():
+            ds = self._element(g, sc.SAMPLED, dims, name, i, required=False)
             if ds is None:
                 continue
             what = f"{where}: layer {i} sampled {name}"
-            slots = getattr(self, "sampled_slots", None)
-            if not isinstance(ds, h5py.Dataset) or ds.dtype.kind != "f" or ds.ndim != 3 or \
-                    ds.shape[0] != self.n_samples or (slots is not None and ds.shape[1] != slots):
-                raise TraceError(f"{what} must be floats of shape ({self.n_samples}, {slots}, channels)")
-            width = ds.attrs.get("width")
+            width = ds.attrs.get(sc.ATTR_WIDTH)
             if width is None or np.ndim(width) != 0 or np.asarray(width).dtype.kind not in "iu" or int(width) < 1 \
                     or (want is not None and int(width) != want):
                 raise TraceError(f"{what}: attribute 'width' must be the tensor's width {want} (got "
                                  f"{visible(repr(width))[:60]})")
-            ch = ds.attrs.get("channels")
+            ch = ds.attrs.get(sc.ATTR_CHANNELS)
             if ch is None:
                 raise TraceError(f"{what}: attribute 'channels' is missing")
             ch = np.asarray(ch)
@@ -482,13 +463,12 @@ class Trace:
     @cached_property
     @_guarded
     def inputs(self) -> dict:
-        return {k: self.read(self.f[f"inputs/{k}"]) for k in
-                ("input_ids", "valid_mask", "computed", "positions", "token_index")}
+        return {k: self.read(self.f[el.path]) for k, el in sc.INPUTS.items()}
 
     @cached_property
     @_guarded
     def samples(self) -> list[tuple]:
-        ids = self.read(self.f["samples/token_ids"])
+        ids = self.read(self.f[sc.TOKEN_IDS.path])
         return [tuple(int(t) for t in ids[s, :self.lengths[s]]) for s in range(self.n_samples)]
 
     def cells(self, sample: int) -> tuple[np.ndarray, np.ndarray]:
@@ -543,11 +523,13 @@ class Trace:
     @cached_property
     @_guarded
     def final(self) -> dict:
-        out = {k: self.read(v) for k, v in self.f["final"].items() if isinstance(v, h5py.Dataset)}
+        out = {k: self.read(self.f[el.path]) for k, el in sc.FINAL.items()
+               if isinstance(self.f.get(el.path), h5py.Dataset)}
         V = out["logits"].shape[1]
         ids = out["topk_ids"]
         if ids.dtype.kind not in "iu" or ids.shape[0] != self.n_samples or ((ids < 0) | (ids >= V)).any():
-            raise TraceError(f"{self.name}: /final/topk_ids must hold ids in [0, {V}) for {self.n_samples} samples")
+            raise TraceError(f"{self.name}: /{sc.FINAL['topk_ids'].path} must hold ids in [0, {V}) for "
+                             f"{self.n_samples} samples")
         return out
 
     @property
@@ -608,8 +590,4 @@ def _check_meta(meta, where: str) -> None:
         raise TraceError(_meta_message(where, e)) from None
 
 
-def open_trace(path) -> Trace:
-    return Trace(path)
-
-
-__all__ = ["Trace", "TraceError", "LayerView", "open_trace", "FORMAT_VERSION"]
+__all__ = ["Trace", "TraceError", "LayerView", "FORMAT_VERSION"]

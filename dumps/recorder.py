@@ -61,15 +61,21 @@ This module does not import torch: tensors are used through their own methods.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import secrets
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import h5py
 import numpy as np
 
 from ..engine.errors import INTERRUPT, PrefillDiffError
+from . import schema as sc
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
 
 _MASK64 = (1 << 64) - 1
@@ -127,8 +133,6 @@ class TraceExistsError(PrefillDiffError):
 
 def _renameat2_noreplace(src: str, dst: str) -> bool:
     """rename(src, dst) failing if dst exists (Linux renameat2 RENAME_NOREPLACE); False if unavailable here."""
-    import ctypes
-    import errno
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
@@ -257,31 +261,56 @@ def _signed64(v: int) -> int:
 
 
 def slab_stats(x) -> tuple:
-    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab (rows, width), on the tensor's own device.
+    """(count, finite, min, max, sum, sumsq, checksum) of a 2-D slab (rows, width).
 
-    Four passes at memory speed: aminmax, sum, a BLAS dot for the sum of squares, and the checksum;
+    Four passes at memory speed: min/max, sum, a BLAS dot for the sum of squares, and the checksum;
     the finite count is only computed when sum or sumsq is not finite. The checksum is the wrapped int64
     sum, row by row, of the data's 8-byte words (each row zero-padded to a multiple of 8 bytes), so it
     composes over any split into rows: equal data gives equal checksums. A differing checksum alone is
     never a failure.
+
+    A CPU tensor is reduced with numpy on a zero-copy view: torch's reductions fan out to its thread
+    pool, and on an oversubscribed machine each of the ~40 small reductions per layer waits for a
+    descheduled thread (27-78 ms against 3 ms per state of 4 x 256 x 1024 at load 6; issue 18). A tensor
+    on an accelerator is reduced there.
     """
     n = int(np.prod(x.shape))
     if n == 0:
         return 0, 0, np.inf, -np.inf, 0.0, 0.0, 0
     if _is_torch(x):
-        import sys
         torch = sys.modules["torch"]  # x is a torch tensor, so torch is already imported
         xc = x.detach().contiguous()
-        flat = (xc if xc.dtype in (torch.float32, torch.float64) else xc.float()).view(-1)
-        mn, mx = flat.aminmax()
-        v = [float(t) for t in (mn, mx, flat.sum(), torch.dot(flat, flat))]
-        finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(flat.isfinite().sum())
-        return n, finite, v[0], v[1], v[2], v[3], _torch_checksum(xc, torch)
+        if xc.device.type != "cpu":
+            return _torch_stats(xc, n, torch)
+        if xc.dtype == torch.bfloat16:  # numpy has no bfloat16: values widened (exact), checksum of the bits
+            return _numpy_stats(xc.float().numpy(), xc.view(torch.int16).numpy(), n)
+        a = xc.numpy()
+        return _numpy_stats(a, a, n)
     a = np.ascontiguousarray(x)
-    af = (a.astype(np.float64) if a.dtype.itemsize < 4 else a).ravel()
+    return _numpy_stats(a, a, n)
+
+
+def _slots(t, T: int, width: int):
+    """A cache tensor (n_kv_heads, T, head_dim) as rows of slots (T, n_kv_heads·head_dim): a copy made by numpy
+    for a CPU tensor (see slab_stats), kept a torch tensor for bfloat16 (whose checksum is of its own bits)."""
+    if _is_torch(t) and (t.device.type != "cpu" or str(t.dtype) == "torch.bfloat16"):
+        return t.swapaxes(0, 1).reshape(T, width)
+    return np.ascontiguousarray(to_numpy(t).swapaxes(0, 1)).reshape(T, width)
+
+
+def _numpy_stats(values: np.ndarray, bits: np.ndarray, n: int) -> tuple:
+    af = (values.astype(np.float64) if values.dtype.itemsize < 4 else values).ravel()
     s, ss = float(af.sum(dtype=np.float64)), float(np.dot(af, af))
     finite = n if np.isfinite(s) and np.isfinite(ss) else int(np.isfinite(af).sum())
-    return n, finite, float(af.min()), float(af.max()), s, ss, _numpy_checksum(a)
+    return n, finite, float(af.min()), float(af.max()), s, ss, _numpy_checksum(bits)
+
+
+def _torch_stats(xc, n: int, torch) -> tuple:
+    flat = (xc if xc.dtype in (torch.float32, torch.float64) else xc.float()).view(-1)
+    mn, mx = flat.aminmax()
+    v = [float(t) for t in (mn, mx, flat.sum(), torch.dot(flat, flat))]
+    finite = n if np.isfinite(v[2]) and np.isfinite(v[3]) else int(flat.isfinite().sum())
+    return n, finite, v[0], v[1], v[2], v[3], _torch_checksum(xc, torch)
 
 
 def _words_per_row(row_bytes: int) -> int:
@@ -354,6 +383,47 @@ def select_channels(width: int, k: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(width, k, replace=False))
 
 
+class TraceWriter(Protocol):
+    """The interface through which a trace is written, in trace coordinates (sample, stored column): what
+    ``Recorder`` implements, in a file or in memory, for a whole run or one tensor-parallel rank. (An engine
+    reports in its own forward coordinates, (batch row, column); engine.runner.Placement maps those onto
+    these calls.) The order: ``begin``; then ``inputs``, ``state``, ``cache`` and ``layer_done`` per layer;
+    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``."""
+
+    def begin(self, samples, n_cols: int, meta: dict) -> None: ...
+    def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None: ...
+    def state(self, layer: int, name: str, sample: int, col: int, x) -> None: ...
+    def cache(self, layer: int, sample: int, keys, values, positions) -> None: ...
+    def layer_done(self, layer: int) -> None: ...
+    def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None: ...
+    def final_top_ids(self) -> list[int]: ...
+    def update_meta(self, **items) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+@dataclass
+class _Sampled:
+    """One tensor's sampled values at one layer, kept in memory until the layer is written."""
+    values: np.ndarray  # (S, P, K), NaN where no token was recorded
+    channels: np.ndarray  # (K,) the sampled channels of a ``width``-wide tensor
+    width: int
+    source_dtype: str
+
+
+@dataclass
+class _LayerBuffers:
+    """What a layer accumulates in memory and ``layer_done`` writes, one dataset write each: creating a few
+    hundred small datasets and writing them piecemeal (per sample, by fancy index) was most of what the
+    stats and sampled levels cost (issue 18). Kept after the layer is written: a later prefill call that
+    reaches the same layer adds to them and the layer is rewritten whole."""
+    positions: np.ndarray | None = None  # (S, T) cache positions, -1 past a sample's length
+    lengths: np.ndarray | None = None  # (S,) cache lengths
+    heads: tuple = ()  # (n_kv_heads, head_dim) of the cache, for the cache group's attributes
+    tensors: dict = field(default_factory=dict)  # "keys"/"values" -> dataset (full level, written in place)
+    sampled: dict = field(default_factory=dict)  # tensor name -> _Sampled (sampled level)
+
+
 class Recorder:
     """Writes one trace. ``begin``, then ``inputs``/``state``/``cache``/``layer_done``, ``final``, ``close``."""
 
@@ -395,6 +465,10 @@ class Recorder:
         self.n_samples = None
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
+        self._groups: dict[int, h5py.Group] = {}  # layer -> its group, created on first use
+        self._layers: dict[int, _LayerBuffers] = {}
+        self._dirty: set = set()  # layers with something not yet written
+        self._final: dict | None = None  # FINAL element name -> dataset, created on the first final()
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -442,12 +516,11 @@ class Recorder:
         ids = np.full((S, nmax), -1, dtype=np.int64)
         for i, s in enumerate(samples):
             ids[i, :len(s)] = s
-        self.f.create_dataset("samples/token_ids", data=ids)
-        self.f.create_dataset("samples/lengths", data=self.lengths)
-        for name, dtype, fill in (("input_ids", np.int64, 0), ("valid_mask", np.uint8, 0),
-                                  ("computed", np.uint8, 0), ("positions", np.int64, 0),
-                                  ("token_index", np.int64, -1)):
-            self.f.create_dataset(f"inputs/{name}", shape=(S, n_cols), dtype=dtype, fillvalue=fill)
+        self.dims = {"S": S, "C": n_cols, "N": nmax, "dim": self.args["dim"], "vocab": self.args["vocab_size"],
+                     "H": self.args["n_kv_heads"], "D": self.args["head_dim"], "stat": len(STAT_COLUMNS)}
+        sc.TOKEN_IDS.create(self.f, self.dims, data=ids)
+        sc.LENGTHS.create(self.f, self.dims, data=self.lengths)
+        self._inputs = {name: el.create(self.f, self.dims) for name, el in sc.INPUTS.items()}
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
         self.meta = dict(meta)
@@ -464,8 +537,20 @@ class Recorder:
             st = np.full((S, P), -1, dtype=np.int64)
             for i, t in enumerate(self._sampled_toks):
                 st[i, :len(t)] = t
-            self.f.create_dataset("sampled/token_index", data=st)
-            self.f["sampled"].attrs["seed"] = self.sample_seed
+            self.dims["P"] = P
+            sc.SAMPLED_TOKENS.create(self.f, self.dims, data=st)
+            self.f[sc.SAMPLED_GROUP].attrs[sc.ATTR_SEED] = self.sample_seed
+
+    def _group(self, layer: int) -> h5py.Group:
+        if layer not in self._groups:
+            self._groups[layer] = self.f.require_group(layer_group(layer))
+        return self._groups[layer]
+
+    def _buffers(self, layer: int) -> _LayerBuffers:
+        self._dirty.add(layer)
+        if layer not in self._layers:
+            self._layers[layer] = _LayerBuffers()
+        return self._layers[layer]
 
     def _write_meta(self):
         _text(self.f, "meta", json.dumps(self.meta, sort_keys=True, default=str))
@@ -483,11 +568,12 @@ class Recorder:
             _want(f"inputs(sample {sample}) {what}", x, (T,))
         v = to_numpy(valid).astype(bool)
         sl = np.s_[sample, col:col + T]
-        self.f["inputs/input_ids"][sl] = to_numpy(ids)
-        self.f["inputs/valid_mask"][sl] = v.astype(np.uint8)
-        self.f["inputs/computed"][sl] = np.ones(T, dtype=np.uint8)
-        self.f["inputs/positions"][sl] = to_numpy(positions)
-        self.f["inputs/token_index"][sl] = to_numpy(token_index)
+        inp = self._inputs
+        inp["input_ids"][sl] = to_numpy(ids)
+        inp["valid_mask"][sl] = v.astype(np.uint8)
+        inp["computed"][sl] = np.ones(T, dtype=np.uint8)
+        inp["positions"][sl] = to_numpy(positions)
+        inp["token_index"][sl] = to_numpy(token_index)
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
 
     def _where(self, sample, col, x, what) -> None:
@@ -553,33 +639,27 @@ class Recorder:
         rows, slots = rows[keep], slots[keep]
         if rows.size == 0:
             return
-        ds, ch = self._sampled_ds(layer, name, x.shape[1], x)
-        order = np.argsort(slots)
-        ds[sample, slots[order].tolist()] = to_numpy(x[rows[order]])[:, ch]
+        buf = self._sampled_buffer(layer, name, x)
+        buf.values[sample, slots] = to_numpy(x)[np.ix_(rows, buf.channels)]  # a numpy gather (see slab_stats)
 
     def _state_ds(self, layer, name, x):
         key = (layer, name)
         if key not in self._ds:
-            dt = to_numpy(x[:0]).dtype
-            ds = self.f.create_dataset(f"{layer_group(layer)}/{name}", shape=(self.n_samples, self.n_cols, x.shape[1]),
-                                       dtype=dt, **self._kw((1, self.n_cols, x.shape[1])))
-            _text(ds, "source_dtype", source_dtype(x))
+            dims = {**self.dims, "W": x.shape[1]}
+            ds = sc.STATE.create(self._group(layer), dims, name, to_numpy(x[:0]).dtype,
+                                 **self._kw((1, self.n_cols, x.shape[1])))
+            _text(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(x))
             self._ds[key] = ds
         return self._ds[key]
 
-    def _sampled_ds(self, layer, name, width, x):
-        key = (layer, "sampled", name)
-        if key not in self._ds:
-            P = self.f["sampled/token_index"].shape[1]
+    def _sampled_buffer(self, layer, name, x) -> _Sampled:
+        sampled = self._buffers(layer).sampled
+        if name not in sampled:
+            width = int(x.shape[1])
             ch = select_channels(width, self.sample_channels, self.sample_seed)
-            dt = to_numpy(x[:0]).dtype
-            ds = self.f.create_dataset(f"{layer_group(layer)}/sampled/{name}", shape=(self.n_samples, P, len(ch)),
-                                       dtype=dt, fillvalue=np.nan)
-            ds.attrs["channels"] = ch
-            ds.attrs["width"] = width
-            _text(ds, "source_dtype", source_dtype(x))
-            self._ds[key] = (ds, ch)
-        return self._ds[key]
+            shape = sc.SAMPLED.shape_for({**self.dims, "K": len(ch)})
+            sampled[name] = _Sampled(np.full(shape, np.nan, dtype=to_numpy(x[:0]).dtype), ch, width, source_dtype(x))
+        return sampled[name]
 
     def cache(self, layer: int, sample: int, keys, values, positions) -> None:
         """One sample's logical cache at a layer: keys and values (n_kv_heads, T, head_dim), positions (T,)."""
@@ -595,32 +675,30 @@ class Recorder:
             _want(f"layer {layer} cache {what} of sample {sample}", t,
                   (self.args["n_kv_heads"], T, self.args["head_dim"]))
         self._seen.add((layer, "cache"))
-        g = f"{layer_group(layer)}/cache"
         pos = to_numpy(positions).astype(np.int64)
         H, D = keys.shape[0], keys.shape[2]
-        if f"{g}/positions" not in self.f:
-            tmax = int(self.lengths.max())
-            self.f.create_dataset(f"{g}/positions", shape=(self.n_samples, tmax), maxshape=(self.n_samples, None),
-                                  dtype=np.int64, fillvalue=-1, chunks=(1, tmax))
-            self.f.create_dataset(f"{g}/lengths", shape=(self.n_samples,), dtype=np.int64, fillvalue=0)
-            self.f[g].attrs["head_dim"] = D
-            self.f[g].attrs["n_kv_heads"] = H
-        pds = self.f[f"{g}/positions"]
-        if T > pds.shape[1]:
-            pds.resize((self.n_samples, T))
-        pds[sample, :T] = pos
-        self.f[f"{g}/lengths"][sample] = T
+        lc = self._buffers(layer)
+        if lc.positions is None:
+            dims = {**self.dims, "T": int(self.lengths.max())}
+            lc.positions = np.full(sc.CACHE_POSITIONS.shape_for(dims), sc.CACHE_POSITIONS.fill, dtype=np.int64)
+            lc.lengths = np.full(sc.CACHE_LENGTHS.shape_for(dims), sc.CACHE_LENGTHS.fill, dtype=np.int64)
+            lc.heads = (H, D)
+        if T > lc.positions.shape[1]:
+            lc.positions = np.pad(lc.positions, ((0, 0), (0, T - lc.positions.shape[1])),
+                                  constant_values=sc.CACHE_POSITIONS.fill)
+        lc.positions[sample, :T] = pos
+        lc.lengths[sample] = T
         for name, t in (("keys", keys), ("values", values)):
-            flat = t.swapaxes(0, 1).reshape(T, H * D) if T else t.reshape(0, H * D)  # (T, H_kv*d_h)
+            flat = _slots(t, T, H * D)  # (T, H_kv*d_h)
             self._stat(layer, f"cache_{name}").add(sample, slab_stats(flat))
             if self.level == "full":
-                path = f"{g}/{name}"
-                if path not in self.f:
+                if name not in lc.tensors:
                     tmax = max(int(self.lengths.max()), T)
-                    ds = self.f.create_dataset(path, shape=(self.n_samples, H, tmax, D), dtype=to_numpy(t[:0]).dtype,
-                                               maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D)))
-                    _text(ds, "source_dtype", source_dtype(t))
-                ds = self.f[path]
+                    ds = sc.CACHE.create(self._group(layer), {**self.dims, "T": tmax}, name, to_numpy(t[:0]).dtype,
+                                         maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D)))
+                    _text(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(t))
+                    lc.tensors[name] = ds
+                ds = lc.tensors[name]
                 if T > ds.shape[2]:
                     ds.resize((self.n_samples, H, T, D))
                 if T:
@@ -629,18 +707,53 @@ class Recorder:
                 self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool), flat)
 
     def layer_done(self, layer: int) -> None:
-        """Write the statistics of a completed layer (a reader streaming this file may then read it)."""
+        """Write what a completed layer kept in memory: its statistics, cache positions and sampled values (a
+        reader streaming this file may then read the layer)."""
         _check_interrupt()
+        g = self._group(layer)
         for (lay, name), st in list(self._stats.items()):
             if lay != layer:
                 continue
-            base = f"{layer_group(layer)}/stats"
-            if f"{base}/{name}" in self.f:
-                del self.f[f"{base}/{name}"], self.f[f"{layer_group(layer)}/checksums/{name}"]
-            self.f.create_dataset(f"{base}/{name}", data=st.table())
-            self.f.create_dataset(f"{layer_group(layer)}/checksums/{name}", data=np.array(st.checksum, dtype=np.int64))
-            _text(self.f[base], "columns", json.dumps(STAT_COLUMNS))
+            if sc.STATS.rel(name) in g:
+                del g[sc.STATS.rel(name)], g[sc.CHECKSUM.rel(name)]
+            sc.STATS.create(g, self.dims, name, data=st.table())
+            sc.CHECKSUM.create(g, self.dims, name, data=np.array(st.checksum, dtype=np.int64))
             del self._stats[(lay, name)]
+        if sc.STATS_GROUP in g and sc.ATTR_COLUMNS not in g[sc.STATS_GROUP].attrs:
+            _text(g[sc.STATS_GROUP], sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
+        buf = self._layers.get(layer)
+        if buf is not None:
+            self._write_cache_index(g, buf)
+            for name, smp in buf.sampled.items():
+                self._write_sampled_layer(g, name, smp)
+        self._dirty.discard(layer)
+
+    def _write_cache_index(self, g: h5py.Group, buf: _LayerBuffers) -> None:
+        """A layer's cache positions and lengths, in one write each."""
+        if buf.positions is None:
+            return
+        pos = g.get(sc.CACHE_POSITIONS.rel())
+        if pos is None:
+            dims = {**self.dims, "T": buf.positions.shape[1]}
+            sc.CACHE_POSITIONS.create(g, dims, maxshape=(self.n_samples, None), chunks=(1, dims["T"]),
+                                      data=buf.positions)
+            sc.CACHE_LENGTHS.create(g, dims, data=buf.lengths)
+            g[sc.CACHE_GROUP].attrs[sc.ATTR_HEAD_DIM], g[sc.CACHE_GROUP].attrs[sc.ATTR_N_KV_HEADS] = buf.heads[::-1]
+            return
+        if pos.shape != buf.positions.shape:
+            pos.resize(buf.positions.shape)
+        pos[...] = buf.positions
+        g[sc.CACHE_LENGTHS.rel()][...] = buf.lengths
+
+    def _write_sampled_layer(self, g: h5py.Group, name: str, smp: _Sampled) -> None:
+        ds = g.get(sc.SAMPLED.rel(name))
+        if ds is not None:
+            ds[...] = smp.values
+            return
+        ds = sc.SAMPLED.create(g, {**self.dims, "K": len(smp.channels)}, name, smp.values.dtype, data=smp.values)
+        ds.attrs[sc.ATTR_CHANNELS] = smp.channels
+        ds.attrs[sc.ATTR_WIDTH] = smp.width
+        _text(ds, sc.ATTR_SOURCE_DTYPE, smp.source_dtype)
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
         """h_b at the sample's gathered position (dim,), its raw logits (vocab_size,), and where it was gathered
@@ -651,29 +764,29 @@ class Recorder:
         _want(f"final norm_last of sample {sample}", norm_last, (self.args["dim"],))
         _want(f"final logits of sample {sample}", logits, (self.args["vocab_size"],))
         h, z = to_numpy(norm_last), to_numpy(logits)
-        S = self.n_samples
-        if "final/logits" not in self.f:
-            k = min(self.topk, z.shape[0])
-            self.f.create_dataset("final/norm_last", shape=(S, h.shape[0]), dtype=h.dtype)
-            self.f.create_dataset("final/logits", shape=(S, z.shape[0]), dtype=z.dtype)
-            self.f.create_dataset("final/topk_ids", shape=(S, k), dtype=np.int64)
-            self.f.create_dataset("final/topk_logits", shape=(S, k), dtype=z.dtype)
-            self.f.create_dataset("final/gather_col", shape=(S,), dtype=np.int64, fillvalue=-1)
-            self.f.create_dataset("final/gather_token", shape=(S,), dtype=np.int64, fillvalue=-1)
-            self.f.create_dataset("final/written", shape=(S,), dtype=np.uint8)
-            _text(self.f["final/logits"], "source_dtype", source_dtype(logits))
-            _text(self.f["final/norm_last"], "source_dtype", source_dtype(norm_last))
-        k = self.f["final/topk_ids"].shape[1]
-        order = np.argsort(-z.astype(np.float64), kind="stable")[:k]  # ties: lower id first
-        self.f["final/norm_last"][sample] = h
-        self.f["final/logits"][sample] = z
-        self.f["final/topk_ids"][sample] = order
-        self.f["final/topk_logits"][sample] = z[order]
-        self.f["final/gather_col"][sample] = column
-        self.f["final/gather_token"][sample] = token_index
-        self.f["final/written"][sample] = 1
+        if self._final is None:
+            self.dims["k"] = min(self.topk, z.shape[0])
+            own = {"norm_last": h.dtype, "logits": z.dtype, "topk_logits": z.dtype}  # float elements: the tensor's
+            self._final = {key: el.create(self.f, self.dims, dtype=own.get(key)) for key, el in sc.FINAL.items()}
+            _text(self._final["logits"], sc.ATTR_SOURCE_DTYPE, source_dtype(logits))
+            _text(self._final["norm_last"], sc.ATTR_SOURCE_DTYPE, source_dtype(norm_last))
+        fin = self._final
+        order = np.argsort(-z.astype(np.float64), kind="stable")[:self.dims["k"]]  # ties: lower id first
+        fin["norm_last"][sample] = h
+        fin["logits"][sample] = z
+        fin["topk_ids"][sample] = order
+        fin["topk_logits"][sample] = z[order]
+        fin["gather_col"][sample] = column
+        fin["gather_token"][sample] = token_index
+        fin["written"][sample] = 1
+
+    def final_top_ids(self) -> list[int]:
+        """Every sample's top-k ids as recorded so far (what a caller needs for token text after the run);
+        empty before the first ``final``."""
+        return [] if self._final is None else self._final["topk_ids"][:].ravel().tolist()
 
     def update_meta(self, **items) -> None:
+        """Add or replace top-level keys of the trace's meta (written now, and again on close)."""
         self.meta.update(items)
         self._write_meta()
 
@@ -687,7 +800,7 @@ class Recorder:
         except RecorderError:
             self.abort()  # nothing is left that looks like a trace
             raise
-        for layer in sorted({lay for lay, _ in self._stats}):
+        for layer in sorted({lay for lay, _ in self._stats} | self._dirty):
             self.layer_done(layer)
         self._write_meta()
         self.f.attrs["complete"] = 1
@@ -712,7 +825,7 @@ class Recorder:
 
     def _check_complete(self) -> None:
         """Every sample has its final output; every layer its required states and its cache."""
-        written = self.f["final/written"][:] if "final/written" in self.f else np.zeros(self.n_samples)
+        written = self._final["written"][:] if self._final is not None else np.zeros(self.n_samples)
         missing = [int(s) for s in np.flatnonzero(written == 0)]
         if missing:
             raise RecorderError(f"final() was never called for sample(s) {missing[:8]}"

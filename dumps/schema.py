@@ -1,4 +1,25 @@
-"""Names and version of the trace format; docs/trace-format.md is the prose contract."""
+"""The trace format declared once: its name and version, and every dataset it holds.
+
+docs/trace-format.md is the prose contract; this module is its table in code. Each dataset is an
+``Element``: where it lives (a path template), what it holds (the dtype the recorder writes, the dtype
+kinds a reader accepts), its shape in named dimensions and the attributes it carries. The recorder
+creates datasets through ``Element.create`` and the reader checks them through ``Element.problem``, so
+a path, dtype or shape is written down here and nowhere else (as anndata pairs reader and writer per
+element in its IOSpec registry). ``ELEMENTS`` lists them all; tests/test_schema.py holds every dataset
+a recorded trace contains to one of them.
+
+Named dimensions (a shape entry is one of these, or a number):
+
+    S samples   C stored columns   N longest prompt   dim model width   W a state's width
+    vocab vocabulary size   k top ids kept   P sampled token slots   K sampled channels
+    H KV heads   T longest cache   D head dimension   stat len(STAT_COLUMNS)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
 
 FORMAT_NAME = "prefill-diff-trace"
 FORMAT_VERSION = "1.1"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes)
@@ -6,16 +27,144 @@ READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds opt
 
 LEVELS = ("full", "sampled", "stats")
 
-# Per-layer residual-stream states, in the order they are computed (seed §2.3-§2.4).
+# Per-layer residual-stream states, in the order they are computed (contract §2.3-§2.4).
 STATES = ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
 REQUIRED_STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")
 CACHE_TENSORS = ("keys", "values")
+# Names of the per-layer statistics (stats/NAME, checksums/NAME, sampled/NAME): the states, then the cache.
+STAT_TENSORS = STATES + tuple(f"cache_{t}" for t in CACHE_TENSORS)
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")
 
 META_LIMIT = 16 * 1024 * 1024  # bytes of JSON a reader will parse from one attribute
 
+# Attributes (names declared once; their meaning is in docs/trace-format.md)
+ATTR_SOURCE_DTYPE = "source_dtype"  # on every tensor dataset: the engine's dtype before storing
+ATTR_CHANNELS, ATTR_WIDTH = "channels", "width"  # on sampled/NAME: the stored channels of a W-wide tensor
+ATTR_COLUMNS = "columns"  # on a layer's stats group: JSON list of STAT_COLUMNS
+ATTR_SEED = "seed"  # on /sampled: the channel generator's seed
+ATTR_HEAD_DIM, ATTR_N_KV_HEADS = "head_dim", "n_kv_heads"  # on a layer's cache group
+LAYER_DIGITS = 3
+
 
 def layer_group(layer: int) -> str:
-    return f"layers/{layer:03d}"
+    return f"layers/{layer:0{LAYER_DIGITS}d}"
+
+
+_KIND_NAMES = {"f": "floating-point values", "iu": "integers", "u": "unsigned integers"}
+
+
+@dataclass(frozen=True)
+class Element:
+    """One dataset of the trace.
+
+    ``path`` is relative to the file's root, or to a layer group when ``in_layer``; ``{name}`` in it is a
+    state or statistics name. ``dtype`` is what the recorder writes (None: the tensor's own float dtype);
+    ``kinds`` the numpy dtype kinds a reader accepts. ``shape`` names each dimension (see the module
+    docstring); ``levels`` are the levels at which the element MUST exist (empty: optional);
+    ``fill`` the value of cells never written.
+    """
+    path: str
+    kinds: str
+    shape: tuple
+    dtype: str | None = None
+    levels: tuple = ()
+    attrs: tuple = ()
+    fill: float | int | None = None
+    in_layer: bool = False
+
+    def rel(self, name: str | None = None) -> str:
+        """The path inside its group (the root, or a layer group)."""
+        return self.path.format(name=name) if "{name}" in self.path else self.path
+
+    def at(self, layer: int | None = None, name: str | None = None) -> str:
+        """The path from the file's root."""
+        return f"{layer_group(layer)}/{self.rel(name)}" if self.in_layer else self.rel(name)
+
+    def shape_for(self, dims: dict) -> tuple:
+        """The concrete shape, given the named dimensions."""
+        return tuple(d if isinstance(d, int) else int(dims[d]) for d in self.shape)
+
+    def create(self, group, dims: dict, name: str | None = None, dtype=None, **h5kw):
+        """Create this element in ``group`` (the root or its layer group) with its declared shape, dtype and
+        fill value; ``dtype`` is required when the element has none declared (the tensor's own)."""
+        dt = np.dtype(self.dtype if self.dtype is not None else dtype)
+        if self.fill is not None:
+            h5kw.setdefault("fillvalue", self.fill)
+        return group.create_dataset(self.rel(name), shape=self.shape_for(dims), dtype=dt, **h5kw)
+
+    def problem(self, ds, dims: dict) -> str | None:
+        """Why ``ds`` (an h5py object or None) is not this element, or None if it is. A dimension missing from
+        ``dims`` (unknown to the reader, e.g. a trace without model sizes) matches any length."""
+        if ds is None or not hasattr(ds, "dtype") or not hasattr(ds, "shape"):
+            return "is missing (or not a dataset)"
+        if ds.dtype.kind not in self.kinds:
+            return f"holds {ds.dtype}, not {_KIND_NAMES.get(self.kinds, self.kinds)}"
+        want = tuple(d if isinstance(d, int) else dims.get(d) for d in self.shape)
+        got = tuple(ds.shape)
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+            shown = ", ".join("?" if w is None else str(w) for w in want) + ("," if len(want) == 1 else "")
+            return f"has shape {got}, expected ({shown})"
+        return None
+
+
+# -- root datasets ---------------------------------------------------------------------------------
+TOKEN_IDS = Element("samples/token_ids", "iu", ("S", "N"), "int64", LEVELS, fill=-1)
+LENGTHS = Element("samples/lengths", "iu", ("S",), "int64", LEVELS)
+INPUTS = {  # the cells one prefill laid out per sample; fill: what a never-computed column holds
+    "input_ids": Element("inputs/input_ids", "iu", ("S", "C"), "int64", LEVELS, fill=0),
+    "valid_mask": Element("inputs/valid_mask", "iu", ("S", "C"), "uint8", LEVELS, fill=0),
+    "computed": Element("inputs/computed", "iu", ("S", "C"), "uint8", LEVELS, fill=0),
+    "positions": Element("inputs/positions", "iu", ("S", "C"), "int64", LEVELS, fill=0),
+    "token_index": Element("inputs/token_index", "iu", ("S", "C"), "int64", LEVELS, fill=-1),
+}
+SAMPLED_TOKENS = Element("sampled/token_index", "iu", ("S", "P"), "int64", ("sampled",), fill=-1)
+SAMPLED_GROUP = "sampled"  # carries ATTR_SEED
+FINAL = {  # the first-step output per sample (contract §2.7)
+    "norm_last": Element("final/norm_last", "f", ("S", "dim"), None, LEVELS, (ATTR_SOURCE_DTYPE,)),
+    "logits": Element("final/logits", "f", ("S", "vocab"), None, LEVELS, (ATTR_SOURCE_DTYPE,)),
+    "topk_ids": Element("final/topk_ids", "iu", ("S", "k"), "int64", LEVELS),
+    "topk_logits": Element("final/topk_logits", "f", ("S", "k"), None),
+    "gather_col": Element("final/gather_col", "iu", ("S",), "int64", LEVELS, fill=-1),
+    "gather_token": Element("final/gather_token", "iu", ("S",), "int64", LEVELS, fill=-1),
+    "written": Element("final/written", "iu", ("S",), "uint8"),  # 1 once final() ran for the sample
+}
+
+# -- per layer (paths relative to layers/NNN) ----------------------------------------------------------
+STATE = Element("{name}", "f", ("S", "C", "W"), None, ("full",), (ATTR_SOURCE_DTYPE,), in_layer=True)
+SAMPLED = Element("sampled/{name}", "f", ("S", "P", "K"), None, ("sampled",),
+                  (ATTR_CHANNELS, ATTR_WIDTH, ATTR_SOURCE_DTYPE), fill=np.nan, in_layer=True)
+STATS = Element("stats/{name}", "f", ("S", "stat"), "float64", LEVELS, in_layer=True)
+STATS_GROUP = "stats"  # carries ATTR_COLUMNS
+CHECKSUM = Element("checksums/{name}", "iu", ("S",), "int64", LEVELS, in_layer=True)
+CACHE_GROUP = "cache"  # carries ATTR_HEAD_DIM, ATTR_N_KV_HEADS
+CACHE_POSITIONS = Element("cache/positions", "iu", ("S", "T"), "int64", LEVELS, fill=-1, in_layer=True)
+CACHE_LENGTHS = Element("cache/lengths", "iu", ("S",), "int64", LEVELS, fill=0, in_layer=True)
+CACHE = Element("cache/{name}", "f", ("S", "H", "T", "D"), None, ("full",), (ATTR_SOURCE_DTYPE,), in_layer=True)
+
+ELEMENTS = (TOKEN_IDS, LENGTHS, *INPUTS.values(), SAMPLED_TOKENS, *FINAL.values(), STATE, SAMPLED, STATS,
+            CHECKSUM, CACHE_POSITIONS, CACHE_LENGTHS, CACHE)
+
+# the names each per-layer template may take
+_NAMES = {STATE: STATES, SAMPLED: STAT_TENSORS, STATS: STAT_TENSORS, CHECKSUM: STAT_TENSORS, CACHE: CACHE_TENSORS}
+
+
+def element_of(path: str) -> tuple[Element, str | None] | None:
+    """The element a dataset path (from the root, no leading slash) is an instance of, and its name; None if
+    the schema declares no such dataset."""
+    m = re.fullmatch(r"layers/(\d{%d})/(.+)" % LAYER_DIGITS, path)
+    rel = m.group(2) if m else path
+    for el in ELEMENTS:
+        if el.in_layer != bool(m):
+            continue
+        if "{name}" not in el.path:
+            if rel == el.path:
+                return el, None
+            continue
+        head, _, tail = el.path.partition("{name}")
+        if rel.startswith(head) and rel.endswith(tail):
+            name = rel[len(head):len(rel) - len(tail)]
+            if name in _NAMES[el]:
+                return el, name
+    return None

@@ -10,6 +10,7 @@ import torch
 
 from conftest import Capture, padded
 from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.dumps.schema import FORMAT_NAME, FORMAT_VERSION
 from prefill_diff.cli.recording import prepare_side, record_side
 
@@ -298,3 +299,47 @@ def test_reader_refuses_a_trace_with_an_unwritten_final_output(left_trace, tmp_p
         f["final/written"][1] = 0
     with pytest.raises(TraceError, match=r"sample\(s\) \[1\] have no final output"):
         Trace(bad)
+
+
+@pytest.mark.parametrize("call_layer_done", [True, False])
+def test_sampled_values_and_cache_kept_per_layer_are_all_written(tmp_path, call_layer_done):
+    """The recorder keeps a layer's sampled values and cache positions in memory and writes them once per layer
+    (issue 18): what reaches the file is what was given, whether or not layer_done was called (close writes)."""
+    rng = np.random.default_rng(1)
+    args = {"dim": 6, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 2, "vocab_size": 9}
+    lengths, C = (4, 3), 4
+    given = {}
+    with Recorder(tmp_path / "s.h5", "sampled", sample_tokens=3, sample_channels=4) as rec:
+        rec.begin([list(range(1, n + 1)) for n in lengths], C, {"model": {"args": args}, "engine": {"dtype": "float32"}})
+        for s, n in enumerate(lengths):
+            rec.inputs(s, 0, np.arange(1, n + 1), np.ones(n, bool), np.arange(n), np.arange(n))
+        for layer in range(2):
+            for s, n in enumerate(lengths):
+                for name in ("layer_input", "attn_update", "mid", "mlp_update", "layer_output"):
+                    x = rng.standard_normal((n, 6)).astype(np.float32)
+                    given[(layer, name, s)] = x
+                    rec.state(layer, name, s, 0, x[:2])  # in two parts, as a chunked engine would
+                    rec.state(layer, name, s, 2, x[2:])
+                k, v = rng.standard_normal((2, 1, n, 2)).astype(np.float32)
+                given[(layer, "cache_keys", s)] = k[0]
+                rec.cache(layer, s, k, v, np.arange(n) + 10)
+            if call_layer_done:
+                rec.layer_done(layer)
+        for s in range(2):
+            rec.final(s, np.zeros(6, np.float32), np.arange(9, dtype=np.float32), lengths[s] - 1, lengths[s] - 1)
+    with Trace(tmp_path / "s.h5") as t:
+        toks = t.f["sampled/token_index"][:]
+        for layer in range(2):
+            v = t.layer(layer)
+            assert v.cache_lengths.tolist() == list(lengths)
+            for s, n in enumerate(lengths):
+                assert v.cache_positions[s, :n].tolist() == list(range(10, 10 + n))
+                assert (v.cache_positions[s, n:] == -1).all()
+                for name in ("mid", "cache_keys"):
+                    ds = v.sampled(name)
+                    ch = ds.attrs["channels"]
+                    for slot, tok in enumerate(toks[s]):
+                        if tok >= 0:
+                            np.testing.assert_array_equal(ds[s, slot], given[(layer, name, s)][tok][ch])
+                        else:
+                            assert np.isnan(ds[s, slot]).all()

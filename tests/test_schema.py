@@ -1,0 +1,183 @@
+"""The trace schema (dumps/schema.py): what the recorder writes is declared there, and the reader holds files
+to it."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from prefill_diff.dumps import schema as sc
+from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.dumps.recorder import Recorder
+
+ARGS = {"dim": 8, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 2, "vocab_size": 16}
+SAMPLES = [[3, 4, 5], [6, 7]]  # right-padded into 3 columns
+FIXTURE_V10 = Path(__file__).parent / "data" / "trace-v1.0.h5"
+
+
+def record(path, level: str) -> Path:
+    """A small trace from plain numpy tensors, every optional tensor included."""
+    rng = np.random.default_rng(0)
+    a, C = ARGS, 3
+    with Recorder(path, level, sample_tokens=2, sample_channels=3) as rec:
+        rec.begin(SAMPLES, C, {"model": {"args": a}, "engine": {"dtype": "float32"}})
+        for s, toks in enumerate(SAMPLES):
+            n = len(toks)
+            rec.inputs(s, 0, np.array(toks), np.ones(n, bool), np.arange(n), np.arange(n))
+        for layer in range(a["n_layers"]):
+            for s, toks in enumerate(SAMPLES):
+                n = len(toks)
+                for name in sc.STATES:
+                    width = a["n_heads"] * a["head_dim"] if name == "attn_heads" else a["dim"]
+                    rec.state(layer, name, s, 0, rng.standard_normal((n, width)).astype(np.float32))
+                kv = rng.standard_normal((2, a["n_kv_heads"], n, a["head_dim"])).astype(np.float32)
+                rec.cache(layer, s, kv[0], kv[1], np.arange(n))
+            rec.layer_done(layer)
+        for s, toks in enumerate(SAMPLES):
+            rec.final(s, rng.standard_normal(a["dim"]).astype(np.float32),
+                      rng.standard_normal(a["vocab_size"]).astype(np.float32), len(toks) - 1, len(toks) - 1)
+        top = rec.final_top_ids()
+    path.with_suffix(".top").write_text(" ".join(map(str, top)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("schema")
+    return {lv: record(d / f"{lv}.h5", lv) for lv in sc.LEVELS}
+
+
+def datasets(f: h5py.File) -> dict:
+    out = {}
+    f.visititems(lambda name, obj: out.__setitem__(name, obj) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def dims_of(t: Trace, path: str, ds) -> dict:
+    """The named dimensions a dataset must have, from the trace's own metadata."""
+    a = t.args
+    dims = {"S": t.n_samples, "C": t.n_cols, "dim": a["dim"], "vocab": a["vocab_size"], "H": a["n_kv_heads"],
+            "D": a["head_dim"], "stat": len(sc.STAT_COLUMNS)}
+    el, name = sc.element_of(path)
+    if el is sc.STATE:
+        dims["W"] = a["n_heads"] * a["head_dim"] if name == "attn_heads" else a["dim"]
+    if el is sc.SAMPLED:
+        dims["P"] = t.sampled_slots
+    return dims
+
+
+@pytest.mark.parametrize("level", sc.LEVELS)
+def test_every_dataset_the_recorder_writes_is_declared_and_matches(traces, level):
+    with Trace(traces[level]) as t:
+        found = datasets(t.f)
+        assert found
+        for path, ds in found.items():
+            hit = sc.element_of(path)
+            assert hit is not None, f"{path} is written but not declared in dumps/schema.py"
+            assert hit[0].problem(ds, dims_of(t, path, ds)) is None, (path, hit[0].problem(ds, dims_of(t, path, ds)))
+            for attr in hit[0].attrs:
+                if attr != sc.ATTR_SOURCE_DTYPE or ds.dtype.kind == "f":
+                    assert attr in ds.attrs, f"{path} lacks its declared attribute {attr}"
+
+
+@pytest.mark.parametrize("level", sc.LEVELS)
+def test_every_element_required_at_a_level_is_written(traces, level):
+    with Trace(traces[level]) as t:
+        for el in sc.ELEMENTS:
+            if level not in el.levels:
+                continue
+            names = {sc.STATE: sc.REQUIRED_STATES, sc.SAMPLED: sc.REQUIRED_STATES, sc.STATS: sc.STAT_TENSORS,
+                     sc.CHECKSUM: sc.STAT_TENSORS, sc.CACHE: sc.CACHE_TENSORS}.get(el, (None,))
+            for layer in range(t.n_layers) if el.in_layer else (None,):
+                for name in names:
+                    assert el.at(layer, name) in t.f, (level, el.at(layer, name))
+
+
+def test_the_committed_v10_trace_is_described_by_the_schema():
+    with Trace(FIXTURE_V10) as t:
+        assert t.version == "1.0"
+        for path, ds in datasets(t.f).items():
+            hit = sc.element_of(path)
+            assert hit is not None and hit[0].problem(ds, dims_of(t, path, ds)) is None, path
+
+
+def test_element_of_refuses_undeclared_paths():
+    assert sc.element_of("layers/000/bogus") is None
+    assert sc.element_of("layers/000/stats/bogus") is None
+    assert sc.element_of("layers/0/mid") is None  # three digits
+    assert sc.element_of("mid") is None  # a state outside a layer group
+    assert sc.element_of("final/bogus") is None
+    assert sc.element_of("layers/001/cache/keys") == (sc.CACHE, "keys")
+    assert sc.element_of("layers/001/stats/cache_values") == (sc.STATS, "cache_values")
+
+
+def test_problem_names_what_is_wrong(tmp_path):
+    with h5py.File(tmp_path / "x.h5", "w") as f:
+        f["ints"] = np.zeros((2, 3), np.int64)
+        f["floats"] = np.zeros((2, 3), np.float32)
+        el = sc.Element("ints", "iu", ("S", "C"))
+        assert el.problem(f["ints"], {"S": 2, "C": 3}) is None
+        assert el.problem(f["ints"], {"S": 2}) is None  # an unknown dimension matches any length
+        assert el.problem(f["ints"], {"S": 2, "C": 4}) == "has shape (2, 3), expected (2, 4)"
+        assert el.problem(f["floats"], {"S": 2, "C": 3}) == "holds float32, not integers"
+        assert el.problem(None, {}) == "is missing (or not a dataset)"
+        assert el.problem(f, {}) == "is missing (or not a dataset)"  # a group is not a dataset
+
+
+def test_recorder_gives_back_the_top_ids(traces):
+    with Trace(traces["stats"]) as t:
+        want = t.final["topk_ids"].ravel().tolist()
+    assert traces["stats"].with_suffix(".top").read_text().split() == [str(i) for i in want]
+    assert len(want) == len(SAMPLES) * min(10, ARGS["vocab_size"])
+
+
+def _damaged(src, tmp_path, path, data) -> Path:
+    bad = tmp_path / "bad.h5"
+    shutil.copy(src, bad)
+    with h5py.File(bad, "a") as f:
+        attrs = dict(f[path].attrs)
+        del f[path]
+        f[path] = data
+        for k, v in attrs.items():
+            f[path].attrs[k] = v
+    return bad
+
+
+@pytest.mark.parametrize("path, data, words", [
+    ("final/gather_col", np.zeros(2, np.float64), "/final/gather_col holds float64, not integers"),
+    ("final/logits", np.zeros((2, 16), np.int64), "/final/logits holds int64, not floating-point values"),
+    ("final/logits", np.zeros((2, 15), np.float32), "/final/logits has shape (2, 15), expected (2, 16)"),
+    ("inputs/positions", np.zeros((2, 4), np.int64), "/inputs/positions has shape (2, 4), expected (2, 3)"),
+    ("layers/001/stats/mid", np.zeros((2, 8), np.int64), "/layers/001/stats/mid holds int64, not floating-point"),
+    ("layers/001/stats/mid", np.zeros((2, 7)), "/layers/001/stats/mid has shape (2, 7), expected (2, 8)"),
+    ("layers/000/checksums/mid", np.zeros(3, np.int64), "/layers/000/checksums/mid has shape (3,), expected (2,)"),
+    ("layers/000/cache/lengths", np.zeros(2, np.float32), "/layers/000/cache/lengths holds float32, not integers"),
+    ("layers/001/mid", np.zeros((2, 3, 8), np.int32), "/layers/001/mid holds int32, not floating-point values"),
+    ("layers/001/mid", np.zeros((2, 3, 9), np.float32), "/layers/001/mid has shape (2, 3, 9), expected (2, 3, 8)"),
+    ("layers/001/attn_heads", np.zeros((2, 3, 9), np.float32), "/layers/001/attn_heads has shape (2, 3, 9)"),
+    ("layers/000/cache/keys", np.zeros((2, 1, 3, 2), np.float32), "/layers/000/cache/keys has shape (2, 1, 3, 2), "
+                                                                 "expected (2, 2, 3, 2)"),
+])
+def test_reader_refuses_an_element_of_the_wrong_dtype_or_shape(traces, tmp_path, path, data, words):
+    bad = _damaged(traces["full"], tmp_path, path, data)
+    with pytest.raises(TraceError, match=f"^{bad}: " + words.replace("(", r"\(").replace(")", r"\)")):
+        Trace(bad)
+
+
+def test_reader_refuses_a_sampled_element_of_the_wrong_shape(traces, tmp_path):
+    bad = _damaged(traces["sampled"], tmp_path, "layers/000/sampled/mid", np.zeros((2, 5, 3), np.float32))
+    with pytest.raises(TraceError, match=r"/layers/000/sampled/mid has shape \(2, 5, 3\), expected \(2, 2, \?\)"):
+        Trace(bad)
+
+
+def test_reader_refuses_a_missing_required_element(traces, tmp_path):
+    for level, path in (("stats", "layers/001/checksums/layer_output"), ("full", "layers/000/cache/values")):
+        bad = tmp_path / f"missing-{level}.h5"
+        shutil.copy(traces[level], bad)
+        with h5py.File(bad, "a") as f:
+            del f[path]
+        with pytest.raises(TraceError, match=f"missing required dataset /{path}"):
+            Trace(bad)
