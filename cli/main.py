@@ -18,8 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgres
 from ..dumps.inspect import summarize
 from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
-from ..engine.errors import INTERRUPT, PrefillDiffError
-from ..engine.untrusted import visible
+from ..engine.errors import INTERRUPT, PrefillDiffError, visible
 from . import jobs
 from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options, shared_inputs,
                       tolerance_options)

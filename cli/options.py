@@ -6,9 +6,8 @@ import functools
 import click
 
 from ..engine import budget
-from ..engine.errors import ConfigError
+from ..engine.errors import ConfigError, check_int64
 from ..engine.spec import ModelSpec
-from ..engine.untrusted import check_int64
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
 

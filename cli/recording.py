@@ -39,13 +39,9 @@ def capture(prep: Prepared, recorder: Recorder, extra_meta: dict | None = None) 
     """
     recorder.begin([list(t) for t in prep.tokens], prep.n_cols, {**trace_meta(prep), **(extra_meta or {})})
     record = yield from _layers(execute(prep, recorder), recorder)
-    ids = [t for row in prep.tokens for t in row] + _final_top_ids(recorder)
+    ids = [t for row in prep.tokens for t in row] + recorder.final_top_ids()
     recorder.update_meta(record=record, token_text=token_texts(prep, ids))
     return record
-
-
-def _final_top_ids(recorder: Recorder) -> list:  # TODO(merge): recorder.final_top_ids()
-    return recorder.f["final/topk_ids"][:].ravel().tolist() if "final/topk_ids" in recorder.f else []
 
 
 def _layers(steps, recorder: Recorder):

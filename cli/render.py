@@ -15,7 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..engine.untrusted import visible
+from ..engine.errors import visible
 
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
 # (the same name folded at its underscore), priority (lower is dropped last when the width is short).

@@ -14,8 +14,7 @@ from functools import cached_property
 import h5py
 import numpy as np
 
-from ..engine.errors import PrefillDiffError
-from ..engine.untrusted import regular_file, visible
+from ..engine.errors import PrefillDiffError, regular_file, visible
 from .chunks import ChunkReader
 from .metacheck import MetaError, check_meta, check_meta_against_file
 from . import schema as sc

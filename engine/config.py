@@ -43,9 +43,8 @@ import typing
 from dataclasses import asdict, dataclass, fields, replace
 
 from .cache import CacheLayout
-from .errors import ConfigError, PrefillDiffError
+from .errors import ConfigError, PrefillDiffError, check_int64, check_prompt_text, read_small_file
 from .model import ModelArgs
-from .untrusted import check_int64, check_prompt_text, read_small_file
 from .prefill import CacheConfig, NumericalConfig
 from .spec import ModelSpec
 

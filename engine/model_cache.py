@@ -37,8 +37,7 @@ import tempfile
 import uuid
 from typing import Callable, NamedTuple
 
-from .errors import ConfigError
-from .untrusted import visible
+from .errors import ConfigError, visible
 
 ENV = "PREFILL_DIFF_CACHE"
 OFF = "off"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from ..engine.untrusted import visible
+from ..engine.errors import visible
 from .report import Report
 
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 
-from ..engine.errors import PrefillDiffError
-from ..engine.untrusted import visible
+from ..engine.errors import PrefillDiffError, visible
 from .report import Report
 
 SERIES = (("attn_update", "attention update"), ("mlp_update", "MLP update"), ("layer_output", "layer output"),
