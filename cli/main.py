@@ -308,7 +308,7 @@ def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, ca
 @click.argument("config", required=False)
 @model_options
 def ledger(config, model, prompts, tokens):
-    """Print the shape ledger of seed §2.8 for CONFIG's model and inputs (one table per prefill call).
+    """Print the shape ledger of contract §2.8 for CONFIG's model and inputs (one table per prefill call).
 
     With no CONFIG (and no --model) it shows the seed's table: model seed-2.8, one 12-token
     prompt (cache total 192 scalars). With CONFIG the model is the config's, else --model,

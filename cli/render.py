@@ -380,7 +380,7 @@ def ledger_renderable(ledgers, model_name: str, chunk_size: int = 0):
         which = (f"prefill call {i + 1} of {n}" if n > 1 else "one prefill call")
         if chunk_size:
             which += f" (chunked: shapes of its first chunk of up to {chunk_size} tokens)"
-        t = Table(title=plain(f"shape ledger (seed §2.8) — model {model_name}, {which}, input rectangle "
+        t = Table(title=plain(f"shape ledger (contract §2.8) — model {model_name}, {which}, input rectangle "
                              f"{list(lg.rect)}"), title_justify="left")
         t.add_column("object")
         t.add_column("shape")

@@ -1,4 +1,4 @@
-"""The attention bias of seed §2.2 and three kernels that must agree on it.
+"""The attention bias of contract §2.2 and three kernels that must agree on it.
 
 Visibility is defined on logical coordinates, so one rule serves padded, packed,
 chunked and prefix-reuse layouts alike: query cell i of sequence s sees key j when

@@ -1,4 +1,4 @@
-"""The KV cache contract of seed §2.5 and its invariants (seed §2.2 box).
+"""The KV cache contract of contract §2.5 and its invariants (contract §2.2 box).
 
 Logically, ``LayerCache[l]`` holds per sequence the keys and values attention used,
 their positions and the valid length, in the order of positions. Physically the
@@ -301,7 +301,7 @@ class KVCache:
 
 def check_invariants(cache: KVCache, n_kv_heads: int, head_dim: int,
                      expected_positions: list[torch.Tensor], identity: dict) -> list[str]:
-    """The five cache invariants of seed §2.2; returns violations as sentences (empty = all hold)."""
+    """The five cache invariants of contract §2.2; returns violations as sentences (empty = all hold)."""
     out = []
     L, n = cache.n_layers, cache.n_seqs
     for s in range(n):

@@ -30,7 +30,7 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     dtype = "int8"                   # default: the activation dtype
     key_rotation = "post"            # post | pre (rotate on read)
 
-    [reuse]                          # prefix KV reuse (seed §2.9)
+    [reuse]                          # prefix KV reuse (contract §2.9)
     prefix_len = 4
 
     [fault]                          # one §2.11 fault

@@ -1,4 +1,4 @@
-"""The five preconditions of seed §2.1, checked before layer 0.
+"""The five preconditions of contract §2.1, checked before layer 0.
 
 Each violation raises ``PreconditionError`` naming the rule and the offending values,
 so a bad request fails before the model runs instead of giving a plausible answer.

@@ -27,7 +27,7 @@ def execute(prep: Prepared, recorder: TraceRecorder):
 
 
 def repro_record(numerical: dict) -> dict:
-    """What makes a run reproducible besides model and inputs (seed §2.10)."""
+    """What makes a run reproducible besides model and inputs (contract §2.10)."""
     return {"torch": torch.__version__, "numpy": np.__version__, "h5py": h5py.__version__,
             "hdf5": h5py.version.hdf5_version, "python": platform.python_version(),
             "platform": platform.platform(), "device": "cpu", "threads": torch.get_num_threads(),

@@ -20,7 +20,7 @@ class ConfigError(PrefillDiffError):
 
 
 class PreconditionError(PrefillDiffError):
-    """An input violates a prefill precondition (seed §2.1) and was refused before layer 0."""
+    """An input violates a prefill precondition (contract §2.1) and was refused before layer 0."""
 
     def __init__(self, rule: str, detail: str):
         self.rule = rule
@@ -28,11 +28,11 @@ class PreconditionError(PrefillDiffError):
 
 
 class MaskError(PreconditionError):
-    """A valid query row has no visible key, so its softmax is undefined (seed §2.2-§2.3)."""
+    """A valid query row has no visible key, so its softmax is undefined (contract §2.2-§2.3)."""
 
 
 class CacheInvariantError(PrefillDiffError):
-    """A KV cache invariant (seed §2.2 box) does not hold after prefill."""
+    """A KV cache invariant (contract §2.2 box) does not hold after prefill."""
 
 
 class ModelLoadError(PrefillDiffError):

@@ -1,4 +1,4 @@
-"""The shape ledger of seed §2.8, measured from a real prefill rather than derived.
+"""The shape ledger of contract §2.8, measured from a real prefill rather than derived.
 
 A recorder that keeps only shapes rides along one prefill per call; the ledger lists
 the logical shape of every object a layer reads and writes, and the cache total.

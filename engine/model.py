@@ -1,4 +1,4 @@
-"""The decoder of seed §2.3-§2.4: a pre-norm, grouped-query Llama-family model.
+"""The decoder of contract §2.3-§2.4: a pre-norm, grouped-query Llama-family model.
 
 This file is the readable statement of one layer:
 
@@ -100,7 +100,7 @@ class ModelArgs:
         return replace(self, **kw)
 
 
-# Built-in seeded synthetic models. ``seed-2.8`` is the shape ledger model of seed §2.8;
+# Built-in seeded synthetic models. ``seed-2.8`` is the shape ledger model of contract §2.8;
 # ``synthetic`` is the default: every §2.11 fault can show on it (H_kv = 2).
 MODEL_PRESETS = {
     "seed-2.8": ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, hidden_dim=16, vocab_size=20),
@@ -245,5 +245,5 @@ class Transformer(nn.Module):
             yield layer, x
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """z = W_U·h + b_U (seed §2.7)."""
+        """z = W_U·h + b_U (contract §2.7)."""
         return self.output(h)

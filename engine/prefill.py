@@ -1,4 +1,4 @@
-"""prefill(): the contract of seed §2.1-§2.7, following the pseudo-code of §2.6.
+"""prefill(): the contract of contract §2.1-§2.7, following the pseudo-code of §2.6.
 
     assert_input_contract(...)            -> contract.py
     attention_bias = build_attention_bias -> attention.AttentionMask
@@ -84,7 +84,7 @@ class CheckedCall(NamedTuple):
 
 
 class Cells:
-    """Which sequence and token each cell of the input rectangle holds (seed §2.2's G, made explicit)."""
+    """Which sequence and token each cell of the input rectangle holds (contract §2.2's G, made explicit)."""
 
     def __init__(self, valid: torch.Tensor, seq: torch.Tensor, positions: torch.Tensor, offsets: dict[int, int]):
         self.valid, self.seq = valid, torch.where(valid, seq, -1)
@@ -277,7 +277,7 @@ class Engine:
         return CheckedCall(ids=input_ids, valid=valid, seq=seq, positions=positions)
 
     def _seeded_cache(self, cells: Cells, layout: CacheLayout, identity: dict, history: dict) -> KVCache:
-        """An empty cache for this call's sequences, holding any reused prefix KV (seed §2.9) as stored."""
+        """An empty cache for this call's sequences, holding any reused prefix KV (contract §2.9) as stored."""
         cache = KVCache(self.args.n_layers, cells.n_seqs, layout, self.dtype, rotate=self.rotate)
         cache.metadata.update(identity)
         for s, prefix in history.items():
@@ -346,6 +346,6 @@ class Engine:
 def prefill(input_ids, attention_mask, position_descriptor, model_snapshot: Snapshot,
             numerical_config: NumericalConfig = NumericalConfig(), cache_config: CacheConfig = CacheConfig(),
             **kw) -> PrefillResult:
-    """The interface of seed §2.1: one call, one snapshot, one configuration."""
+    """The interface of contract §2.1: one call, one snapshot, one configuration."""
     return Engine(model_snapshot, numerical_config).prefill(
         input_ids, attention_mask, position_descriptor, cache_config, **kw)

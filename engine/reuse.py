@@ -1,4 +1,4 @@
-"""Prefix KV reuse (seed §2.9): a hash finds candidates, immutable metadata confirms them.
+"""Prefix KV reuse (contract §2.9): a hash finds candidates, immutable metadata confirms them.
 
 Entries live in per-tenant namespaces. A lookup searches the requester's namespace
 (and a shared one only if the policy allows cross-tenant reuse), so another tenant's

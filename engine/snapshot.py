@@ -1,4 +1,4 @@
-"""Model snapshots: immutable weights (and adapter) with content digests (SPEC §2).
+"""Model snapshots: immutable weights (and adapter) with content digests (docs/contract.md).
 
 A snapshot keeps float32 master weights under our module names. ``build`` makes a
 runnable ``Transformer`` in a given precision; adapters (LoRA, ``adapters.py``) and
@@ -40,7 +40,7 @@ class Snapshot:
         return self._digest
 
     def identity(self) -> dict:
-        """What prefix reuse and cache invariant 5 compare (seed §2.9 condition 1)."""
+        """What prefix reuse and cache invariant 5 compare (contract §2.9 condition 1)."""
         return {"weights_digest": self.weights_digest,
                 "adapter": None if self.adapter is None else self.adapter.identity(),
                 "layers": json.dumps(self.args.as_dict(), sort_keys=True)}

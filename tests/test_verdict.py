@@ -11,7 +11,7 @@ from prefill_diff.cli.jobs import run_lockstep
 from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
-# SPEC §3: where the report must point, and the §2.11 row the diagnosis must name.
+# docs/contract.md §2.11: where the report must point, and the §2.11 row the diagnosis must name.
 TABLE = {
     "fault:last-column": (("final", None, "value"), "row 1"),
     "fault:skip-kv": (("layer", 2, "cache_length"), "row 2"),

@@ -1,4 +1,4 @@
-"""A short hint that matches the first break's pattern to the seed's §2.11 table.
+"""A short hint that matches the first break's pattern to the §2.11 table of docs/contract.md.
 
 Worded as a hint, never as proof: it names what the pattern is consistent with. Called while the
 report is built, with the traces still open (some hints read the candidate's inputs or cache).

@@ -1,6 +1,6 @@
 """The verdict: a typed report, its fixed wording, and machine formats (JSON, JUnit XML).
 
-``Report`` is what the CLI renders and what CI reads. Its JSON keys (SPEC §4) are
+``Report`` is what the CLI renders and what CI reads. Its JSON keys are
 stable and documented in docs/report-format.md.
 """
 from __future__ import annotations
