@@ -405,37 +405,58 @@ def _words(d) -> str:
 
 
 def print_inspect(console, s: dict) -> None:
-    width = console.width
+    """`inspect`'s human summary: header lines, samples, per-layer statistics, final ids, values if asked."""
+    for line in _inspect_header(s):
+        console.print(line, soft_wrap=True)
+    console.print(_samples_table(s))
+    t, dropped = _layer_stats_table(s, console.width)
+    console.print(t)
+    if dropped:
+        console.print(Text(f"columns not shown at width {console.width}: "
+                           f"{', '.join(d.replace(chr(10), ' ') for d in dropped)} (inspect --json - has them)",
+                           style="dim"), soft_wrap=True)
+    console.print(_final_ids_table(s))
+    for line in s.get("levels_note") or ():
+        console.print(plain(line, style="yellow"), soft_wrap=True)
+    if "values" in s:
+        for line in _values_lines(s["values"]):
+            console.print(line, soft_wrap=True)
+
+
+def _inspect_header(s: dict):
+    """The trace, model, run, fault, reuse, tolerance, invariant and reproducibility lines."""
     m, run = s["model"], s["run"]
     a = m.get("args") or {}
     eng = run.get("engine") or {}
-    p = lambda x, **kw: console.print(x, soft_wrap=True, **kw)  # noqa: E731
-    p(plain(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle'][0]} "
-           f"samples x {s['rectangle'][1]} columns)", style="bold"))
-    p(plain(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
-           f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
-           f"weights {str(m.get('weights_digest'))[:23]}…"
-           + (f"  adapter {m['adapter'].get('id')}" if m.get("adapter") else "")))
-    p(plain(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
-           f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache: {_words(run.get('layout')) or 'default'}"))
+    yield plain(f"{s['file']}  (format {s['format_version']}, level {s['level']}, rectangle {s['rectangle'][0]} "
+                f"samples x {s['rectangle'][1]} columns)", style="bold")
+    yield plain(f"model {m['source']}: d={a.get('dim')} L={a.get('n_layers')} H_q={a.get('n_heads')} "
+                f"H_kv={a.get('n_kv_heads')} d_h={a.get('head_dim')} |V|={a.get('vocab_size')}  "
+                f"weights {str(m.get('weights_digest'))[:23]}…"
+                + (f"  adapter {m['adapter'].get('id')}" if m.get("adapter") else ""))
+    yield plain(f"run {run.get('origin')}: engine {eng.get('name')}, batching {eng.get('batching')}, "
+                f"kernel {eng.get('kernel')}, dtype {eng.get('dtype')}, cache: {_words(run.get('layout')) or 'default'}")
     rec = s.get("record") or {}
     fault = run.get("fault") or rec.get("fault")
     if fault:
-        p(plain(f"fault injected: {_words(fault)}", style="red"))
+        yield plain(f"fault injected: {_words(fault)}", style="red")
     for o in rec.get("reuse") or ():
         what = "reused" if o.get("hit") else "not reused"
-        p(plain(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
-               + (" (FORCED)" if o.get("forced") else "") + (f" ({o['reason']})" if o.get("reason") else ""),
-               style="red" if o.get("forced") else ""))
+        yield plain(f"sample {o.get('sample')}: prefix of {o.get('prefix_len')} {what}"
+                    + (" (FORCED)" if o.get("forced") else "") + (f" ({o['reason']})" if o.get("reason") else ""),
+                    style="red" if o.get("forced") else "")
     if s.get("tolerance"):
-        p(plain(f"declared tolerance: {_words(s['tolerance'])}"))
+        yield plain(f"declared tolerance: {_words(s['tolerance'])}")
     for v in rec.get("invariant_violations") or ():
-        p(plain(f"cache invariant violation: {v}", style="red"))
+        yield plain(f"cache invariant violation: {v}", style="red")
     rep = s.get("repro") or {}
     if rep:
-        p(Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
-               f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
-               f"{rep.get('deterministic_algorithms')}", style="dim"))
+        yield Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
+                   f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
+                   f"{rep.get('deterministic_algorithms')}", style="dim")
+
+
+def _samples_table(s: dict) -> Table:
     samples = Table(title="samples", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     samples.add_column("sample", justify="right", no_wrap=True)
     samples.add_column("length", justify="right", no_wrap=True)
@@ -444,7 +465,11 @@ def print_inspect(console, s: dict) -> None:
         toks = x["text"] if x.get("text") else " ".join(map(str, x["token_ids"][:16])) + (
             " …" if len(x["token_ids"]) > 16 else "")
         samples.add_row(str(x["sample"]), str(x["length"]), plain(toks))
-    console.print(samples)
+    return samples
+
+
+def _layer_stats_table(s: dict, width: int):
+    """(table, dropped column names) of every layer's statistics, fitted to ``width``."""
     cols = [("layer", "right", 0), ("tensor", "left", 0), ("min", "right", 1), ("max", "right", 1),
             ("mean", "right", 2), ("l2", "right", 3), ("nonfinite\nvalid/pad", "right", 0),
             ("cache\nlength", "right", 4)]
@@ -458,12 +483,11 @@ def print_inspect(console, s: dict) -> None:
                          Text(nf + " " + BAD, style="red") if nf != "0/0" else Text(nf + "  "),
                          Text(",".join(map(str, row["cache_lengths"])) if first else "")])
             first = False
-    t, dropped = fitted_table(cols, rows, width,
-                              title="per-layer statistics over valid cells (non-finite counts: valid/padding)")
-    console.print(t)
-    if dropped:
-        p(Text(f"columns not shown at width {width}: {', '.join(d.replace(chr(10), ' ') for d in dropped)} "
-               "(inspect --json - has them)", style="dim"))
+    return fitted_table(cols, rows, width,
+                        title="per-layer statistics over valid cells (non-finite counts: valid/padding)")
+
+
+def _final_ids_table(s: dict) -> Table:
     final = Table(title="final: gathered token and top ids", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False)
     final.add_column("sample", justify="right", no_wrap=True)
@@ -474,16 +498,16 @@ def print_inspect(console, s: dict) -> None:
         shown = " ".join(f"{i}:{token_repr(t)}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
             " ".join(map(str, ids))
         final.add_row(str(f["sample"]), str(f["gathered_token"]), plain(shown))
-    console.print(final)
-    for line in s.get("levels_note") or ():
-        p(plain(line, style="yellow"))
-    if "values" in s:
-        v = s["values"]
-        where = f"{v['tensor']}" + (f", layer {v['layer']}" if v.get("layer") is not None else "") + \
-            f", sample {v['sample']}"
-        rows = "position" + ("" if v["shape"][0] == 1 else "s")
-        p(Text(f"values of {where} ({v['kind']}, {v['dtype']}, {v['shape'][0]} {rows} x {v['shape'][1]} channels; "
-               f"showing channels {_span(v['channels'])}):"))
-        p(Text(f"  {v['row_name']:>9}  " + " ".join(f"{'ch ' + str(c):>10}" for c in v["channels"]), style="dim"))
-        for pos, row in zip(v["rows"], v["head"]):
-            p(Text(f"  {pos:>9}  " + " ".join(f"{x:>10.4g}" for x in row)))
+    return final
+
+
+def _values_lines(v: dict):
+    """`inspect --sample`: the values asked for, one line per position."""
+    where = f"{v['tensor']}" + (f", layer {v['layer']}" if v.get("layer") is not None else "") + \
+        f", sample {v['sample']}"
+    rows = "position" + ("" if v["shape"][0] == 1 else "s")
+    yield Text(f"values of {where} ({v['kind']}, {v['dtype']}, {v['shape'][0]} {rows} x {v['shape'][1]} channels; "
+               f"showing channels {_span(v['channels'])}):")
+    yield Text(f"  {v['row_name']:>9}  " + " ".join(f"{'ch ' + str(c):>10}" for c in v["channels"]), style="dim")
+    for pos, row in zip(v["rows"], v["head"]):
+        yield Text(f"  {pos:>9}  " + " ".join(f"{x:>10.4g}" for x in row))

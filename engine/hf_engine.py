@@ -95,23 +95,34 @@ def build_model(snapshot, dtype: str, attn: str):
             model_cache.save_hf_model,
             lambda entry: AutoModelForCausalLM.from_pretrained(entry.dir, use_safetensors=True, **kw))
     else:
-        model = AutoModelForCausalLM.from_config(hf_config(snapshot.args), dtype=tdt, attn_implementation=attn)
-        missing, unexpected = model.load_state_dict(
-            {k: v.to(tdt) for k, v in hf_state_dict(snapshot.state).items()}, strict=False)
-        missing = [m for m in missing if "rotary" not in m and not (snapshot.args.tie_embeddings and "lm_head" in m)]
-        if missing or unexpected:
-            raise ModelLoadError(f"weights do not fit transformers' model (missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]})")
-        if snapshot.args.tie_embeddings:
-            model.tie_weights()
-    if tp is not None:  # refuse a model transformers did not shard (it would run whole on every rank)
-        k_w = model.model.layers[0].self_attn.k_proj.weight
-        want = snapshot.args.n_kv_heads // tp.world * snapshot.args.head_dim
-        got = k_w.to_local().shape[0] if hasattr(k_w, "to_local") else k_w.shape[0]
-        if got != want:
-            raise ModelLoadError(f"transformers did not shard the model over {tp.world} ranks (k_proj holds {got} "
-                                 f"rows per rank, expected {want})")
+        model = _from_our_weights(AutoModelForCausalLM, snapshot, tdt, attn)
+    if tp is not None:
+        _check_sharded(model, snapshot.args, tp.world)
     return model.eval()
+
+
+def _from_our_weights(auto, snapshot, tdt, attn):
+    """A synthetic model: transformers' module built from its config, loaded with our weights."""
+    model = auto.from_config(hf_config(snapshot.args), dtype=tdt, attn_implementation=attn)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(tdt) for k, v in hf_state_dict(snapshot.state).items()}, strict=False)
+    missing = [m for m in missing if "rotary" not in m and not (snapshot.args.tie_embeddings and "lm_head" in m)]
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not fit transformers' model (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    if snapshot.args.tie_embeddings:
+        model.tie_weights()
+    return model
+
+
+def _check_sharded(model, args, world: int) -> None:
+    """Refuse a model transformers did not shard (it would run whole on every rank)."""
+    k_w = model.model.layers[0].self_attn.k_proj.weight
+    want = args.n_kv_heads // world * args.head_dim
+    got = k_w.to_local().shape[0] if hasattr(k_w, "to_local") else k_w.shape[0]
+    if got != want:
+        raise ModelLoadError(f"transformers did not shard the model over {world} ranks (k_proj holds {got} "
+                             f"rows per rank, expected {want})")
 
 
 def _hooks(model, rec, states):
