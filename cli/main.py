@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import textwrap
 
@@ -405,7 +406,6 @@ _on_sigint = _on_signal
 
 
 def main():
-    import signal
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)  # timeout, kill and CI cancellation: cleaned up like Ctrl-C
     cli(prog_name="prefill-diff")

@@ -7,10 +7,11 @@ show it too. Text that comes from a trace or a prompt is built with ``rich.text.
 """
 from __future__ import annotations
 
+import io
 import math
 
 from rich import box
-from rich.console import Group
+from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -112,8 +113,6 @@ def fitted_table(columns, rows, width: int, **table_kw):
         return t
 
     def need(idx):  # the table's natural width, measured by rendering it unconstrained (title aside)
-        import io
-        from rich.console import Console
         probe = Console(file=io.StringIO(), width=10_000, color_system=None)
         t = build(idx)
         t.title = None
