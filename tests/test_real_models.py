@@ -315,7 +315,7 @@ UNSUPPORTED = [  # (field, value, words the refusal must contain)
 
 @pytest.mark.parametrize("field,value,words", UNSUPPORTED, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(UNSUPPORTED)])
 def test_every_unsupported_config_field_is_refused(llama_dir, tmp_path, field, value, words):
-    from prefill_diff.engine.errors import ModelLoadError, PrefillDiffError
+    from prefill_diff.engine.errors import ModelLoadError
     d = _edited(llama_dir[0], tmp_path / "x", **{field: value})
     with pytest.raises(ModelLoadError, match="supported") as e:
         load_snapshot(ModelSpec(f"hf:{d}"))
@@ -366,6 +366,7 @@ def test_untied_checkpoint_without_lm_head_and_stray_tensors_are_refused(llama_d
     """tie_word_embeddings=false with no lm_head used to be tied silently; a tensor the model does not use
     (an o_proj bias, an MLP bias) used to be dropped silently by the non-strict state-dict load."""
     from safetensors.torch import load_file, save_file
+    from prefill_diff.engine.errors import ModelLoadError
     src = llama_dir[0]
     d = _edited(src, tmp_path / "nohead")
     st = next(d.glob("*.safetensors"))
@@ -382,6 +383,7 @@ def test_untied_checkpoint_without_lm_head_and_stray_tensors_are_refused(llama_d
 
 @pytest.mark.parametrize("case", ["partial-rotary", "sliding-window", "rope-freqs-tensor", "qk-norm-tensor"])
 def test_gguf_metadata_and_tensors_we_do_not_implement_are_refused(llama_dir, tmp_path, case):
+    from prefill_diff.engine.errors import ModelLoadError
     model = llama_dir[1]
     extra, tensors, words = {}, {}, ""
     if case == "partial-rotary":
@@ -485,5 +487,6 @@ def test_transformers_side_never_falls_back_to_a_pickled_bin(qwen_dir, tmp_path)
         rep = compare_traces(a, b)
         assert rep, rep.verdict_line()
     st.rename(d / "weights-00001.safetensors")  # a name our loader reads and transformers does not look for
+    from prefill_diff.engine.errors import PrefillDiffError
     with pytest.raises(PrefillDiffError, match="safetensors"):  # refused, never read from the .bin
         record_side(prepare_side("transformers", spec, inputs), tmp_path / "t2.h5")
