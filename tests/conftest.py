@@ -89,3 +89,16 @@ def run_cli():
     def go(*args, **kw):
         return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, **kw)
     return go
+
+
+# docs/contract.md §2.11: where the report must point, and the §2.11 row the diagnosis must name
+# (test_verdict.py, test_calibrate.py).
+TABLE = {
+    "fault:last-column": (("final", None, "value"), "row 1"),
+    "fault:skip-kv": (("layer", 2, "cache_length"), "row 2"),
+    "fault:position-restart": (("layer", 0, "cache_positions"), "row 3"),
+    "fault:gqa-mapping": (("layer", 0, "value"), "row 4"),
+    "fault:unmasked-padding": (("layer", 0, "value"), "row 5"),
+    "fault:adapter-mismatch": (("layer", 0, "value"), "row 6"),
+    "fault:masked-row-softmax": (("layer", 0, "finite_mask"), "row 7"),
+}

@@ -14,7 +14,7 @@ from prefill_diff.cli.jobs import CalibPlan, record_calibration, run as run_pair
 from prefill_diff.cli.recording import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
-from test_verdict import TABLE
+from conftest import TABLE
 
 
 def _config(tmp_path, name, text):
