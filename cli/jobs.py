@@ -225,17 +225,24 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     return Outcome(report, *(paths if keep else (None, None)))
 
 
+def check_tolerance(tolerance: dict | None) -> dict | None:
+    """The declared tolerance (the tolerance options as keywords) as a spec to store, refused now if bad."""
+    spec = policy_spec(**tolerance) if tolerance else None
+    if spec:
+        resolve_policy(spec)
+    return spec
+
+
 def record(config: str, output: str, model=None, inputs=None, *, level: str = "full", compression=None,
            force: bool = False, tolerance: dict | None = None, twin_of: str | None = None,
-           progress: SideProgress | None = None) -> Recorded:
+           progress: SideProgress | None = None, on_written: Callable[[Recorded], None] | None = None) -> Recorded:
     """Prefill CONFIG and write its trace to OUTPUT (a tensor-parallel side: a directory of rank traces).
 
     ``tolerance`` is stored in the trace (a baseline declares how it is compared). ``twin_of`` (a preset or
-    config) also records the float64 golden and the twin at its precisions beside OUTPUT.
+    config) also records the float64 golden and the twin at its precisions beside the trace; ``on_written``
+    is called once the trace itself is complete, before them.
     """
-    spec = policy_spec(**tolerance) if tolerance else None
-    if spec:
-        resolve_policy(spec)  # refuse a bad declaration before the model loads
+    spec = check_tolerance(tolerance)  # before the model loads
     if twin_of is not None and level != "full":
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
     rec = _sides()
@@ -243,11 +250,13 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     path = rec.record_side(prep, output, level, force, compression, progress=_on(progress, "recording"),
                            tolerance=spec)
     done = Recorded(str(path), level, prep.snapshot.args.n_layers, len(prep.tokens))
+    if on_written is not None:
+        on_written(done)
     if twin_of is None:
         return done
     prec = rec.precisions_of(twin_of, model, inputs)
     plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, rec.precision_of(prep.side.run)))
-    golden, twin = sibling_paths(str(output))
+    golden, twin = sibling_paths(done.path)  # beside what was written (a tensor-parallel side: its directory)
     got = record_calibration(prep.side, plan, golden, twin.format(key=precision_key(prec)), force=force,
                              snapshot=prep.snapshot)
     return Recorded(done.path, level, done.n_layers, done.n_samples, got[0], got[1], plan.label)
@@ -317,6 +326,7 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance
     if plan.use and side is None:
         if calibrate:
             raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
+    if not plan.use or side is None:  # judged as two files with the fixed envelope; the header says which
         plan = CalibPlan(False, factor, plan.cand_prec)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-")
     try:

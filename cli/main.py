@@ -203,11 +203,11 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
         prefill-diff run reference fault:gqa-mapping --fail-fast
     """
     check_outputs(out)
+    quiet_libraries(out["quiet"])
+    spec, inputs = shared_inputs(model, prompts, tokens)
     if fail_fast and out_dir:
         raise BadInput("--fail-fast keeps no traces; drop --out")
     check_out_dir(out_dir)
-    quiet_libraries(out["quiet"])
-    spec, inputs = shared_inputs(model, prompts, tokens)
     with Progress(out["quiet"]) as prog:
         prog.step("loading the model, running the sides layer by layer" if fail_fast
                   else "loading the model and preparing both sides")
@@ -254,15 +254,20 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     """
     if os.path.exists(output) and not force:  # found before the model loads
         raise BadInput(f"{output} exists; pass --force to overwrite it")
-    check_output_file(output, "the trace", force=force)
     quiet_libraries(False)
+    jobs.check_tolerance(tol)  # a bad declaration (or an unreadable --tolerance file) before anything else
+    check_output_file(output, "the trace", force=force)
     spec, inputs = shared_inputs(model, prompts, tokens)
+    con = console()
+
+    def wrote(done: jobs.Recorded) -> None:  # the trace is complete: said before any golden and twin run
+        con.print(plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"),
+                  soft_wrap=True)
     with Progress() as prog:
         prog.step("loading the model")
         done = jobs.record(config, output, spec, inputs, level=level, compression=compression, force=force,
-                           tolerance=tol, twin_of=twin_of, progress=prog.sides({"recording": "writing"}))
-    con = console()
-    con.print(plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"), soft_wrap=True)
+                           tolerance=tol, twin_of=twin_of, progress=prog.sides({"recording": "writing"}),
+                           on_written=wrote)
     if done.golden is not None:
         con.print(plain(f"wrote {done.golden} (float64 golden)" + ("" if done.twin is None else
                                                                    f" and {done.twin} (twin in {done.twin_label})")),

@@ -168,3 +168,17 @@ def test_config_value_of_wrong_type_exits_2_naming_key_and_value(run_cli, tmp_pa
     out = " ".join(res.output.split())
     assert WRONG_TYPES[body] in out and "internal error" not in out and "Traceback" not in out
     assert not (tmp_path / "t.h5").exists()
+
+
+def test_record_says_the_trace_is_written_before_recording_its_golden_and_twin(run_cli, tmp_path):
+    """An unknown --twin-of preset fails after the trace is complete: the trace is kept and the output says so."""
+    out = tmp_path / "base.h5"
+    res = run_cli("record", "reference", "-o", out, "--twin-of", "no-such-preset")
+    assert res.exit_code == 2 and out.exists()
+    assert res.output.index(f"wrote {out}") < res.output.index("no-such-preset")
+
+
+def test_run_refuses_bad_tokens_before_creating_the_out_directory(run_cli, tmp_path):
+    res = run_cli("run", "reference", "sdpa", "--tokens", "1,,2", "--out", tmp_path / "traces")
+    assert res.exit_code == 2 and "id 1 is empty" in res.output
+    assert not (tmp_path / "traces").exists()
