@@ -20,6 +20,7 @@ from typing import Callable
 from ..dumps.ranks import is_rank_set, open_any
 from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
+from ..dumps.schema import LEVELS
 from ..engine.errors import ConfigError, PrefillDiffError
 from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, precision_key, precision_label, precisions,
                                 same_precisions, sibling_paths, unit_roundoff)
@@ -167,11 +168,18 @@ def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
 
 def _judge(ref_path: str, cand_path: str, declared: dict | None, plan: CalibPlan, siblings, *, kept=(True, True),
            fail_fast: bool = False, allow_subset: bool = False) -> Report:
-    """Open the traces (and the golden and twin of a calibrated plan) and compare them.
+    """Open the traces and compare them (``_judge_open``)."""
+    with open_any(ref_path) as ref, open_any(cand_path) as cand:
+        return _judge_open(ref, cand, declared, plan, siblings, kept=kept, fail_fast=fail_fast,
+                           allow_subset=allow_subset)
+
+
+def _judge_open(ref: Trace, cand: Trace, declared: dict | None, plan: CalibPlan, siblings, *, kept=(True, True),
+                fail_fast: bool = False, allow_subset: bool = False) -> Report:
+    """Compare two open traces, opening the golden and twin of a calibrated plan.
 
     ``kept``: (REF, CAND), False for a temporary trace (the report names no file for it)."""
     with ExitStack() as stack:
-        ref, cand = stack.enter_context(open_any(ref_path)), stack.enter_context(open_any(cand_path))
         calib, note = None, plan.rule_note()
         if plan.use and siblings is not None:
             golden = stack.enter_context(open_any(siblings[0]))
@@ -285,22 +293,20 @@ def compare_files(ref_path, cand_path, tolerance: dict | None = None, *, fail_fa
                   allow_subset: bool = False) -> Outcome:
     """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
     with open_any(ref_path) as ref, open_any(cand_path) as cand:
-        levels = {ref.level, cand.level}
-        cand_prec, declared = precisions(cand.meta), ref.meta.get("tolerance") is not None
+        cand_prec = precisions(cand.meta)
         plan = plan_calibration(precisions(ref.meta), cand_prec, calibrate=calibrate, explicit=_explicit(tolerance),
-                                level="full" if levels == {"full"} else (levels - {"full"}).pop(), factor=factor)
-    if calibrate is None and declared:
-        plan = CalibPlan(False, factor, cand_prec)  # the baseline declares its tolerance
-    siblings = _siblings(str(ref_path), plan) if plan.use else None
-    if plan.use and siblings is None:
-        if calibrate:
-            g, t = sibling_paths(str(ref_path))
-            raise ConfigError(f"--calibrate needs the golden and twin recorded beside {ref_path} "
-                              f"({g}, {t.format(key=precision_key(cand_prec))}): record them with "
-                              "`prefill-diff record CONFIG -o REF.h5 --twin-of PRECISION`")
-        plan = CalibPlan(False, factor, cand_prec)
-    report = _judge(str(ref_path), str(cand_path), tolerance, plan, siblings, fail_fast=fail_fast,
-                    allow_subset=allow_subset)
+                                level=max(ref.level, cand.level, key=LEVELS.index), factor=factor)
+        if calibrate is None and ref.meta.get("tolerance") is not None:
+            plan = CalibPlan(False, factor, cand_prec)  # the baseline declares its tolerance
+        siblings = _siblings(str(ref_path), plan) if plan.use else None
+        if plan.use and siblings is None:
+            if calibrate:
+                g, t = sibling_paths(str(ref_path))
+                raise ConfigError(f"--calibrate needs the golden and twin recorded beside {ref_path} "
+                                  f"({g}, {t.format(key=precision_key(cand_prec))}): record them with "
+                                  "`prefill-diff record CONFIG -o REF.h5 --twin-of PRECISION`")
+            plan = CalibPlan(False, factor, cand_prec)
+        report = _judge_open(ref, cand, tolerance, plan, siblings, fail_fast=fail_fast, allow_subset=allow_subset)
     return Outcome(report, str(ref_path), str(cand_path))
 
 
