@@ -9,7 +9,9 @@ import functools
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import cached_property
+from typing import Iterator, NamedTuple
 
 import h5py
 import numpy as np
@@ -72,52 +74,62 @@ def check_storage(f: h5py.File, where: str) -> None:
     """Refuse, before reading any data, every object that would make HDF5 read outside this file or run code
     this tool does not ship: external links, soft links (the recorder writes none; one may lead to an external
     link), user-defined links, datasets with external storage, virtual datasets, filters other than gzip and
-    shuffle. Raises TraceError naming the object and why. Hard links are walked once each (cycles are cut)."""
-    seen, stack, n = set(), [("/", f)], 0
-    while stack:
-        path, g = stack.pop()
-        for name in g.keys():  # link names only: listing follows nothing
-            n += 1
-            if n > OBJECT_LIMIT:
-                raise TraceError(f"{where}: more than {OBJECT_LIMIT} objects; not a trace this tool wrote")
-            full = path.rstrip("/") + "/" + name
-            shown = visible(full)[:200]
-            link = g.get(name, getlink=True)
-            if isinstance(link, h5py.ExternalLink):
-                raise TraceError(f"{where}: {shown} is an external link to {visible(link.filename)[:200]}:"
-                                 f"{visible(link.path)[:100]}; refused (a trace never reads other files)")
-            if isinstance(link, h5py.SoftLink):
-                raise TraceError(f"{where}: {shown} is a soft link to {visible(link.path)[:200]}; refused "
-                                 "(traces hold no links, and a link may lead out of the file)")
-            if not isinstance(link, h5py.HardLink):
-                raise TraceError(f"{where}: {shown} is a {type(link).__name__} link; refused")
-            oid = h5py.h5o.open(g.id, name.encode("utf-8") if isinstance(name, str) else name)
-            info = h5py.h5o.get_info(oid)
-            key = (info.fileno, getattr(info, "addr", None) or repr(getattr(info, "token", None)))
-            if key in seen:
-                continue
-            seen.add(key)
-            if info.type == h5py.h5o.TYPE_GROUP:
-                stack.append((full, g[name]))
-            elif info.type == h5py.h5o.TYPE_DATASET:
-                _check_dataset_storage(g[name], shown, where)
+    shuffle. Raises TraceError naming the object and why.
+
+    Two walks inside HDF5 (H5Lvisit over every link, H5Ovisit over every object once, both through hard
+    links only, so cycles are cut and nothing outside the file is opened) call back into Python once per
+    link and once per object; only datasets are opened, and only to read their creation properties."""
+    count = [0]
+
+    def on_link(name: bytes, info):
+        count[0] += 1
+        if count[0] > OBJECT_LIMIT:
+            return f"{where}: more than {OBJECT_LIMIT} objects; not a trace this tool wrote"
+        return None if info.type == h5py.h5l.TYPE_HARD else _link_refusal(f, name, info.type, where)
+
+    def on_object(name: bytes, info):
+        if info.type != h5py.h5o.TYPE_DATASET:
+            return None
+        return _dataset_refusal(h5py.h5d.open(f.id, name), visible("/" + _text_name(name))[:200], where)
+
+    refusal = f.id.links.visit(on_link, info=True) or h5py.h5o.visit(f.id, on_object, info=True)
+    if refusal:
+        raise TraceError(refusal)
 
 
-def _check_dataset_storage(ds: h5py.Dataset, shown: str, where: str) -> None:
-    plist = ds.id.get_create_plist()
+def _text_name(name: bytes) -> str:
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+
+
+def _link_refusal(f: h5py.File, name: bytes, kind: int, where: str) -> str:
+    shown = visible("/" + _text_name(name))[:200]
+    if kind == h5py.h5l.TYPE_EXTERNAL:
+        link = f.get(name, getlink=True)
+        return (f"{where}: {shown} is an external link to {visible(link.filename)[:200]}:"
+                f"{visible(link.path)[:100]}; refused (a trace never reads other files)")
+    if kind == h5py.h5l.TYPE_SOFT:
+        link = f.get(name, getlink=True)
+        return (f"{where}: {shown} is a soft link to {visible(link.path)[:200]}; refused "
+                "(traces hold no links, and a link may lead out of the file)")
+    return f"{where}: {shown} is a user-defined link (HDF5 link type {kind}); refused"
+
+
+def _dataset_refusal(dsid, shown: str, where: str) -> str | None:
+    plist = dsid.get_create_plist()
     if plist.get_layout() == h5py.h5d.VIRTUAL:
-        raise TraceError(f"{where}: dataset {shown} is a virtual dataset (it maps data from other files); refused")
+        return f"{where}: dataset {shown} is a virtual dataset (it maps data from other files); refused"
     if plist.get_external_count() > 0:
         target = plist.get_external(0)[0]
         target = target.decode("utf-8", "replace") if isinstance(target, bytes) else str(target)
-        raise TraceError(f"{where}: dataset {shown} keeps its data in external file {visible(target)[:200]}; "
-                         "refused (a trace never reads other files)")
+        return (f"{where}: dataset {shown} keeps its data in external file {visible(target)[:200]}; "
+                "refused (a trace never reads other files)")
     for i in range(plist.get_nfilters()):
         code, _flags, _values, fname = plist.get_filter(i)
         if code not in ALLOWED_FILTERS:
             fname = fname.decode("utf-8", "replace") if isinstance(fname, bytes) else str(fname)
-            raise TraceError(f"{where}: dataset {shown} uses HDF5 filter {code} ({visible(fname)[:60] or 'unnamed'})"
-                             f"; refused (traces use only {', '.join(ALLOWED_FILTERS.values())})")
+            return (f"{where}: dataset {shown} uses HDF5 filter {code} ({visible(fname)[:60] or 'unnamed'})"
+                    f"; refused (traces use only {', '.join(ALLOWED_FILTERS.values())})")
+    return None
 
 
 _local = threading.local()
@@ -133,6 +145,50 @@ def _row_buffer(slot: str, shape, dtype) -> np.ndarray:
             del bufs[k]
         bufs[key] = np.empty(shape, dtype=dtype)
     return bufs[key]
+
+
+class RowPair(NamedTuple):
+    """One aligned pair of sample rows: the reference's row ``rs`` and the candidate's row ``cs``."""
+    rs: int
+    cs: int
+    ref: np.ndarray
+    cand: np.ndarray
+
+
+_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-read")
+
+
+def read_ahead(ref: "Trace", rd, cand: "Trace", cd, pairs) -> Iterator[RowPair]:
+    """Rows ``rd[rs]`` and ``cd[cs]`` for each (rs, cs) of ``pairs``, the next pair read while this one is used.
+
+    A comparison alternates reading a row pair (a system call that copies from the page cache or
+    waits for the disk) and computing on it (numpy); both release the GIL, so reading the next pair
+    on a background thread hides most of the read. The rows are two alternating buffers of the
+    calling thread: a pair is valid until the next one is requested. A read's error is raised
+    here, when its pair is requested; a generator closed early waits for the read in flight (the
+    traces may be closed next).
+    """
+    pairs = list(pairs)
+    if not pairs:
+        return
+    bufs = [(_row_buffer(f"ahead-ref{k}", rd.shape[1:], rd.dtype), _row_buffer(f"ahead-cand{k}", cd.shape[1:], cd.dtype))
+            for k in (0, 1)]
+
+    def read(k: int):
+        (rs, cs), (rb, cb) = pairs[k], bufs[k % 2]
+        return RowPair(rs, cs, ref.read_row_into(rd, rs, rb), cand.read_row_into(cd, cs, cb))
+
+    for t in (ref, cand):
+        t.direct_reader()  # made on this thread: the reading thread only uses it
+    pending = _READER.submit(read, 0)
+    try:
+        for k in range(len(pairs)):
+            pair = pending.result()
+            pending = _READER.submit(read, k + 1) if k + 1 < len(pairs) else None
+            yield pair
+    finally:
+        if pending is not None:
+            pending.cancel() or wait([pending])
 
 
 class LayerView:
@@ -259,7 +315,10 @@ class Trace:
         avoids a fresh allocation (and its page faults) per row. The result is valid until the next
         read into the same slot on the same thread.
         """
-        buf = _row_buffer(slot, ds.shape[1:], ds.dtype)
+        return self.read_row_into(ds, index, _row_buffer(slot, ds.shape[1:], ds.dtype))
+
+    def read_row_into(self, ds, index: int, buf: np.ndarray) -> np.ndarray:
+        """ds[index] into ``buf`` (C-contiguous, of the row's shape and dtype); returns ``buf``."""
         try:
             if not self._chunks.read_row(ds, index, buf):  # uncompressed rows of a checked file: os.preadv
                 ds.read_direct(buf, np.s_[index])
@@ -271,6 +330,10 @@ class Trace:
     @cached_property
     def _chunks(self) -> ChunkReader:  # made on the first row read, after _check passed
         return ChunkReader(self.f, enabled=not self._built_here, why="a view built over rank files")
+
+    def direct_reader(self) -> ChunkReader:
+        """The reader of this file's uncompressed rows (dumps.chunks), made on first use."""
+        return self._chunks
 
     def _check(self):
         if not self._built_here:  # a file we did not build ourselves: nothing outside it is followed

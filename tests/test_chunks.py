@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from prefill_diff.dumps.chunks import ChunkReader, Refused, RowPlan
-from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.dumps.reader import Trace, TraceError, read_ahead
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.verify.report import compare_traces
 
@@ -264,3 +264,66 @@ def test_a_file_shorter_than_its_plan_falls_back(tmp_path):
         assert isinstance(r.plan(ds), RowPlan)
         os.truncate(path, r.plan(ds).offsets[S - 1] + 8)
         assert not r.read_row(ds, S - 1, np.empty(ds.shape[1:], ds.dtype))
+
+
+# -- read-ahead: the next row pair is read on a background thread while this one is compared ----------------
+
+def test_read_ahead_yields_every_pair_in_order_with_its_rows(tmp_path):
+    a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
+    pairs = [(0, 2), (1, 1), (2, 0), (1, 2), (1, 1)]  # repeated and crossed rows
+    with Trace(a) as ta, Trace(b) as tb:
+        rd, cd = ta.layer(1).state("mid"), tb.layer(1).state("mid")
+        seen = []
+        for k, p in enumerate(read_ahead(ta, rd, tb, cd, pairs)):
+            assert (p.rs, p.cs) == pairs[k]
+            assert p.ref.tobytes() == rd[p.rs].tobytes() and p.cand.tobytes() == cd[p.cs].tobytes()
+            seen.append((p.ref.ctypes.data, p.cand.ctypes.data))
+        assert len(seen) == len(pairs)
+        assert seen[0] != seen[1] and seen[0] == seen[2]  # two alternating buffers: a pair lives until the next
+        assert list(read_ahead(ta, rd, tb, cd, [])) == []
+
+
+def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monkeypatch):
+    a = record(tmp_path / "a.h5")
+    with Trace(a) as ta, Trace(a) as tb:
+        rd = ta.layer(0).state("mid")
+        real = Trace.read_row_into
+
+        def damaged(self, ds, index, buf):
+            if self is tb and index == 2:
+                raise TraceError("b.h5: cannot read row 2 (corrupt data)")
+            return real(self, ds, index, buf)
+
+        monkeypatch.setattr(Trace, "read_row_into", damaged)
+        got = []
+        with pytest.raises(TraceError, match="row 2"):
+            for p in read_ahead(ta, rd, tb, rd, [(0, 0), (1, 1), (2, 2)]):
+                got.append(p.rs)
+        assert got == [0, 1]  # the pairs before the damaged one were compared
+
+
+def test_read_ahead_closed_early_waits_for_the_read_in_flight(tmp_path, monkeypatch):
+    """A comparison that stops early (first break, fail-fast, an error) may close the traces next: the read
+    ahead of it must be over by then."""
+    import threading
+    import time
+    a = record(tmp_path / "a.h5")
+    started, done, real = threading.Event(), threading.Event(), Trace.read_row_into
+
+    def slow(self, ds, index, buf):
+        if index == 1:
+            started.set()
+            time.sleep(0.3)
+            out = real(self, ds, index, buf)
+            done.set()
+            return out
+        return real(self, ds, index, buf)
+
+    with Trace(a) as ta:
+        rd = ta.layer(0).state("mid")
+        monkeypatch.setattr(Trace, "read_row_into", slow)
+        gen = read_ahead(ta, rd, ta, rd, [(0, 0), (1, 1), (2, 2)])
+        next(gen)  # pair 0 is here; pair 1 is being read
+        assert started.wait(10)
+        gen.close()
+        assert done.is_set()

@@ -110,6 +110,21 @@ def test_hard_link_cycles_are_walked_once(good, tmp_path):
         assert t.n_layers == 4
 
 
+def test_a_file_with_too_many_objects_is_refused_before_its_walk_ends(good, tmp_path, monkeypatch):
+    from prefill_diff.dumps import reader
+    bad = _copy(good, tmp_path)
+    with h5py.File(bad, "a") as f:
+        g = f.create_group("crowd")
+        for i in range(50):
+            g.create_group(f"g{i}")
+    monkeypatch.setattr(reader, "OBJECT_LIMIT", 40)
+    with pytest.raises(TraceError, match="more than 40 objects; not a trace this tool wrote"):
+        Trace(bad)
+    monkeypatch.setattr(reader, "OBJECT_LIMIT", 10_000)
+    with Trace(bad) as t:  # under the limit, the extra groups are not states: the trace opens
+        assert t.n_layers == 4
+
+
 # -- markup and terminal injection -------------------------------------------------------------------
 
 def _edit_meta(path: Path, edit) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dumps.reader import LayerView, Trace
+from ..dumps.reader import LayerView, Trace, read_ahead
 from . import wording
 from .context import Context
 from .metrics import slab
@@ -71,9 +71,9 @@ def _full_values(ctx: Context, r: LayerView, c: LayerView, name: str) -> TensorR
     cal = ctx.calib_acc()
     gd, td = ctx.calib_datasets(r.layer, tname)
     kv_bad = set()  # KV heads with values out of tolerance
-    for rs, cs in ctx.pairs:
+    for rs, cs, rrow, crow in read_ahead(ctx.ref, rd, ctx.cand, cd, ctx.pairs):
         T = int(min(rl[rs], cl[cs]))
-        a, b = ctx.ref.read_row(rd, rs, "ref")[:, :T], ctx.cand.read_row(cd, cs, "cand")[:, :T]
+        a, b = rrow[:, :T], crow[:, :T]
         if name == "keys":
             a, b = post_rotation(a, rp[rs, :T], ctx.ref, ctx.cand), post_rotation(b, cp[cs, :T], ctx.cand, ctx.ref)
         H = a.shape[0]

@@ -1,6 +1,7 @@
 """The full level: every value of a residual-stream state, over the cells both sides computed.
 
-One sample row of each trace is read at a time (one HDF5 chunk each, into reused buffers); its
+One sample row of each trace is read at a time (one HDF5 chunk each, into reused buffers, the next
+pair read ahead on a background thread: dumps.reader.read_ahead); its
 aligned cells go through verify.metrics, its padding cells are counted for non-finite values. In a
 calibrated comparison the candidate's, twin's and golden's rows also feed check (1).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dumps.reader import LayerView
+from ..dumps.reader import LayerView, read_ahead
 from . import wording
 from .context import Context
 from .results import Accumulator, TensorResult
@@ -26,9 +27,8 @@ def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol:
     cal = ctx.calib_acc(heads)
     gd, td = ctx.calib_datasets(r.layer, name)
     pad_r = pad_c = 0
-    for rs, cs in ctx.pairs:
+    for rs, cs, rrow, crow in read_ahead(ctx.ref, rd, ctx.cand, cd, ctx.pairs):
         cells = ctx.align.cells[rs]
-        rrow, crow = ctx.ref.read_row(rd, rs, "ref"), ctx.cand.read_row(cd, cs, "cand")
         a, b = rrow[cells.ref_cols], crow[cells.cand_cols]
         if cal is not None:
             g = ctx.calib.golden.read(gd, (rs,))[cells.ref_cols]
