@@ -147,45 +147,42 @@ def _row_buffer(slot: str, shape, dtype) -> np.ndarray:
     return bufs[key]
 
 
-class RowPair(NamedTuple):
-    """One aligned pair of sample rows: the reference's row ``rs`` and the candidate's row ``cs``."""
-    rs: int
-    cs: int
-    ref: np.ndarray
-    cand: np.ndarray
+class RowSource(NamedTuple):
+    """Rows of one dataset of one open trace, for read_ahead."""
+    trace: "Trace"
+    ds: h5py.Dataset
 
 
 _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-read")
 
 
-def read_ahead(ref: "Trace", rd, cand: "Trace", cd, pairs) -> Iterator[RowPair]:
-    """Rows ``rd[rs]`` and ``cd[cs]`` for each (rs, cs) of ``pairs``, the next pair read while this one is used.
+def read_ahead(sources, steps) -> Iterator[tuple]:
+    """For each step (one row index per source), the rows ``source.ds[index]`` of every source, in order; the
+    next step's rows are read while this step's are used.
 
-    A comparison alternates reading a row pair (a system call that copies from the page cache or
-    waits for the disk) and computing on it (numpy); both release the GIL, so reading the next pair
-    on a background thread hides most of the read. The rows are two alternating buffers of the
-    calling thread: a pair is valid until the next one is requested. A read's error is raised
-    here, when its pair is requested; a generator closed early waits for the read in flight (the
-    traces may be closed next).
+    A comparison alternates reading rows (a system call that copies from the page cache or waits
+    for the disk) and computing on them (numpy); both release the GIL, so reading the next rows on
+    a background thread hides most of the read. The rows are two alternating buffers per source,
+    of the calling thread: a step's rows are valid until the next step is requested. A read's error
+    is raised here, when its step is requested; a generator closed early waits for the read in
+    flight (the traces may be closed next).
     """
-    pairs = list(pairs)
-    if not pairs:
+    sources, steps = [RowSource(*s) for s in sources], [tuple(s) for s in steps]
+    if not steps:
         return
-    bufs = [(_row_buffer(f"ahead-ref{k}", rd.shape[1:], rd.dtype), _row_buffer(f"ahead-cand{k}", cd.shape[1:], cd.dtype))
-            for k in (0, 1)]
+    bufs = [[_row_buffer(f"ahead{j}.{k}", s.ds.shape[1:], s.ds.dtype) for j, s in enumerate(sources)] for k in (0, 1)]
 
-    def read(k: int):
-        (rs, cs), (rb, cb) = pairs[k], bufs[k % 2]
-        return RowPair(rs, cs, ref.read_row_into(rd, rs, rb), cand.read_row_into(cd, cs, cb))
+    def read(k: int) -> tuple:
+        return tuple(s.trace.read_row_into(s.ds, i, b) for s, i, b in zip(sources, steps[k], bufs[k % 2]))
 
-    for t in (ref, cand):
-        t.direct_reader()  # made on this thread: the reading thread only uses it
+    for s in sources:
+        s.trace.direct_reader()  # made on this thread: the reading thread only uses it
     pending = _READER.submit(read, 0)
     try:
-        for k in range(len(pairs)):
-            pair = pending.result()
-            pending = _READER.submit(read, k + 1) if k + 1 < len(pairs) else None
-            yield pair
+        for k in range(len(steps)):
+            rows = pending.result()
+            pending = _READER.submit(read, k + 1) if k + 1 < len(steps) else None
+            yield rows
     finally:
         if pending is not None:
             pending.cancel() or wait([pending])

@@ -268,19 +268,21 @@ def test_a_file_shorter_than_its_plan_falls_back(tmp_path):
 
 # -- read-ahead: the next row pair is read on a background thread while this one is compared ----------------
 
-def test_read_ahead_yields_every_pair_in_order_with_its_rows(tmp_path):
+def test_read_ahead_yields_every_step_in_order_with_its_rows(tmp_path):
     a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
-    pairs = [(0, 2), (1, 1), (2, 0), (1, 2), (1, 1)]  # repeated and crossed rows
+    steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]  # repeated and crossed rows
     with Trace(a) as ta, Trace(b) as tb:
-        rd, cd = ta.layer(1).state("mid"), tb.layer(1).state("mid")
+        rd, cd, kd = ta.layer(1).state("mid"), tb.layer(1).state("mid"), tb.layer(0).cache("keys")
+        sources = [(ta, rd), (tb, cd), (tb, kd)]
         seen = []
-        for k, p in enumerate(read_ahead(ta, rd, tb, cd, pairs)):
-            assert (p.rs, p.cs) == pairs[k]
-            assert p.ref.tobytes() == rd[p.rs].tobytes() and p.cand.tobytes() == cd[p.cs].tobytes()
-            seen.append((p.ref.ctypes.data, p.cand.ctypes.data))
-        assert len(seen) == len(pairs)
-        assert seen[0] != seen[1] and seen[0] == seen[2]  # two alternating buffers: a pair lives until the next
-        assert list(read_ahead(ta, rd, tb, cd, [])) == []
+        for k, rows in enumerate(read_ahead(sources, steps)):
+            assert len(rows) == 3
+            for (_, ds), i, row in zip(sources, steps[k], rows):
+                assert row.tobytes() == ds[i].tobytes()
+            seen.append(tuple(r.ctypes.data for r in rows))
+        assert len(seen) == len(steps)
+        assert seen[0] != seen[1] and seen[0] == seen[2]  # two alternating buffers: a step lives until the next
+        assert list(read_ahead(sources, [])) == []
 
 
 def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monkeypatch):
@@ -297,8 +299,8 @@ def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monk
         monkeypatch.setattr(Trace, "read_row_into", damaged)
         got = []
         with pytest.raises(TraceError, match="row 2"):
-            for p in read_ahead(ta, rd, tb, rd, [(0, 0), (1, 1), (2, 2)]):
-                got.append(p.rs)
+            for rows in read_ahead([(ta, rd), (tb, rd)], [(0, 0), (1, 1), (2, 2)]):
+                got.append(int(np.flatnonzero((rd[:] == rows[0]).all(axis=(1, 2)))[0]))
         assert got == [0, 1]  # the pairs before the damaged one were compared
 
 
@@ -322,7 +324,7 @@ def test_read_ahead_closed_early_waits_for_the_read_in_flight(tmp_path, monkeypa
     with Trace(a) as ta:
         rd = ta.layer(0).state("mid")
         monkeypatch.setattr(Trace, "read_row_into", slow)
-        gen = read_ahead(ta, rd, ta, rd, [(0, 0), (1, 1), (2, 2)])
+        gen = read_ahead([(ta, rd), (ta, rd)], [(0, 0), (1, 1), (2, 2)])
         next(gen)  # pair 0 is here; pair 1 is being read
         assert started.wait(10)
         gen.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dumps.reader import LayerView, Trace, read_ahead
+from ..dumps.reader import LayerView, Trace
 from . import wording
 from .context import Context
 from .metrics import slab
@@ -71,7 +71,7 @@ def _full_values(ctx: Context, r: LayerView, c: LayerView, name: str) -> TensorR
     cal = ctx.calib_acc()
     gd, td = ctx.calib_datasets(r.layer, tname)
     kv_bad = set()  # KV heads with values out of tolerance
-    for rs, cs, rrow, crow in read_ahead(ctx.ref, rd, ctx.cand, cd, ctx.pairs):
+    for rs, cs, rrow, crow, grow, trow in ctx.rows(rd, cd, gd, td):
         T = int(min(rl[rs], cl[cs]))
         a, b = rrow[:, :T], crow[:, :T]
         if name == "keys":
@@ -79,7 +79,8 @@ def _full_values(ctx: Context, r: LayerView, c: LayerView, name: str) -> TensorR
         H = a.shape[0]
         toks = np.tile(np.arange(T), H)
         if cal is not None:
-            g, t = _calibration_rows(ctx, gd, td, rs, T, a, rp[rs, :T], keys=name == "keys")
+            g, t = _calibration_rows(ctx, grow[:, :T], None if trow is None else trow[:, :T], a, rp[rs, :T],
+                                     keys=name == "keys")
             cal.add(_rows(b), _rows(t), _rows(g), rs, toks, groups=np.repeat(np.arange(H), T))
         part = slab(_rows(a), _rows(b), tol, ctx.equal_nan, rs, toks)
         if part.n_bad:  # rows are (KV head, slot), head-major: which heads hold the bad values
@@ -93,15 +94,14 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(x.shape[0] * x.shape[1], x.shape[-1])
 
 
-def _calibration_rows(ctx: Context, gd, td, rs: int, T: int, ref_rows, positions, keys: bool):
-    """The golden's and the twin's cache rows of reference sample rs (twin None: the reference's own rows)."""
-    g = ctx.calib.golden.read(gd, (rs,))[:, :T]
-    t = ref_rows if td is None else ctx.calib.twin.read(td, (rs,))[:, :T]
+def _calibration_rows(ctx: Context, g, t, ref_rows, positions, keys: bool):
+    """The golden's and the twin's cache rows of one reference sample (twin None: the reference's own rows),
+    keys rotated as the comparison sees them."""
     if keys:  # golden and twin keep the reference's layout
         g = post_rotation(g, positions, ctx.ref, ctx.cand)
-        if td is not None:
+        if t is not None:
             t = post_rotation(t, positions, ctx.ref, ctx.cand)
-    return g, t
+    return g, ref_rows if t is None else t
 
 
 def post_rotation(keys: np.ndarray, positions: np.ndarray, trace: Trace, other: Trace) -> np.ndarray:

@@ -144,13 +144,20 @@ class CalibResult:
                 "heads": list(self.heads) if self.heads is not None else None}
 
 
-def rel_row_errors(x: np.ndarray, g: np.ndarray) -> np.ndarray:
-    """||x - g|| / ||g|| per row, in float64; a row whose golden is all zero gets the absolute norm."""
-    x64, g64 = x.astype(np.float64, copy=False), g.astype(np.float64, copy=False)
+def row_norms(a: np.ndarray) -> np.ndarray:
+    """||a_i|| per row, in float64."""
+    a64 = a.astype(np.float64, copy=False)
     with np.errstate(invalid="ignore", over="ignore"):
-        d = np.sqrt(np.einsum("ij,ij->i", x64 - g64, x64 - g64))
-        n = np.sqrt(np.einsum("ij,ij->i", g64, g64))
-    out = np.where(n > 0, d / np.where(n > 0, n, 1.0), d)
+        return np.sqrt(np.einsum("ij,ij->i", a64, a64))
+
+
+def rel_row_errors(x: np.ndarray, g: np.ndarray, g_norms: np.ndarray | None = None) -> np.ndarray:
+    """||x - g|| / ||g|| per row, in float64; a row whose golden is all zero gets the absolute norm.
+    ``g_norms``: row_norms(g), when the caller has it already."""
+    d = row_norms(x.astype(np.float64, copy=False) - g.astype(np.float64, copy=False))
+    n = row_norms(g) if g_norms is None else g_norms
+    with np.errstate(invalid="ignore", over="ignore"):
+        out = np.where(n > 0, d / np.where(n > 0, n, 1.0), d)
     return np.where(np.isnan(out), np.inf, out)  # a non-finite candidate row is never within any noise
 
 
@@ -171,16 +178,18 @@ class CalibAcc:
             return
         if groups is not None:
             self.groups.append(np.asarray(groups))
-        self.e_c.append(rel_row_errors(c, g))
-        et = rel_row_errors(t, g)
+        gn = row_norms(g)
+        self.e_c.append(rel_row_errors(c, g, gn))
+        et = rel_row_errors(t, g, gn)
         self.e_t.append(np.where(np.isinf(et), np.inf, et))
         self.sample.append(np.full(c.shape[0], sample))
         self.tok.append(np.asarray(toks))
         if self.n_heads:
             H = self.n_heads
             split = lambda x: x.reshape(x.shape[0] * H, -1)  # (T·H, d_h): one row per (position, head)
-            self.h_c.append(rel_row_errors(split(c), split(g)).reshape(-1, H))
-            self.h_t.append(rel_row_errors(split(t), split(g)).reshape(-1, H))
+            hn = row_norms(split(g))
+            self.h_c.append(rel_row_errors(split(c), split(g), hn).reshape(-1, H))
+            self.h_t.append(rel_row_errors(split(t), split(g), hn).reshape(-1, H))
 
     def result(self) -> CalibResult:
         K, u = self.factor, self.floor

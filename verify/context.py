@@ -6,9 +6,13 @@ The comparers (verify/full.py, sampled.py, stats.py, cache.py, final.py) are fun
 """
 from __future__ import annotations
 
+from contextlib import closing
 from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
 
-from ..dumps.reader import Trace, TraceError
+import numpy as np
+
+from ..dumps.reader import Trace, TraceError, read_ahead
 from .align import Alignment
 from .calibrate import CalibAcc, Calibration
 from .tolerance import Policy, Tolerance
@@ -16,6 +20,17 @@ from .tolerance import Policy, Tolerance
 # In a calibrated comparison the values are judged by the candidate's row error against the float64 golden,
 # relative to the twin's; this tolerance only gathers the candidate-vs-reference metrics for the report.
 METRICS_ONLY = Tolerance(float("inf"), 0.0)
+
+
+class Rows(NamedTuple):
+    """One aligned pair's sample rows: the reference's row ``rs``, the candidate's row ``cs`` and, in a
+    calibrated comparison, the golden's and the twin's row ``rs`` (None where there is none)."""
+    rs: int
+    cs: int
+    ref: np.ndarray
+    cand: np.ndarray
+    golden: np.ndarray | None = None
+    twin: np.ndarray | None = None
 
 
 @dataclass
@@ -60,6 +75,19 @@ class Context:
                                  "golden and twin traces)")
             return ds
         return get(self.calib.golden), None if self.calib.twin is None else get(self.calib.twin)
+
+    def rows(self, rd, cd, gd=None, td=None) -> Iterator[Rows]:
+        """The rows of every aligned pair, in order, of the reference's ``rd``, the candidate's ``cd`` and the
+        golden's ``gd`` and twin's ``td`` (calib_datasets), the next pair's read ahead (dumps.reader.read_ahead).
+        A pair's rows are valid until the next pair is requested."""
+        sources = [(self.ref, rd), (self.cand, cd)] + [(t, ds) for t, ds in (
+            (self.calib and self.calib.golden, gd), (self.calib and self.calib.twin, td)) if ds is not None]
+        steps = [(rs, cs, rs, rs)[:len(sources)] for rs, cs in self.pairs]
+        with closing(read_ahead(sources, steps)) as each:
+            for (rs, cs), got in zip(self.pairs, each):
+                extra = iter(got[2:])
+                yield Rows(rs, cs, got[0], got[1], next(extra) if gd is not None else None,
+                           next(extra) if td is not None else None)
 
     def kv_heads_read(self, heads) -> tuple | None:
         """The KV heads g(h) = ⌊h·H_kv/H_q⌋ that query heads ``heads`` read, by the reference's model."""

@@ -1,7 +1,7 @@
 """The full level: every value of a residual-stream state, over the cells both sides computed.
 
 One sample row of each trace is read at a time (one HDF5 chunk each, into reused buffers, the next
-pair read ahead on a background thread: dumps.reader.read_ahead); its
+pair read ahead on a background thread: Context.rows); its
 aligned cells go through verify.metrics, its padding cells are counted for non-finite values. In a
 calibrated comparison the candidate's, twin's and golden's rows also feed check (1).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dumps.reader import LayerView, read_ahead
+from ..dumps.reader import LayerView
 from . import wording
 from .context import Context
 from .results import Accumulator, TensorResult
@@ -27,13 +27,11 @@ def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol:
     cal = ctx.calib_acc(heads)
     gd, td = ctx.calib_datasets(r.layer, name)
     pad_r = pad_c = 0
-    for rs, cs, rrow, crow in read_ahead(ctx.ref, rd, ctx.cand, cd, ctx.pairs):
+    for rs, cs, rrow, crow, grow, trow in ctx.rows(rd, cd, gd, td):
         cells = ctx.align.cells[rs]
         a, b = rrow[cells.ref_cols], crow[cells.cand_cols]
         if cal is not None:
-            g = ctx.calib.golden.read(gd, (rs,))[cells.ref_cols]
-            t = a if td is None else ctx.calib.twin.read(td, (rs,))[cells.ref_cols]
-            cal.add(b, t, g, rs, cells.tokens)
+            cal.add(b, a if trow is None else trow[cells.ref_cols], grow[cells.ref_cols], rs, cells.tokens)
         acc.add(a, b, rs, cells.tokens, heads)
         nr = int((~np.isfinite(rrow[cells.ref_pad])).sum()) if cells.ref_pad.size else 0
         nc = int((~np.isfinite(crow[cells.cand_pad])).sum()) if cells.cand_pad.size else 0
