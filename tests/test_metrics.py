@@ -130,23 +130,31 @@ def test_a_slab_shared_with_the_helper_thread_gives_the_same_bits(case, rows_per
     assert repr(two) == repr(one)
 
 
-def test_the_helper_thread_really_takes_half_of_a_large_slab(monkeypatch):
-    seen = set()
-    real = metrics._blocks
+def test_a_large_slab_is_offered_to_the_helper_and_every_block_is_done_once(monkeypatch):
+    import threading
+    done, submitted = [], []
+    real_blocks, real_submit = metrics._blocks, metrics._HELPER.submit
 
     def spy(r, c, rows, blocks, out):
-        import threading
-        seen.add((threading.current_thread().name.split("_")[0], blocks.start, blocks.stop))
-        return real(r, c, rows, blocks, out)
+        def each():
+            for k in blocks:
+                done.append((threading.current_thread().name, k))
+                yield k
+        return real_blocks(r, c, rows, each(), out)
 
     monkeypatch.setattr(metrics, "_blocks", spy)
+    monkeypatch.setattr(metrics._HELPER, "submit", lambda *a: submitted.append(a) or real_submit(*a))
     r = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
     c = r.copy()
-    c[900, 7] += 1  # in the helper's half
+    c[900, 7] += 1
     p = metrics.slab(r, c, Tolerance(1e-3, 1e-3), False, 0, np.arange(1024))
     assert p.n_bad == 1 and p.worst[2:4] == (900, 7)
-    assert {name for name, _, _ in seen} == {"MainThread", "prefill-diff-metrics"}
-    assert sorted((a, b) for _, a, b in seen) == [(0, 8), (8, 16)]
+    assert len(submitted) == 1  # 16 blocks of 256 KiB: the helper was asked
+    assert sorted(k for _, k in done) == list(range(16))  # each block exactly once, by one thread or the other
+    assert {name.split("_")[0] for name, _ in done} <= {"MainThread", "prefill-diff-metrics"}
+    done.clear()
+    metrics.slab(r[:100], c[:100], Tolerance(1e-3, 1e-3), False, 0, np.arange(100))
+    assert len(submitted) == 1 and sorted(k for _, k in done) == [0, 1]  # a small slab stays on this thread
 
 
 def test_finite_values_whose_squares_overflow_still_break():

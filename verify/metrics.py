@@ -16,6 +16,7 @@ slab's dtype, then added in float64.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ import numpy as np
 
 _local = threading.local()
 BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
-SPLIT_BLOCKS = 8  # a slab of at least this many blocks (2 MiB per operand) is shared with the helper thread
+SPLIT_BLOCKS = 8  # a slab of at least this many blocks (2 MiB per operand) is shared with a helper thread
 _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-metrics")
 
 
@@ -111,9 +112,9 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
     other nine numpy calls on it find it in the CPU cache, and |c - r| is kept only for the block
     (written to memory, it would double the traffic). Row sums are dot products, one row each
     (np.vecdot): no threaded BLAS call on a whole slab, which on a loaded 2-core machine waits for a
-    busy core (it made slabs three times slower). A large slab's second half of blocks is done on
-    one helper thread (numpy releases the GIL); each block writes only its own rows and its own
-    extremes, so the result does not depend on which thread did which block.
+    busy core (it made slabs three times slower). A large slab's blocks are shared with one helper
+    thread (numpy releases the GIL), each block taken by whichever thread is free; a block writes
+    only its own rows and its own extremes, so the result does not depend on who did which block.
     """
     T, W = r.shape
     dt = r.dtype
@@ -121,15 +122,28 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
     n_blocks = -(-T // rows)
     out = _Out(*(_buf(k, (T,), dt) for k in ("rr", "dd", "cc", "dsum")),
                *(_buf(k, (n_blocks,), dt) for k in ("hi", "qhi", "qlo")))
-    half = n_blocks // 2 if n_blocks >= SPLIT_BLOCKS else 0
-    helper = _HELPER.submit(_blocks, r, c, rows, range(half, n_blocks), out) if half else None
+    claims = _Claims(n_blocks)
+    helper = _HELPER.submit(_blocks, r, c, rows, claims, out) if n_blocks >= SPLIT_BLOCKS else None
     try:
-        _blocks(r, c, rows, range(half or n_blocks), out)
+        _blocks(r, c, rows, claims, out)
     finally:
         if helper is not None:
             helper.result()
     return _Rows(rr=out.rr, dd=out.dd, cc=out.cc, dsum=out.dsum, gmax=float(out.hi.max()),
                  qmax=float(np.fmax.reduce(out.qhi)), qmin=float(np.fmin.reduce(out.qlo)))
+
+
+class _Claims:
+    """Block numbers 0..n-1, each handed once to whichever thread asks first: a helper thread that is not
+    scheduled (a busy machine) takes fewer blocks instead of holding the slab up, and this thread waits at
+    most for the one block the helper is doing."""
+
+    def __init__(self, n: int):
+        self.n, self._next = n, itertools.count()
+
+    def __iter__(self):
+        while (k := next(self._next)) < self.n:  # itertools.count is atomic under the GIL
+            yield k
 
 
 class _Out(NamedTuple):
@@ -143,8 +157,9 @@ class _Out(NamedTuple):
     qlo: np.ndarray
 
 
-def _blocks(r: np.ndarray, c: np.ndarray, rows: int, blocks: range, out: _Out) -> None:
-    """The blocks ``blocks`` of _pass (block k is rows [k·rows, (k+1)·rows)), with this thread's scratch."""
+def _blocks(r: np.ndarray, c: np.ndarray, rows: int, blocks, out: _Out) -> None:
+    """Blocks of _pass (block k is rows [k·rows, (k+1)·rows)) as ``blocks`` hands them out, with this
+    thread's scratch."""
     T, W = r.shape
     dt = r.dtype
     d, q = _buf("db", (rows, W), dt), _buf("q", (rows, W), dt)
