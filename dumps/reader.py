@@ -154,6 +154,8 @@ class RowSource(NamedTuple):
 
 
 _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-read")
+READ_AHEAD = True  # False: read_ahead reads each step on the calling thread (tests/bench/bench_compare.py)
+AHEAD_MIN_BYTES = 256 * 1024  # smaller steps are read on the calling thread: a hand-over costs more than the read
 
 
 def read_ahead(sources, steps) -> Iterator[tuple]:
@@ -175,6 +177,10 @@ def read_ahead(sources, steps) -> Iterator[tuple]:
     def read(k: int) -> tuple:
         return tuple(s.trace.read_row_into(s.ds, i, b) for s, i, b in zip(sources, steps[k], bufs[k % 2]))
 
+    step_bytes = sum(int(np.prod(s.ds.shape[1:])) * s.ds.dtype.itemsize for s in sources)
+    if not READ_AHEAD or step_bytes < AHEAD_MIN_BYTES:
+        yield from (read(k) for k in range(len(steps)))
+        return
     for s in sources:
         s.trace.direct_reader()  # made on this thread: the reading thread only uses it
     pending = _READER.submit(read, 0)

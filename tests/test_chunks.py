@@ -268,7 +268,17 @@ def test_a_file_shorter_than_its_plan_falls_back(tmp_path):
 
 # -- read-ahead: the next row pair is read on a background thread while this one is compared ----------------
 
-def test_read_ahead_yields_every_step_in_order_with_its_rows(tmp_path):
+@pytest.fixture(autouse=False)
+def ahead_always(monkeypatch):
+    """The test traces' rows are small: read them ahead all the same."""
+    from prefill_diff.dumps import reader
+    monkeypatch.setattr(reader, "AHEAD_MIN_BYTES", 0)
+
+
+@pytest.mark.parametrize("threshold", [0, 1 << 40])
+def test_read_ahead_yields_every_step_in_order_with_its_rows(tmp_path, monkeypatch, threshold):
+    from prefill_diff.dumps import reader
+    monkeypatch.setattr(reader, "AHEAD_MIN_BYTES", threshold)  # read ahead, or each step on this thread
     a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
     steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]  # repeated and crossed rows
     with Trace(a) as ta, Trace(b) as tb:
@@ -285,7 +295,7 @@ def test_read_ahead_yields_every_step_in_order_with_its_rows(tmp_path):
         assert list(read_ahead(sources, [])) == []
 
 
-def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monkeypatch):
+def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monkeypatch, ahead_always):
     a = record(tmp_path / "a.h5")
     with Trace(a) as ta, Trace(a) as tb:
         rd = ta.layer(0).state("mid")
@@ -304,7 +314,7 @@ def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monk
         assert got == [0, 1]  # the pairs before the damaged one were compared
 
 
-def test_read_ahead_closed_early_waits_for_the_read_in_flight(tmp_path, monkeypatch):
+def test_read_ahead_closed_early_waits_for_the_read_in_flight(tmp_path, monkeypatch, ahead_always):
     """A comparison that stops early (first break, fail-fast, an error) may close the traces next: the read
     ahead of it must be over by then."""
     import threading
