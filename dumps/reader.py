@@ -153,7 +153,15 @@ class RowSource(NamedTuple):
     ds: h5py.Dataset
 
 
-_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-read")
+def _new_reader() -> None:
+    """The read-ahead thread's executor; a forked child gets a new one (the parent's thread is not there, and
+    the old executor would queue work that no thread ever runs)."""
+    global _READER
+    _READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-read")
+
+
+_new_reader()
+os.register_at_fork(after_in_child=_new_reader)
 READ_AHEAD = True  # False: read_ahead reads each step on the calling thread (tests/bench/bench_compare.py)
 AHEAD_MIN_BYTES = 256 * 1024  # smaller steps are read on the calling thread: a hand-over costs more than the read
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -28,7 +29,16 @@ import numpy as np
 _local = threading.local()
 BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
 SPLIT_BLOCKS = 8  # a slab of at least this many blocks (2 MiB per operand) is shared with a helper thread
-_HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-metrics")
+
+
+def _new_helper() -> None:
+    """The helper thread's executor; a forked child gets a new one (see dumps.reader._new_reader)."""
+    global _HELPER
+    _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-metrics")
+
+
+_new_helper()
+os.register_at_fork(after_in_child=_new_helper)
 
 
 def _buf(name: str, shape, dtype) -> np.ndarray:
