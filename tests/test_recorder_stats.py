@@ -1,0 +1,137 @@
+"""The recorder's statistics against independent computations: slab_stats (blocked reductions in the data's
+own dtype) against float64 sums done naively, the checksum against the bytes summed with Python integers,
+bfloat16 widening against torch's conversion, and the final top-k against a full stable sort."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prefill_diff.dumps import recorder
+from prefill_diff.dumps.recorder import _BLOCK, slab_stats, top_ids, widen_bfloat16
+
+
+def naive_checksum(a: np.ndarray) -> int:
+    """Wrapped int64 sum of each row's bytes read as little-endian 8-byte words, rows zero-padded to 8 bytes."""
+    rows = np.ascontiguousarray(a).reshape(a.shape[0], -1)
+    total = 0
+    for row in rows:
+        raw = row.tobytes()
+        raw += b"\0" * (-len(raw) % 8)
+        total += sum(int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8))
+    total &= (1 << 64) - 1
+    return total - (1 << 64) if total >> 63 else total
+
+
+def naive(values64: np.ndarray) -> tuple:
+    """count, finite, min, max, sum, sum of squares and the sum of |x| (the scale of the sum's rounding)."""
+    v = values64.ravel()
+    fin = np.isfinite(v)
+    return v.size, int(fin.sum()), v.min(), v.max(), v.sum(), (v * v).sum(), np.abs(v).sum()
+
+
+def cancelling(shape, dtype, rng) -> np.ndarray:
+    """Large offsets that cancel: rows alternately around +3e3 and -3e3, with a small signal on top."""
+    x = rng.standard_normal(shape) * 0.5
+    x += np.where(np.arange(shape[0])[:, None] % 2 == 0, 3e3, -3e3)
+    return x.astype(dtype)
+
+
+# rows of up to several blocks, widths below, at and above the row-sum length, odd widths (padded checksum rows)
+SHAPES = [(1, 1), (3, 5), (7, 33), (257, 1024), (700, 896), (5, 4096), (3, 3000), (2 * _BLOCK // 1024 + 3, 1024)]
+
+
+@pytest.mark.parametrize("vecdot", [True, False], ids=["vecdot", "einsum"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,eps", [(np.float32, 2.0 ** -24), (np.float64, 2.0 ** -53), (np.float16, 2.0 ** -24)])
+@pytest.mark.parametrize("data", ["normal", "cancelling"])
+def test_slab_stats_agree_with_float64_sums(shape, dtype, eps, data, vecdot, monkeypatch):
+    if vecdot and not recorder._HAS_VECDOT:
+        pytest.skip("numpy < 2.0 has no vecdot")
+    monkeypatch.setattr(recorder, "_HAS_VECDOT", vecdot)
+    rng = np.random.default_rng(hash((shape, data)) % 2 ** 32)
+    x = cancelling(shape, dtype, rng) if data == "cancelling" else (rng.standard_normal(shape) * 3 + 1).astype(dtype)
+    n, fin, mn, mx, s, ss, chk = slab_stats(x)
+    w = naive(x.astype(np.float64))
+    assert (n, fin) == w[:2] and (mn, mx) == (w[2], w[3])
+    # rounding of a sum of m values in the data's dtype is at most about m·eps·sum|x|; 1024-value row sums
+    # (in 8+ SIMD lanes) then float64: well under 256·eps. (The float32 tolerance allows 5e-4·rms of the mean.)
+    assert abs(s - w[4]) <= 256 * eps * w[6]
+    assert abs(ss - w[5]) <= 256 * eps * w[5]  # squares: the same rule, all terms positive
+    assert chk == naive_checksum(x)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (257, 1024), (2 * _BLOCK // 1024 + 3, 1024)])
+def test_bfloat16_slab_stats_are_of_the_exact_values_and_checksum_their_bits(shape):
+    rng = np.random.default_rng(7)
+    t = torch.from_numpy(cancelling(shape, np.float32, rng)).to(torch.bfloat16)
+    n, fin, mn, mx, s, ss, chk = slab_stats(t)
+    w = naive(t.double().numpy())
+    assert (n, fin, mn, mx) == w[:4]
+    assert abs(s - w[4]) <= 256 * 2.0 ** -24 * w[6]
+    assert abs(ss - w[5]) <= 256 * 2.0 ** -24 * w[5]
+    assert chk == naive_checksum(t.view(torch.int16).numpy())
+
+
+def test_widen_bfloat16_is_torchs_conversion_for_every_bit_pattern():
+    bits = np.arange(-2 ** 15, 2 ** 15, dtype=np.int64).astype(np.int16)
+    want = torch.from_numpy(bits.copy()).view(torch.bfloat16).float().numpy()
+    got = widen_bfloat16(bits)
+    assert got.dtype == np.float32
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # -0.0 and subnormals too
+    out = np.empty(bits.size, dtype=np.uint32)
+    assert np.array_equal(widen_bfloat16(bits, out)[~nan], want[~nan]) and widen_bfloat16(bits, out).base is not None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, "bfloat16"])
+@pytest.mark.parametrize("where", ["first block", "last block", "both"])
+def test_non_finite_values_are_counted_in_any_block(dtype, where):
+    R = 2 * _BLOCK // 512 + 5  # three blocks of 512-wide rows
+    x = np.random.default_rng(3).standard_normal((R, 512)).astype(np.float32)
+    if where in ("first block", "both"):
+        x[2, 7], x[3, 1] = np.inf, -np.inf
+    if where in ("last block", "both"):
+        x[R - 1, 3] = np.nan
+    t = torch.from_numpy(x).to(torch.bfloat16) if dtype == "bfloat16" else x.astype(dtype)
+    n, fin, mn, mx, s, ss, chk = slab_stats(t)
+    v = t.double().numpy() if dtype == "bfloat16" else t.astype(np.float64)
+    assert n == v.size and fin == int(np.isfinite(v).sum())
+    if where == "first block":
+        assert (mn, mx) == (-np.inf, np.inf) and np.isnan(s) and ss == np.inf
+    else:
+        assert np.isnan(mn) and np.isnan(mx) and np.isnan(s) and np.isnan(ss)
+    assert chk == naive_checksum(t.view(torch.int16).numpy() if dtype == "bfloat16" else t)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])  # (float16's widened sums cannot overflow)
+def test_finite_values_whose_sums_overflow_their_dtype_are_summed_in_float64(dtype):
+    x = np.full((300, 1024), 3e36, dtype=np.float32)
+    x[::2] *= -0.5
+    t = torch.from_numpy(x).to(torch.bfloat16) if dtype == "bfloat16" else x.astype(dtype)
+    n, fin, mn, mx, s, ss, chk = slab_stats(t)
+    w = naive(t.double().numpy() if dtype == "bfloat16" else t.astype(np.float64))
+    assert fin == n == w[0] and (mn, mx) == (w[2], w[3])
+    assert s == pytest.approx(w[4], rel=1e-12) and ss == pytest.approx(w[5], rel=1e-12)
+
+
+def test_checksum_composes_over_row_splits_at_any_block_boundary():
+    x = np.random.default_rng(5).standard_normal((2 * _BLOCK // 1000 + 9, 1001)).astype(np.float32)  # odd rows
+    whole = slab_stats(x)[6]
+    for cut in (1, _BLOCK // 1001, _BLOCK // 1001 + 1, x.shape[0] - 1):
+        a, b = slab_stats(x[:cut])[6], slab_stats(x[cut:])[6]
+        total = (a + b) & ((1 << 64) - 1)
+        assert (total - (1 << 64) if total >> 63 else total) == whole
+
+
+@pytest.mark.parametrize("k", [1, 3, 10, 64])
+def test_top_ids_are_the_full_stable_sort_with_ties_by_lower_id(k):
+    rng = np.random.default_rng(k)
+    for z in (rng.standard_normal(500).astype(np.float32),
+              rng.integers(-3, 4, 500).astype(np.float32),  # many ties, across the k-th place
+              np.full(200, 1.5, dtype=np.float32),
+              np.array([np.nan, 1.0, np.inf, -np.inf, np.nan, 1.0, 0.0] * 20, dtype=np.float32),
+              rng.standard_normal(300).astype(np.float16)):
+        want = np.argsort(-z.astype(np.float64), kind="stable")[:min(k, z.size)]
+        assert np.array_equal(top_ids(z, min(k, z.size)), want)
