@@ -104,6 +104,22 @@ def _text(obj, key: str, value: str) -> None:
     obj.attrs[key] = np.bytes_(value.encode("utf-8"))
 
 
+def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple) -> h5py.h5d.DatasetID:
+    """A new contiguous dataset ``rel`` (its parent group exists) of ``shape`` holding ``data``: what
+    ``group.create_dataset(rel, shape, data=data)`` makes (no fill value, no time stamps, attribute order not
+    tracked), made through h5py's low-level API in a third of the time (issue 18: the per-layer statistics
+    are 16 small datasets a layer)."""
+    if data.shape != tuple(shape):
+        raise RecorderError(f"internal: {rel} holds shape {data.shape}, the format says {tuple(shape)}")
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_obj_track_times(False)
+    dcpl.set_attr_creation_order(0)
+    dsid = h5py.h5d.create(group.id, rel.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=1),
+                           h5py.h5s.create_simple(data.shape), dcpl=dcpl)
+    dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
+    return dsid
+
+
 def remove_partial_files() -> list:
     """Delete this process's unfinished temporary traces (after an interrupt); returns their paths."""
     gone = []
@@ -542,12 +558,13 @@ class Recorder:
         _text(self.f, "format_version", FORMAT_VERSION)
         _text(self.f, "level", level)
         self.f.attrs["complete"] = 0
-        self._stats: dict[tuple[int, str], _Stats] = {}
+        self._stats: dict[int, dict[str, _Stats]] = {}  # layer -> tensor name -> its statistics so far
         self._closed = False
         self.n_samples = None
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
         self._groups: dict[int, h5py.Group] = {}  # layer -> its group, created on first use
+        self._small: dict[tuple, object] = {}  # (layer, element path, name) -> h5py DatasetID written so far
         self._layers: dict[int, _LayerBuffers] = {}
         self._dirty: set = set()  # layers with something not yet written
         self._final: dict | None = None  # FINAL element name -> dataset, created on the first final()
@@ -675,10 +692,13 @@ class Recorder:
                                 f"{self.args['n_layers']})")
 
     def _stat(self, layer: int, name: str) -> _Stats:
-        key = (layer, name)
-        if key not in self._stats:
-            self._stats[key] = _Stats(self.n_samples)
-        return self._stats[key]
+        """The running statistics of a layer's tensor, kept for the whole run: a layer written and then reached
+        again is rewritten with every sample's statistics, not only the later ones."""
+        self._dirty.add(layer)
+        per_layer = self._stats.setdefault(layer, {})
+        if name not in per_layer:
+            per_layer[name] = _Stats(self.n_samples)
+        return per_layer[name]
 
     def state(self, layer: int, name: str, sample: int, col: int, x) -> None:
         """One sample's cells [col, col + T) of a residual-stream state: (T, dim), attn_heads (T, n_heads·head_dim)."""
@@ -793,22 +813,31 @@ class Recorder:
         reader streaming this file may then read the layer)."""
         _check_interrupt()
         g = self._group(layer)
-        for (lay, name), st in list(self._stats.items()):
-            if lay != layer:
-                continue
-            if sc.STATS.rel(name) in g:
-                del g[sc.STATS.rel(name)], g[sc.CHECKSUM.rel(name)]
-            sc.STATS.create(g, self.dims, name, data=st.table())
-            sc.CHECKSUM.create(g, self.dims, name, data=np.array(st.checksum, dtype=np.int64))
-            del self._stats[(lay, name)]
-        if sc.STATS_GROUP in g and sc.ATTR_COLUMNS not in g[sc.STATS_GROUP].attrs:
-            _text(g[sc.STATS_GROUP], sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
+        stats = self._stats.get(layer, {})
+        if stats and (layer, sc.STATS_GROUP) not in self._small:
+            _text(g.create_group(sc.STATS_GROUP), sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
+            g.create_group(sc.CHECKSUMS_GROUP)
+            self._small[(layer, sc.STATS_GROUP)] = None
+        for name, st in stats.items():
+            self._put_small(g, layer, sc.STATS, name, st.table())
+            self._put_small(g, layer, sc.CHECKSUM, name, np.array(st.checksum, dtype=np.int64))
         buf = self._layers.get(layer)
         if buf is not None:
             self._write_cache_index(g, buf)
             for name, smp in buf.sampled.items():
                 self._write_sampled_layer(g, name, smp)
         self._dirty.discard(layer)
+
+    def _put_small(self, g: h5py.Group, layer: int, el: sc.Element, name: str, data: np.ndarray) -> None:
+        """A layer's contiguous statistics dataset ``el`` (stats/NAME or checksums/NAME) holds ``data``: created
+        on the layer's first write, written in place on a later one (a layer reached again)."""
+        key = (layer, el.path, name)
+        dsid = self._small.get(key)
+        data = np.ascontiguousarray(data, dtype=el.dtype)
+        if dsid is None:
+            self._small[key] = _new_dataset(g, el.rel(name), data, el.shape_for(self.dims))
+        else:
+            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
 
     def _write_cache_index(self, g: h5py.Group, buf: _LayerBuffers) -> None:
         """A layer's cache positions and lengths, in one write each."""
@@ -882,7 +911,7 @@ class Recorder:
         except RecorderError:
             self.abort()  # nothing is left that looks like a trace
             raise
-        for layer in sorted({lay for lay, _ in self._stats} | self._dirty):
+        for layer in sorted(self._dirty):
             self.layer_done(layer)
         self._write_meta()
         self.f.attrs["complete"] = 1

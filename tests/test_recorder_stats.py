@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from prefill_diff.dumps import recorder
-from prefill_diff.dumps.recorder import _BLOCK, slab_stats, top_ids, widen_bfloat16
+from prefill_diff.dumps.reader import Trace
+from prefill_diff.dumps.recorder import _BLOCK, Recorder, slab_stats, top_ids, widen_bfloat16
 
 
 def naive_checksum(a: np.ndarray) -> int:
@@ -135,3 +136,43 @@ def test_top_ids_are_the_full_stable_sort_with_ties_by_lower_id(k):
               rng.standard_normal(300).astype(np.float16)):
         want = np.argsort(-z.astype(np.float64), kind="stable")[:min(k, z.size)]
         assert np.array_equal(top_ids(z, min(k, z.size)), want)
+
+
+@pytest.mark.parametrize("level", ["stats", "sampled", "full"])
+def test_a_layer_written_after_each_sample_keeps_every_samples_statistics(tmp_path, level):
+    """layer_done after every sample (an engine that records one sample at a time): the layer is rewritten in
+    place and its statistics cover every sample, equal to those of one layer_done after all samples."""
+    args = {"dim": 6, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 2, "vocab_size": 9}
+    rng = np.random.default_rng(0)
+    data = {(layer, s, name): rng.standard_normal((3, 6)).astype(np.float32) for layer in range(2) for s in range(2)
+            for name in ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")}
+    kv = {(layer, s): rng.standard_normal((2, 1, 3, 2)).astype(np.float32) for layer in range(2) for s in range(2)}
+
+    def record(path, per_sample: bool):
+        with Recorder(path, level) as rec:
+            rec.begin([[1, 2, 3], [4, 5, 6]], 3, {"model": {"args": args}, "engine": {"dtype": "float32"}})
+            for s in range(2):
+                rec.inputs(s, 0, np.arange(1, 4), np.ones(3, bool), np.arange(3), np.arange(3))
+            for layer in range(2):
+                for s in range(2):
+                    for (lay, s_, name), x in data.items():
+                        if (lay, s_) == (layer, s):
+                            rec.state(layer, name, s, 0, x)
+                    rec.cache(layer, s, *kv[(layer, s)], np.arange(3))
+                    if per_sample:
+                        rec.layer_done(layer)
+                rec.layer_done(layer)
+            for s in range(2):
+                rec.final(s, np.zeros(6, np.float32), np.arange(9, dtype=np.float32), 2, 2)
+
+    record(tmp_path / "once.h5", False)
+    record(tmp_path / "each.h5", True)
+    with Trace(tmp_path / "once.h5") as once, Trace(tmp_path / "each.h5") as each:
+        for layer in range(2):
+            for name in ("layer_input", "mid", "layer_output", "cache_keys", "cache_values"):
+                got, want = each.layer(layer).stats(name), once.layer(layer).stats(name)
+                assert np.array_equal(got, want) and (got[:, 0] == (18 if "cache" not in name else 6)).all()
+                assert np.array_equal(each.layer(layer).checksum(name), once.layer(layer).checksum(name))
+                if "cache" not in name:  # sample 0's, written before the layer was first done, are there
+                    x = data[(layer, 0, name)]
+                    assert got[0, 2] == x.min() and got[0, 3] == x.max()
