@@ -323,13 +323,12 @@ def widen_bfloat16(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
     return out.view(np.float32)
 
 
-def _sum_row(width: int) -> int:
-    """How many values one float32/float64 row sum adds: the width, or a divisor of it near _SUM_ROW for wide
-    rows (the rounding error of a sum grows with the values added in its dtype)."""
-    if width <= _SUM_ROW:
-        return width
-    c = np.gcd(width, _SUM_ROW)
-    return int(c) if c >= 128 else width
+def _sum_row(size: int, width: int) -> int:
+    """How many values one row sum of a block of ``size`` values adds: _SUM_ROW or the largest power of two
+    dividing the block below it (the block is contiguous: its rows need not be the tensor's), else the width.
+    The rounding error of a sum grows with the values it adds in its dtype; short rows are slower."""
+    c = int(np.gcd(size, _SUM_ROW))
+    return c if c >= 64 else width
 
 
 def _row_dots(m: np.ndarray) -> np.ndarray:
@@ -342,7 +341,7 @@ def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     """slab_stats of a C-contiguous array (rows first); ``bfloat16``: ``a`` holds bfloat16 bit patterns.
 
     float32 and float64 blocks are reduced as they are: row sums by one matrix-vector product and rows' sums
-    of squares (rows of the width, or of about _SUM_ROW values), in their dtype, added in float64. float16 and bfloat16
+    of squares (rows of up to _SUM_ROW values, see _sum_row), in their dtype, added in float64. float16 and bfloat16
     blocks are widened to float32 first (exact), other dtypes to float64."""
     rows = a.reshape(a.shape[0], -1)
     R, W = rows.shape
@@ -360,15 +359,14 @@ def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
             else:
                 yield blk, blk.astype(np.float32 if blk.dtype == np.float16 else np.float64)
 
-    c = _sum_row(W)
     mins, maxs, s, ss, chk = [], [], 0.0, 0.0, 0
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf, or float32 sums past 3.4e38
         for blk, v in blocks():
             f = v.reshape(-1)
             mins.append(f.min())
             maxs.append(f.max())
-            m = f.reshape(-1, c)
-            s += float(np.dot(m, np.ones(c, dtype=f.dtype)).sum(dtype=np.float64))
+            m = f.reshape(-1, _sum_row(f.size, W))
+            s += float(np.dot(m, np.ones(m.shape[1], dtype=f.dtype)).sum(dtype=np.float64))
             ss += float(_row_dots(m).sum(dtype=np.float64))
             chk += _numpy_checksum(blk)
         finite = n
@@ -388,6 +386,16 @@ def _slots(t, T: int, width: int):
     if _is_torch(t) and (t.device.type != "cpu" or str(t.dtype) == "torch.bfloat16"):
         return t.swapaxes(0, 1).reshape(T, width)
     return np.ascontiguousarray(to_numpy(t).swapaxes(0, 1)).reshape(T, width)
+
+
+def _slot_rows(t, T: int, H: int, D: int):
+    """A cache tensor (n_kv_heads, T, head_dim) as rows with the statistics and checksum of its slots (T,
+    n_kv_heads·head_dim): its own (H·T, D) rows, without a copy, when a head_dim row is whole 8-byte words (a
+    slot's checksum is then the sum of its heads' rows'); else the slots."""
+    itemsize = t.element_size() if _is_torch(t) else np.dtype(t.dtype).itemsize
+    if D * itemsize % 8 == 0:
+        return t.reshape(H * T, D)
+    return _slots(t, T, H * D)
 
 
 def top_ids(z: np.ndarray, k: int) -> np.ndarray:
@@ -564,6 +572,8 @@ class Recorder:
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
         self._groups: dict[int, h5py.Group] = {}  # layer -> its group, created on first use
+        self._reuse: dict = {}  # layer_output slabs of layer _reuse_layer: identity -> (root tensor, statistics)
+        self._reuse_layer: int | None = None
         self._small: dict[tuple, object] = {}  # (layer, element path, name) -> h5py DatasetID written so far
         self._layers: dict[int, _LayerBuffers] = {}
         self._dirty: set = set()  # layers with something not yet written
@@ -716,18 +726,36 @@ class Recorder:
         idx = np.flatnonzero(v)
         if idx.size:
             a, b = int(idx[0]), int(idx[-1]) + 1
-            st.add(sample, slab_stats(x[a:b]))
+            st.add(sample, self._slab(layer, name, x[a:b]))
             if a > 0:
-                st.add(sample, slab_stats(x[:a]), padding=True)
+                st.add(sample, self._slab(layer, name, x[:a]), padding=True)
             if b < T:
-                st.add(sample, slab_stats(x[b:]), padding=True)
+                st.add(sample, self._slab(layer, name, x[b:]), padding=True)
         else:
-            st.add(sample, slab_stats(x), padding=True)
+            st.add(sample, self._slab(layer, name, x), padding=True)
         if self.level == "full":
             ds = self._state_ds(layer, name, x)
             self._write(ds, np.s_[sample, col:col + T], x)
         elif self.level == "sampled":
             self._write_sampled(layer, name, sample, self.tok[sample, col:col + T], v, x)
+
+    def _slab(self, layer: int, name: str, x) -> tuple:
+        """slab_stats(x), except that layer l's layer_output statistics serve layer l+1's layer_input when the
+        engine hands both the very same torch tensor (one state in six; issue 18): the same root tensor object,
+        offset, shape and strides, and its version counter unchanged (an in-place change in between bumps it;
+        only writes that bypass it, through ``.data`` or a numpy alias, would go unseen)."""
+        if name not in ("layer_output", "layer_input") or not _is_torch(x):
+            return slab_stats(x)
+        root = x if x._base is None else x._base
+        key = (id(root), x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version)
+        if name == "layer_input":
+            hit = self._reuse.get(key) if self._reuse_layer == layer - 1 else None
+            return hit[1] if hit is not None and hit[0] is root else slab_stats(x)
+        if self._reuse_layer != layer:
+            self._reuse, self._reuse_layer = {}, layer
+        st = slab_stats(x)
+        self._reuse[key] = (root, st)  # the reference keeps the root alive: its id and memory are not reused
+        return st
 
     def _write_sampled(self, layer, name, sample, toks, valid, x):
         """The declared (token, channel) subset of one sample's rows (T, width)."""
@@ -791,8 +819,7 @@ class Recorder:
         lc.positions[sample, :T] = pos
         lc.lengths[sample] = T
         for name, t in (("keys", keys), ("values", values)):
-            flat = _slots(t, T, H * D)  # (T, H_kv*d_h)
-            self._stat(layer, f"cache_{name}").add(sample, slab_stats(flat))
+            self._stat(layer, f"cache_{name}").add(sample, slab_stats(_slot_rows(t, T, H, D)))
             if self.level == "full":
                 if name not in lc.tensors:
                     tmax = max(int(self.lengths.max()), T)
@@ -806,7 +833,8 @@ class Recorder:
                 if T:
                     self._write(ds, np.s_[sample, :, :T], t)
             elif self.level == "sampled":
-                self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool), flat)
+                self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool),
+                                    _slots(t, T, H * D))
 
     def layer_done(self, layer: int) -> None:
         """Write what a completed layer kept in memory: its statistics, cache positions and sampled values (a
@@ -905,6 +933,7 @@ class Recorder:
         """Finish the file and move it into place (or, in memory, just mark it complete)."""
         if self._closed:
             return
+        self._reuse = {}
         try:
             self._need_begin()
             self._check_complete()

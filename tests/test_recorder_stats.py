@@ -176,3 +176,71 @@ def test_a_layer_written_after_each_sample_keeps_every_samples_statistics(tmp_pa
                 if "cache" not in name:  # sample 0's, written before the layer was first done, are there
                     x = data[(layer, 0, name)]
                     assert got[0, 2] == x.min() and got[0, 3] == x.max()
+
+
+def test_cache_statistics_over_head_rows_are_those_of_the_slots():
+    """The cache's statistics are taken over its (H·T, D) rows without a copy when a D row is whole 8-byte
+    words: the same checksum as the slots (T, H·D), every other statistic the same up to summation order."""
+    rng = np.random.default_rng(2)
+    for H, T, D, dtype in [(4, 37, 64, torch.float32), (2, 5, 3, torch.float32), (3, 9, 4, torch.bfloat16),
+                           (2, 7, 6, torch.bfloat16), (4, 300, 128, torch.float16)]:
+        t = torch.from_numpy(rng.standard_normal((H, T, D)).astype(np.float32)).to(dtype)
+        slots = t.transpose(0, 1).reshape(T, H * D)
+        got, want = slab_stats(recorder._slot_rows(t, T, H, D)), slab_stats(slots)
+        assert got[:4] == want[:4] and got[6] == want[6]
+        assert got[4] == pytest.approx(want[4], rel=1e-5, abs=1e-5) and got[5] == pytest.approx(want[5], rel=1e-6)
+        bits = slots.view(torch.int16).numpy() if dtype == torch.bfloat16 else slots.numpy()
+        assert got[6] == naive_checksum(bits)
+
+
+class _Spy:
+    """slab_stats, counting the calls per slab identity."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        monkeypatch.setattr(recorder, "slab_stats", self)
+
+    def __call__(self, x):
+        self.calls += 1
+        return slab_stats(x)
+
+
+def _two_layers(tmp_path, between) -> tuple:
+    """Record layer 0's layer_output x, run ``between(x)``, record it (or what it returns) as layer 1's
+    layer_input; returns (trace statistics of layer 1's layer_input for sample 0, the tensor recorded)."""
+    args = {"dim": 8, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 2, "vocab_size": 9}
+    rng = np.random.default_rng(4)
+    with Recorder(tmp_path / "r.h5", "stats", force=True) as rec:
+        rec.begin([[1, 2, 3, 4]], 4, {"model": {"args": args}, "engine": {"dtype": "float32"}})
+        rec.inputs(0, 0, np.arange(1, 5), np.array([0, 1, 1, 1], bool), np.arange(4), np.array([-1, 0, 1, 2]))
+        x = None
+        for layer in range(2):
+            for name in ("layer_input", "attn_update", "mid", "mlp_update", "layer_output"):
+                if name == "layer_input" and x is not None:
+                    x = between(x)
+                else:
+                    x = torch.from_numpy(rng.standard_normal((1, 4, 8)).astype(np.float32))
+                if name == "layer_input" and layer == 1:
+                    given = x[0].clone()
+                rec.state(layer, name, 0, 0, x[0])
+            rec.cache(layer, 0, *torch.zeros(2, 1, 3, 2), torch.arange(3))
+            rec.layer_done(layer)
+        rec.final(0, np.zeros(8, np.float32), np.arange(9, dtype=np.float32), 3, 2)
+    with Trace(tmp_path / "r.h5") as t:
+        return t.layer(1).stats("layer_input")[0], given
+
+
+def _want_stats(x: torch.Tensor) -> np.ndarray:
+    v = x[1:].double().numpy()  # column 0 is padding
+    return np.array([v.size, v.size, v.min(), v.max(), v.mean(), np.sqrt((v * v).sum()), 8, 8])
+
+
+@pytest.mark.parametrize("between", ["same", "changed in place", "another tensor"])
+def test_layer_input_statistics_are_reused_only_for_the_very_same_unchanged_tensor(tmp_path, monkeypatch, between):
+    spy = _Spy(monkeypatch)
+    fn = {"same": lambda x: x, "changed in place": lambda x: x.mul_(-3.0),
+          "another tensor": lambda x: x.clone() * 2}[between]
+    got, given = _two_layers(tmp_path, fn)
+    np.testing.assert_allclose(got, _want_stats(given), rtol=1e-6)
+    # 2 layers x 5 states x (valid + padding slab) + 2 x 2 cache tensors, less the 2 slabs reused when the same
+    assert spy.calls == 24 - (2 if between == "same" else 0)
