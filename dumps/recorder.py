@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import json
 import os
 import secrets
@@ -104,20 +105,32 @@ def _text(obj, key: str, value: str) -> None:
     obj.attrs[key] = np.bytes_(value.encode("utf-8"))
 
 
-def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple) -> h5py.h5d.DatasetID:
+def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple, fill=None) -> h5py.h5d.DatasetID:
     """A new contiguous dataset ``rel`` (its parent group exists) of ``shape`` holding ``data``: what
-    ``group.create_dataset(rel, shape, data=data)`` makes (no fill value, no time stamps, attribute order not
-    tracked), made through h5py's low-level API in a third of the time (issue 18: the per-layer statistics
-    are 16 small datasets a layer)."""
+    ``group.create_dataset(rel, shape, data=data, fillvalue=fill)`` makes (no time stamps, attribute order not
+    tracked), made through h5py's low-level API in a third of the time (issue 18: a layer has 16 statistics
+    datasets, and 8 sampled ones at the sampled level)."""
     if data.shape != tuple(shape):
         raise RecorderError(f"internal: {rel} holds shape {data.shape}, the format says {tuple(shape)}")
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    if fill is not None:
+        dcpl.set_fill_value(np.array(fill))
     dcpl.set_obj_track_times(False)
     dcpl.set_attr_creation_order(0)
     dsid = h5py.h5d.create(group.id, rel.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=1),
                            h5py.h5s.create_simple(data.shape), dcpl=dcpl)
     dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
     return dsid
+
+
+def _new_attr(oid, name: str, value) -> None:
+    """Attribute ``name`` = ``value`` on a new object (low-level id) that has no such attribute yet: what
+    ``obj.attrs[name] = value`` writes, without its checks for an attribute to replace."""
+    data = np.asarray(value)
+    attr = h5py.h5a.create(oid, name.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=True),
+                           h5py.h5s.create_simple(data.shape))
+    attr.write(data, mtype=h5py.h5t.py_create(data.dtype))
+    attr.close()
 
 
 def remove_partial_files() -> list:
@@ -266,7 +279,9 @@ def to_numpy(x) -> np.ndarray:
     if _is_torch(x):
         x = x.detach()
         if str(x.dtype) == "torch.bfloat16":
-            x = x.float()
+            if x.device.type != "cpu":
+                return x.float().cpu().numpy()
+            return widen_bfloat16(x.view(sys.modules["torch"].int16).numpy())  # numpy: no torch thread pool
         return x.cpu().numpy()
     return np.asarray(x)
 
@@ -295,12 +310,11 @@ def slab_stats(x) -> tuple:
         return 0, 0, np.inf, -np.inf, 0.0, 0.0, 0
     if _is_torch(x):
         torch = sys.modules["torch"]  # x is a torch tensor, so torch is already imported
-        xc = x.detach().contiguous()
-        if xc.device.type != "cpu":
-            return _torch_stats(xc, n, torch)
-        if xc.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, widened block by block (exact)
-            return _numpy_stats(xc.view(torch.int16).numpy(), n, bfloat16=True)
-        return _numpy_stats(xc.numpy(), n)
+        if x.device.type != "cpu":
+            return _torch_stats(x.detach().contiguous(), n, torch)
+        if x.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, widened block by block (exact)
+            return _numpy_stats(np.ascontiguousarray(x.detach().view(torch.int16).numpy()), n, bfloat16=True)
+        x = x.detach().numpy()  # a strided tensor is copied by numpy below, not by torch's thread pool
     return _numpy_stats(np.ascontiguousarray(x), n)
 
 
@@ -383,19 +397,31 @@ def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
 def _slots(t, T: int, width: int):
     """A cache tensor (n_kv_heads, T, head_dim) as rows of slots (T, n_kv_heads·head_dim): a copy made by numpy
     for a CPU tensor (see slab_stats), kept a torch tensor for bfloat16 (whose checksum is of its own bits)."""
-    if _is_torch(t) and (t.device.type != "cpu" or str(t.dtype) == "torch.bfloat16"):
+    if _is_torch(t) and t.device.type != "cpu":
         return t.swapaxes(0, 1).reshape(T, width)
+    if _is_torch(t) and str(t.dtype) == "torch.bfloat16":  # its bits moved by numpy, viewed as bfloat16 again
+        torch = sys.modules["torch"]
+        bits = t.detach().view(torch.int16).numpy()
+        return torch.from_numpy(np.ascontiguousarray(bits.swapaxes(0, 1)).reshape(T, width)).view(torch.bfloat16)
     return np.ascontiguousarray(to_numpy(t).swapaxes(0, 1)).reshape(T, width)
 
 
 def _slot_rows(t, T: int, H: int, D: int):
     """A cache tensor (n_kv_heads, T, head_dim) as rows with the statistics and checksum of its slots (T,
-    n_kv_heads·head_dim): its own (H·T, D) rows, without a copy, when a head_dim row is whole 8-byte words (a
-    slot's checksum is then the sum of its heads' rows'); else the slots."""
+    n_kv_heads·head_dim): its own (H·T, D) rows, without a copy where it is contiguous, when a head_dim row is
+    whole 8-byte words (a slot's checksum is then the sum of its heads' rows'); else the slots. A CPU tensor is
+    reshaped by numpy (torch's copy of a strided tensor fans out to its thread pool; see slab_stats)."""
+    torch_cpu = _is_torch(t) and t.device.type == "cpu"
     itemsize = t.element_size() if _is_torch(t) else np.dtype(t.dtype).itemsize
-    if D * itemsize % 8 == 0:
+    if D * itemsize % 8:
+        return _slots(t, T, H * D)
+    if not torch_cpu:
         return t.reshape(H * T, D)
-    return _slots(t, T, H * D)
+    if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16: its bits reshaped, viewed as bfloat16 again
+        torch = sys.modules["torch"]
+        bits = t.detach().view(torch.int16).numpy().reshape(H * T, D)
+        return torch.from_numpy(bits).view(torch.bfloat16)
+    return t.detach().numpy().reshape(H * T, D)
 
 
 def top_ids(z: np.ndarray, k: int) -> np.ndarray:
@@ -483,10 +509,27 @@ def select_tokens(length: int, k: int) -> list[int]:
     return sorted({round(i * (length - 1) / (k - 1)) for i in range(k)})
 
 
+@functools.lru_cache(maxsize=64)
 def select_channels(width: int, k: int, seed: int) -> np.ndarray:
-    if width <= k:
-        return np.arange(width)
-    return np.sort(np.random.default_rng(seed).choice(width, k, replace=False))
+    """The sampled level's channels of a ``width``-wide tensor: k drawn by ``seed``, sorted (read-only: the
+    same array serves every layer)."""
+    ch = np.arange(width) if width <= k else np.sort(np.random.default_rng(seed).choice(width, k, replace=False))
+    ch.flags.writeable = False
+    return ch
+
+
+def _gather(x, rows: np.ndarray, channels: np.ndarray, heads: int | None = None) -> np.ndarray:
+    """x[rows][:, channels] as numpy (bfloat16 widened, exact): of a (T, width) tensor, or with ``heads`` of
+    a cache tensor's slots (heads, T, head_dim) -> (T, heads·head_dim). Only the gathered values are copied
+    (a CPU tensor by numpy, see slab_stats; one on an accelerator is brought over whole)."""
+    bf16 = _is_torch(x) and x.device.type == "cpu" and str(x.dtype) == "torch.bfloat16"
+    a = x.detach().view(sys.modules["torch"].int16).numpy() if bf16 else to_numpy(x)
+    if heads is None:
+        got = a[np.ix_(rows, channels)]
+    else:
+        D = a.shape[2]
+        got = a[channels // D, rows[:, None], channels % D]  # slot row r, channel c = head·D + d
+    return widen_bfloat16(got) if bf16 else got
 
 
 class TraceWriter(Protocol):
@@ -757,8 +800,9 @@ class Recorder:
         self._reuse[key] = (root, st)  # the reference keeps the root alive: its id and memory are not reused
         return st
 
-    def _write_sampled(self, layer, name, sample, toks, valid, x):
-        """The declared (token, channel) subset of one sample's rows (T, width)."""
+    def _write_sampled(self, layer, name, sample, toks, valid, x, heads: int | None = None):
+        """The declared (token, channel) subset of one sample's rows: x (T, width), or with ``heads`` a cache
+        tensor (heads, T, head_dim) whose rows are its slots (T, heads·head_dim)."""
         m = self._slot_of_tok[sample]
         ok = valid & (toks >= 0) & (toks < m.shape[0])
         rows = np.flatnonzero(ok)
@@ -769,8 +813,8 @@ class Recorder:
         rows, slots = rows[keep], slots[keep]
         if rows.size == 0:
             return
-        buf = self._sampled_buffer(layer, name, x)
-        buf.values[sample, slots] = to_numpy(x)[np.ix_(rows, buf.channels)]  # a numpy gather (see slab_stats)
+        buf = self._sampled_buffer(layer, name, x, x.shape[1] if heads is None else heads * x.shape[2])
+        buf.values[sample, slots] = _gather(x, rows, buf.channels, heads)
 
     def _state_ds(self, layer, name, x):
         key = (layer, name)
@@ -782,10 +826,10 @@ class Recorder:
             self._ds[key] = ds
         return self._ds[key]
 
-    def _sampled_buffer(self, layer, name, x) -> _Sampled:
+    def _sampled_buffer(self, layer, name, x, width: int) -> _Sampled:
         sampled = self._buffers(layer).sampled
         if name not in sampled:
-            width = int(x.shape[1])
+            width = int(width)
             ch = select_channels(width, self.sample_channels, self.sample_seed)
             shape = sc.SAMPLED.shape_for({**self.dims, "K": len(ch)})
             sampled[name] = _Sampled(np.full(shape, np.nan, dtype=to_numpy(x[:0]).dtype), ch, width, source_dtype(x))
@@ -833,8 +877,7 @@ class Recorder:
                 if T:
                     self._write(ds, np.s_[sample, :, :T], t)
             elif self.level == "sampled":
-                self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool),
-                                    _slots(t, T, H * D))
+                self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool), t, heads=H)
 
     def layer_done(self, layer: int) -> None:
         """Write what a completed layer kept in memory: its statistics, cache positions and sampled values (a
@@ -853,7 +896,7 @@ class Recorder:
         if buf is not None:
             self._write_cache_index(g, buf)
             for name, smp in buf.sampled.items():
-                self._write_sampled_layer(g, name, smp)
+                self._write_sampled_layer(g, layer, name, smp)
         self._dirty.discard(layer)
 
     def _put_small(self, g: h5py.Group, layer: int, el: sc.Element, name: str, data: np.ndarray) -> None:
@@ -884,15 +927,22 @@ class Recorder:
         pos[...] = buf.positions
         g[sc.CACHE_LENGTHS.rel()][...] = buf.lengths
 
-    def _write_sampled_layer(self, g: h5py.Group, name: str, smp: _Sampled) -> None:
-        ds = g.get(sc.SAMPLED.rel(name))
-        if ds is not None:
-            ds[...] = smp.values
+    def _write_sampled_layer(self, g: h5py.Group, layer: int, name: str, smp: _Sampled) -> None:
+        """A layer's sampled/NAME: created with its attributes on the layer's first write, in place later."""
+        key = (layer, sc.SAMPLED.path, name)
+        dsid = self._small.get(key)
+        if dsid is not None:
+            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, smp.values)
             return
-        ds = sc.SAMPLED.create(g, {**self.dims, "K": len(smp.channels)}, name, smp.values.dtype, data=smp.values)
-        ds.attrs[sc.ATTR_CHANNELS] = smp.channels
-        ds.attrs[sc.ATTR_WIDTH] = smp.width
-        _text(ds, sc.ATTR_SOURCE_DTYPE, smp.source_dtype)
+        if (layer, sc.SAMPLED_GROUP) not in self._small:
+            g.create_group(sc.SAMPLED_GROUP)
+            self._small[(layer, sc.SAMPLED_GROUP)] = None
+        shape = sc.SAMPLED.shape_for({**self.dims, "K": len(smp.channels)})
+        dsid = _new_dataset(g, sc.SAMPLED.rel(name), smp.values, shape, fill=sc.SAMPLED.fill)
+        _new_attr(dsid, sc.ATTR_CHANNELS, smp.channels)
+        _new_attr(dsid, sc.ATTR_WIDTH, smp.width)
+        _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, np.bytes_(smp.source_dtype.encode("utf-8")))  # as _text writes it
+        self._small[key] = dsid
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
         """h_b at the sample's gathered position (dim,), its raw logits (vocab_size,), and where it was gathered

@@ -244,3 +244,27 @@ def test_layer_input_statistics_are_reused_only_for_the_very_same_unchanged_tens
     np.testing.assert_allclose(got, _want_stats(given), rtol=1e-6)
     # 2 layers x 5 states x (valid + padding slab) + 2 x 2 cache tensors, less the 2 slabs reused when the same
     assert spy.calls == 24 - (2 if between == "same" else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "numpy"])
+def test_sampled_gather_of_states_and_cache_slots_is_plain_indexing(dtype):
+    """The sampled level's gather: rows by channels of a state, and of a cache tensor's slots (T, H·D) taken
+    from its (H, T, D) layout without building the slots; bfloat16 widened exactly."""
+    rng = np.random.default_rng(6)
+    H, T, D = 4, 40, 16
+    cache = torch.from_numpy(rng.standard_normal((H, T, D)).astype(np.float32))
+    state = torch.from_numpy(rng.standard_normal((T, 96)).astype(np.float32))
+    if dtype == "numpy":
+        cache, state = cache.numpy(), state.numpy()
+    else:
+        cache, state = cache.to(dtype), state.to(dtype)
+    rows = np.array([0, 3, 17, 39])
+    for x, heads, width in ((state, None, 96), (cache, H, H * D)):
+        ch = recorder.select_channels(width, 32, 0)
+        assert len(ch) == 32 and (np.diff(ch) > 0).all()  # 32 distinct channels of the width
+        as_rows = x if heads is None else (x.transpose(0, 1) if torch.is_tensor(x) else x.swapaxes(0, 1)).reshape(T, -1)
+        if torch.is_tensor(as_rows):  # bfloat16 is stored as float32, other dtypes as they are
+            as_rows = (as_rows.float() if as_rows.dtype == torch.bfloat16 else as_rows).numpy()
+        want = as_rows[np.ix_(rows, ch)]
+        got = recorder._gather(x, rows, ch, heads)
+        assert got.dtype == want.dtype and np.array_equal(got, want)
