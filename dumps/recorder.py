@@ -105,31 +105,51 @@ def _text(obj, key: str, value: str) -> None:
     obj.attrs[key] = np.bytes_(value.encode("utf-8"))
 
 
-def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple, fill=None) -> h5py.h5d.DatasetID:
-    """A new contiguous dataset ``rel`` (its parent group exists) of ``shape`` holding ``data``: what
-    ``group.create_dataset(rel, shape, data=data, fillvalue=fill)`` makes (no time stamps, attribute order not
-    tracked), made through h5py's low-level API in a third of the time (issue 18: a layer has 16 statistics
-    datasets, and 8 sampled ones at the sampled level)."""
-    if data.shape != tuple(shape):
-        raise RecorderError(f"internal: {rel} holds shape {data.shape}, the format says {tuple(shape)}")
+@functools.lru_cache(maxsize=64)
+def _creation(dtype: str, shape: tuple, maxshape: tuple | None, chunks: tuple | None, fill: str | None) -> tuple:
+    """(datatype, dataspace, creation property list) of a new dataset, made once per kind: what h5py's
+    create_dataset sets (chunks, fill value; no time stamps, attribute order not tracked)."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    if chunks is not None:
+        dcpl.set_chunk(chunks)
     if fill is not None:
-        dcpl.set_fill_value(np.array(fill))
+        dcpl.set_fill_value(np.array(float(fill) if fill == "nan" else int(fill)))
     dcpl.set_obj_track_times(False)
     dcpl.set_attr_creation_order(0)
-    dsid = h5py.h5d.create(group.id, rel.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=1),
-                           h5py.h5s.create_simple(data.shape), dcpl=dcpl)
+    unlimited = None if maxshape is None else tuple(h5py.h5s.UNLIMITED if m is None else m for m in maxshape)
+    return h5py.h5t.py_create(np.dtype(dtype), logical=1), h5py.h5s.create_simple(shape, unlimited), dcpl
+
+
+def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple, fill=None, chunks=None,
+                 maxshape=None) -> h5py.h5d.DatasetID:
+    """A new dataset ``rel`` (its parent group exists) of ``shape`` holding ``data``: what
+    ``group.create_dataset(rel, shape, data=data, fillvalue=fill, chunks=chunks, maxshape=maxshape)`` makes,
+    through h5py's low-level API in a quarter of the time (issue 18: a layer has 18 small datasets, 26 at the
+    sampled level). ``fill``: an integer or NaN."""
+    if data.shape != tuple(shape):
+        raise RecorderError(f"internal: {rel} holds shape {data.shape}, the format says {tuple(shape)}")
+    key = None if fill is None else ("nan" if np.isnan(fill) else str(int(fill)))
+    tid, sid, dcpl = _creation(data.dtype.str, data.shape, maxshape, chunks, key)
+    dsid = h5py.h5d.create(group.id, rel.encode("ascii"), tid, sid, dcpl=dcpl)
     dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
     return dsid
+
+
+@functools.lru_cache(maxsize=64)
+def _attr_kind(dtype: str, shape: tuple) -> tuple:
+    """(file type, memory type, dataspace) of a new attribute, made once per kind, as h5py's attrs.create
+    makes them."""
+    dt = np.dtype(dtype)
+    return h5py.h5t.py_create(dt, logical=True), h5py.h5t.py_create(dt), h5py.h5s.create_simple(shape)
 
 
 def _new_attr(oid, name: str, value) -> None:
     """Attribute ``name`` = ``value`` on a new object (low-level id) that has no such attribute yet: what
     ``obj.attrs[name] = value`` writes, without its checks for an attribute to replace."""
     data = np.asarray(value)
-    attr = h5py.h5a.create(oid, name.encode("ascii"), h5py.h5t.py_create(data.dtype, logical=True),
-                           h5py.h5s.create_simple(data.shape))
-    attr.write(data, mtype=h5py.h5t.py_create(data.dtype))
+    htype, mtype, space = _attr_kind(data.dtype.str, data.shape)
+    attr = h5py.h5a.create(oid, name.encode("ascii"), htype, space)
+    attr.write(data, mtype=mtype)
     attr.close()
 
 
@@ -894,7 +914,7 @@ class Recorder:
             self._put_small(g, layer, sc.CHECKSUM, name, np.array(st.checksum, dtype=np.int64))
         buf = self._layers.get(layer)
         if buf is not None:
-            self._write_cache_index(g, buf)
+            self._write_cache_index(g, layer, buf)
             for name, smp in buf.sampled.items():
                 self._write_sampled_layer(g, layer, name, smp)
         self._dirty.discard(layer)
@@ -910,22 +930,29 @@ class Recorder:
         else:
             dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
 
-    def _write_cache_index(self, g: h5py.Group, buf: _LayerBuffers) -> None:
-        """A layer's cache positions and lengths, in one write each."""
+    def _write_cache_index(self, g: h5py.Group, layer: int, buf: _LayerBuffers) -> None:
+        """A layer's cache positions and lengths, in one write each: created on the layer's first write (with
+        the cache group's attributes), in place later."""
         if buf.positions is None:
             return
-        pos = g.get(sc.CACHE_POSITIONS.rel())
-        if pos is None:
-            dims = {**self.dims, "T": buf.positions.shape[1]}
-            sc.CACHE_POSITIONS.create(g, dims, maxshape=(self.n_samples, None), chunks=(1, dims["T"]),
-                                      data=buf.positions)
-            sc.CACHE_LENGTHS.create(g, dims, data=buf.lengths)
-            g[sc.CACHE_GROUP].attrs[sc.ATTR_HEAD_DIM], g[sc.CACHE_GROUP].attrs[sc.ATTR_N_KV_HEADS] = buf.heads[::-1]
+        key = (layer, sc.CACHE_POSITIONS.path)
+        if key not in self._small:
+            if sc.CACHE_GROUP not in g:  # the full level's cache tensors made it already
+                g.create_group(sc.CACHE_GROUP)
+            T = buf.positions.shape[1]
+            self._small[key] = _new_dataset(g, sc.CACHE_POSITIONS.rel(), buf.positions, buf.positions.shape,
+                                            fill=sc.CACHE_POSITIONS.fill, chunks=(1, T), maxshape=(self.n_samples, None))
+            self._small[(layer, sc.CACHE_LENGTHS.path)] = _new_dataset(
+                g, sc.CACHE_LENGTHS.rel(), buf.lengths, sc.CACHE_LENGTHS.shape_for(self.dims), fill=sc.CACHE_LENGTHS.fill)
+            cache = g[sc.CACHE_GROUP].id
+            _new_attr(cache, sc.ATTR_HEAD_DIM, buf.heads[1])
+            _new_attr(cache, sc.ATTR_N_KV_HEADS, buf.heads[0])
             return
+        pos = h5py.Dataset(self._small[key])
         if pos.shape != buf.positions.shape:
             pos.resize(buf.positions.shape)
         pos[...] = buf.positions
-        g[sc.CACHE_LENGTHS.rel()][...] = buf.lengths
+        self._small[(layer, sc.CACHE_LENGTHS.path)].write(h5py.h5s.ALL, h5py.h5s.ALL, buf.lengths)
 
     def _write_sampled_layer(self, g: h5py.Group, layer: int, name: str, smp: _Sampled) -> None:
         """A layer's sampled/NAME: created with its attributes on the layer's first write, in place later."""

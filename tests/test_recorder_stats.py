@@ -169,6 +169,12 @@ def test_a_layer_written_after_each_sample_keeps_every_samples_statistics(tmp_pa
     record(tmp_path / "each.h5", True)
     with Trace(tmp_path / "once.h5") as once, Trace(tmp_path / "each.h5") as each:
         for layer in range(2):
+            assert np.array_equal(each.layer(layer).cache_positions, once.layer(layer).cache_positions)
+            assert each.layer(layer).cache_lengths.tolist() == once.layer(layer).cache_lengths.tolist() == [3, 3]
+            if level == "sampled":
+                for name in ("mid", "cache_values"):
+                    assert np.array_equal(each.layer(layer).sampled(name)[()], once.layer(layer).sampled(name)[()])
+                    assert not np.isnan(each.layer(layer).sampled(name)[()]).any()
             for name in ("layer_input", "mid", "layer_output", "cache_keys", "cache_values"):
                 got, want = each.layer(layer).stats(name), once.layer(layer).stats(name)
                 assert np.array_equal(got, want) and (got[:, 0] == (18 if "cache" not in name else 6)).all()
