@@ -70,7 +70,7 @@ import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import h5py
 import numpy as np
@@ -105,8 +105,16 @@ def _text(obj, key: str, value: str) -> None:
     obj.attrs[key] = np.bytes_(value.encode("utf-8"))
 
 
+class _Kind(NamedTuple):
+    """What a new dataset or attribute of one kind is made from (low-level h5py objects, reusable)."""
+    file_type: object  # h5py.h5t.TypeID as stored
+    memory_type: object  # h5py.h5t.TypeID of the numpy data (attributes)
+    space: object  # h5py.h5s.SpaceID
+    dcpl: object  # h5py.h5p.PropDCID (datasets; None for attributes)
+
+
 @functools.lru_cache(maxsize=64)
-def _creation(dtype: str, shape: tuple, maxshape: tuple | None, chunks: tuple | None, fill: str | None) -> tuple:
+def _creation(dtype: str, shape: tuple, maxshape: tuple | None, chunks: tuple | None, fill: str | None) -> _Kind:
     """(datatype, dataspace, creation property list) of a new dataset, made once per kind: what h5py's
     create_dataset sets (chunks, fill value; no time stamps, attribute order not tracked)."""
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
@@ -117,7 +125,8 @@ def _creation(dtype: str, shape: tuple, maxshape: tuple | None, chunks: tuple | 
     dcpl.set_obj_track_times(False)
     dcpl.set_attr_creation_order(0)
     unlimited = None if maxshape is None else tuple(h5py.h5s.UNLIMITED if m is None else m for m in maxshape)
-    return h5py.h5t.py_create(np.dtype(dtype), logical=1), h5py.h5s.create_simple(shape, unlimited), dcpl
+    return _Kind(file_type=h5py.h5t.py_create(np.dtype(dtype), logical=1), memory_type=None,
+                 space=h5py.h5s.create_simple(shape, unlimited), dcpl=dcpl)
 
 
 def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple, fill=None, chunks=None,
@@ -129,27 +138,27 @@ def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple, fi
     if data.shape != tuple(shape):
         raise RecorderError(f"internal: {rel} holds shape {data.shape}, the format says {tuple(shape)}")
     key = None if fill is None else ("nan" if np.isnan(fill) else str(int(fill)))
-    tid, sid, dcpl = _creation(data.dtype.str, data.shape, maxshape, chunks, key)
-    dsid = h5py.h5d.create(group.id, rel.encode("ascii"), tid, sid, dcpl=dcpl)
+    kind = _creation(data.dtype.str, data.shape, maxshape, chunks, key)
+    dsid = h5py.h5d.create(group.id, rel.encode("ascii"), kind.file_type, kind.space, dcpl=kind.dcpl)
     dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
     return dsid
 
 
 @functools.lru_cache(maxsize=64)
-def _attr_kind(dtype: str, shape: tuple) -> tuple:
-    """(file type, memory type, dataspace) of a new attribute, made once per kind, as h5py's attrs.create
-    makes them."""
+def _attr_kind(dtype: str, shape: tuple) -> _Kind:
+    """The types and dataspace of a new attribute, made once per kind, as h5py's attrs.create makes them."""
     dt = np.dtype(dtype)
-    return h5py.h5t.py_create(dt, logical=True), h5py.h5t.py_create(dt), h5py.h5s.create_simple(shape)
+    return _Kind(file_type=h5py.h5t.py_create(dt, logical=True), memory_type=h5py.h5t.py_create(dt),
+                 space=h5py.h5s.create_simple(shape), dcpl=None)
 
 
 def _new_attr(oid, name: str, value) -> None:
     """Attribute ``name`` = ``value`` on a new object (low-level id) that has no such attribute yet: what
     ``obj.attrs[name] = value`` writes, without its checks for an attribute to replace."""
     data = np.asarray(value)
-    htype, mtype, space = _attr_kind(data.dtype.str, data.shape)
-    attr = h5py.h5a.create(oid, name.encode("ascii"), htype, space)
-    attr.write(data, mtype=mtype)
+    kind = _attr_kind(data.dtype.str, data.shape)
+    attr = h5py.h5a.create(oid, name.encode("ascii"), kind.file_type, kind.space)
+    attr.write(data, mtype=kind.memory_type)
     attr.close()
 
 
