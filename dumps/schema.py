@@ -138,6 +138,7 @@ SAMPLED = Element("sampled/{name}", "f", ("S", "P", "K"), None, ("sampled",),
 STATS = Element("stats/{name}", "f", ("S", "stat"), "float64", LEVELS, in_layer=True)
 STATS_GROUP = "stats"  # carries ATTR_COLUMNS
 CHECKSUM = Element("checksums/{name}", "iu", ("S",), "int64", LEVELS, in_layer=True)
+CHECKSUMS_GROUP = "checksums"
 CACHE_GROUP = "cache"  # carries ATTR_HEAD_DIM, ATTR_N_KV_HEADS
 CACHE_POSITIONS = Element("cache/positions", "iu", ("S", "T"), "int64", LEVELS, fill=-1, in_layer=True)
 CACHE_LENGTHS = Element("cache/lengths", "iu", ("S",), "int64", LEVELS, fill=0, in_layer=True)
