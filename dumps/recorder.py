@@ -374,10 +374,14 @@ def _sum_row(size: int, width: int) -> int:
     return c if c >= 64 else width
 
 
-def _row_dots(m: np.ndarray) -> np.ndarray:
-    """Each row's sum of squares, in m's dtype (per row: one dot of the whole block in float32 was off by
-    3.6e-5 on 2^18 values near 3e3)."""
-    return np.vecdot(m, m) if _HAS_VECDOT else np.einsum("ij,ij->i", m, m)  # vecdot: numpy >= 2.0, faster
+def _row_dots(m: np.ndarray, v: np.ndarray | None = None) -> np.ndarray:
+    """Each row's dot product with ``v`` (None: with itself, its sum of squares), in m's dtype (per row: one dot
+    of the whole block in float32 was off by 3.6e-5 on 2^18 values near 3e3). One dot per row, not a matrix-
+    vector product: OpenBLAS threads those over a block, and a BLAS thread waiting for a busy core stalls the
+    whole call on a loaded machine (verify/metrics.py found the same)."""
+    if v is None:
+        return np.vecdot(m, m) if _HAS_VECDOT else np.einsum("ij,ij->i", m, m)  # vecdot: numpy >= 2.0, faster
+    return np.vecdot(m, v) if _HAS_VECDOT else np.einsum("ij,j->i", m, v)
 
 
 def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
@@ -409,7 +413,7 @@ def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
             mins.append(f.min())
             maxs.append(f.max())
             m = f.reshape(-1, _sum_row(f.size, W))
-            s += float(np.dot(m, np.ones(m.shape[1], dtype=f.dtype)).sum(dtype=np.float64))
+            s += float(_row_dots(m, np.ones(m.shape[1], dtype=f.dtype)).sum(dtype=np.float64))
             ss += float(_row_dots(m).sum(dtype=np.float64))
             chk += _numpy_checksum(blk)
         finite = n
