@@ -341,20 +341,15 @@ def test_read_ahead_closed_early_waits_for_the_read_in_flight(tmp_path, monkeypa
         assert done.is_set()
 
 
-def test_a_forked_child_reads_ahead_and_shares_slabs_with_its_own_threads(tmp_path, ahead_always):
-    """The parent's read-ahead and metrics threads do not exist in a forked child: the child must get its own,
-    not queue work that no thread runs (a hang)."""
+def test_a_forked_child_reads_ahead_with_its_own_thread(tmp_path, ahead_always):
+    """The parent's read-ahead thread does not exist in a forked child: the child must get its own, not queue
+    work that no thread runs (a hang)."""
     import multiprocessing
-    from prefill_diff.verify import metrics
-    from prefill_diff.verify.tolerance import Tolerance
     a = record(tmp_path / "a.h5")
-    big = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
-    with Trace(a) as t:  # the parent uses both threads first
+    with Trace(a) as t:  # the parent uses its thread first
         rd = t.layer(0).state("mid")
         assert len(list(read_ahead([(t, rd)], [(0,), (1,)]))) == 2
-    assert metrics.slab(big, big, Tolerance(0, 0), False, 0, np.arange(1024)).n_bad == 0
-    ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=_child_work, args=(str(a),))
+    child = multiprocessing.get_context("fork").Process(target=_child_work, args=(str(a),))
     child.start()
     child.join(60)
     hung = child.is_alive()
@@ -365,14 +360,8 @@ def test_a_forked_child_reads_ahead_and_shares_slabs_with_its_own_threads(tmp_pa
 
 def _child_work(path: str) -> None:
     from prefill_diff.dumps import reader
-    from prefill_diff.verify import metrics
-    from prefill_diff.verify.tolerance import Tolerance
     reader.AHEAD_MIN_BYTES = 0
     with Trace(path) as t:
         rd = t.layer(0).state("mid")
         rows = [r[0].copy() for r in read_ahead([(t, rd)], [(0,), (1,), (2,)])]
         assert all(r.tobytes() == rd[i].tobytes() for i, r in enumerate(rows))
-    big = np.random.default_rng(1).standard_normal((1024, 1024), dtype=np.float32)
-    c = big.copy()
-    c[1000, 3] += 1
-    assert metrics.slab(big, c, Tolerance(1e-3, 1e-3), False, 0, np.arange(1024)).n_bad == 1

@@ -113,50 +113,6 @@ def test_slab_metrics_equal_the_naive_rule(case):
             assert naive(r, c, looser, equal_nan)["n_bad"] == 0, (k, v)
 
 
-@settings(max_examples=examples(150), deadline=None)
-@given(slabs(), st.integers(1, 3))
-def test_a_slab_shared_with_the_helper_thread_gives_the_same_bits(case, rows_per_block):
-    """Large slabs are split between this thread and a helper thread (verify.metrics._pass): the result must
-    be the one computed on one thread, field by field and bit for bit. Small blocks force the split here."""
-    r, c, tol, equal_nan = case
-    toks = np.arange(r.shape[0])
-    one = metrics.slab(r, c, tol, equal_nan, sample=1, toks=toks)
-    old = metrics.BLOCK_BYTES, metrics.SPLIT_BLOCKS
-    metrics.BLOCK_BYTES, metrics.SPLIT_BLOCKS = rows_per_block * r.shape[1] * 4, 2
-    try:
-        two = metrics.slab(r, c, tol, equal_nan, sample=1, toks=toks)
-    finally:
-        metrics.BLOCK_BYTES, metrics.SPLIT_BLOCKS = old
-    assert repr(two) == repr(one)
-
-
-def test_a_large_slab_is_offered_to_the_helper_and_every_block_is_done_once(monkeypatch):
-    import threading
-    done, submitted = [], []
-    real_blocks, real_submit = metrics._blocks, metrics._HELPER.submit
-
-    def spy(r, c, rows, blocks, out):
-        def each():
-            for k in blocks:
-                done.append((threading.current_thread().name, k))
-                yield k
-        return real_blocks(r, c, rows, each(), out)
-
-    monkeypatch.setattr(metrics, "_blocks", spy)
-    monkeypatch.setattr(metrics._HELPER, "submit", lambda *a: submitted.append(a) or real_submit(*a))
-    r = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
-    c = r.copy()
-    c[900, 7] += 1
-    p = metrics.slab(r, c, Tolerance(1e-3, 1e-3), False, 0, np.arange(1024))
-    assert p.n_bad == 1 and p.worst[2:4] == (900, 7)
-    assert len(submitted) == 1  # 16 blocks of 256 KiB: the helper was asked
-    assert sorted(k for _, k in done) == list(range(16))  # each block exactly once, by one thread or the other
-    assert {name.split("_")[0] for name, _ in done} <= {"MainThread", "prefill-diff-metrics"}
-    done.clear()
-    metrics.slab(r[:100], c[:100], Tolerance(1e-3, 1e-3), False, 0, np.arange(100))
-    assert len(submitted) == 1 and sorted(k for _, k in done) == [0, 1]  # a small slab stays on this thread
-
-
 def test_finite_values_whose_squares_overflow_still_break():
     """A flipped exponent bit (|x| ~ 1e20, x² beyond float32) must not make the RMS bound infinite: a silent pass."""
     r = np.ones((2, 64), np.float32)

@@ -16,11 +16,8 @@ slab's dtype, then added in float64.
 """
 from __future__ import annotations
 
-import itertools
 import math
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -28,17 +25,6 @@ import numpy as np
 
 _local = threading.local()
 BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
-SPLIT_BLOCKS = 8  # a slab of at least this many blocks (2 MiB per operand) is shared with a helper thread
-
-
-def _new_helper() -> None:
-    """The helper thread's executor; a forked child gets a new one (see dumps.reader._new_reader)."""
-    global _HELPER
-    _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-metrics")
-
-
-_new_helper()
-os.register_at_fork(after_in_child=_new_helper)
 
 
 def _buf(name: str, shape, dtype) -> np.ndarray:
@@ -122,72 +108,31 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
     other nine numpy calls on it find it in the CPU cache, and |c - r| is kept only for the block
     (written to memory, it would double the traffic). Row sums are dot products, one row each
     (np.vecdot): no threaded BLAS call on a whole slab, which on a loaded 2-core machine waits for a
-    busy core (it made slabs three times slower). A large slab's blocks are shared with one helper
-    thread (numpy releases the GIL), each block taken by whichever thread is free; a block writes
-    only its own rows and its own extremes, so the result does not depend on who did which block.
+    busy core (it made slabs three times slower).
     """
     T, W = r.shape
     dt = r.dtype
     rows = max(1, min(T, BLOCK_BYTES // (W * dt.itemsize)))
-    n_blocks = -(-T // rows)
-    out = _Out(*(_buf(k, (T,), dt) for k in ("rr", "dd", "cc", "dsum")),
-               *(_buf(k, (n_blocks,), dt) for k in ("hi", "qhi", "qlo")))
-    claims = _Claims(n_blocks)
-    helper = _HELPER.submit(_blocks, r, c, rows, claims, out) if n_blocks >= SPLIT_BLOCKS else None
-    try:
-        _blocks(r, c, rows, claims, out)
-    finally:
-        if helper is not None:
-            helper.result()
-    return _Rows(rr=out.rr, dd=out.dd, cc=out.cc, dsum=out.dsum, gmax=float(out.hi.max()),
-                 qmax=float(np.fmax.reduce(out.qhi)), qmin=float(np.fmin.reduce(out.qlo)))
-
-
-class _Claims:
-    """Block numbers 0..n-1, each handed once to whichever thread asks first: a helper thread that is not
-    scheduled (a busy machine) takes fewer blocks instead of holding the slab up, and this thread waits at
-    most for the one block the helper is doing."""
-
-    def __init__(self, n: int):
-        self.n, self._next = n, itertools.count()
-
-    def __iter__(self):
-        while (k := next(self._next)) < self.n:  # itertools.count is atomic under the GIL
-            yield k
-
-
-class _Out(NamedTuple):
-    """Where _blocks writes: per-row sums (T,) and per-block extremes (n_blocks,)."""
-    rr: np.ndarray
-    dd: np.ndarray
-    cc: np.ndarray
-    dsum: np.ndarray
-    hi: np.ndarray
-    qhi: np.ndarray
-    qlo: np.ndarray
-
-
-def _blocks(r: np.ndarray, c: np.ndarray, rows: int, blocks, out: _Out) -> None:
-    """Blocks of _pass (block k is rows [k·rows, (k+1)·rows)) as ``blocks`` hands them out, with this
-    thread's scratch."""
-    T, W = r.shape
-    dt = r.dtype
     d, q = _buf("db", (rows, W), dt), _buf("q", (rows, W), dt)
+    rr, dd, cc, dsum = (_buf(k, (T,), dt) for k in ("rr", "dd", "cc", "dsum"))
+    n_blocks = -(-T // rows)
+    hi, qhi, qlo = (_buf(k, (n_blocks,), dt) for k in ("hi", "qhi", "qlo"))
     ones = _ones(W, dt)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for k in blocks:
-            i = k * rows
+        for k, i in enumerate(range(0, T, rows)):
             j = min(i + rows, T)
             rb, cb, db, qb = r[i:j], c[i:j], d[:j - i], q[:j - i]
             np.subtract(cb, rb, out=db)  # inf - inf -> nan, 3e38 - -3e38 -> inf: the caller handles both
             np.divide(db, rb, out=qb)  # signed relative error; 0/0 -> nan, x/0 -> ±inf
-            np.vecdot(db, db, out=out.dd[i:j])
+            np.vecdot(db, db, out=dd[i:j])
             np.abs(db, out=db)
-            out.hi[k] = np.maximum.reduce(db, axis=None)
-            out.qhi[k], out.qlo[k] = np.fmax.reduce(qb, axis=None), np.fmin.reduce(qb, axis=None)
-            np.vecdot(db, ones, out=out.dsum[i:j])
-            np.vecdot(rb, rb, out=out.rr[i:j])
-            np.vecdot(cb, cb, out=out.cc[i:j])
+            hi[k] = np.maximum.reduce(db, axis=None)
+            qhi[k], qlo[k] = np.fmax.reduce(qb, axis=None), np.fmin.reduce(qb, axis=None)
+            np.vecdot(db, ones, out=dsum[i:j])
+            np.vecdot(rb, rb, out=rr[i:j])
+            np.vecdot(cb, cb, out=cc[i:j])
+    return _Rows(rr=rr, dd=dd, cc=cc, dsum=dsum, gmax=float(hi.max()), qmax=float(np.fmax.reduce(qhi)),
+                 qmin=float(np.fmin.reduce(qlo)))
 
 
 def slab(r: np.ndarray, c: np.ndarray, tol, equal_nan: bool, sample: int, toks: np.ndarray,

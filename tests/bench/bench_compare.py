@@ -67,19 +67,17 @@ def bare_pass(a: str, b: str) -> float:
     return worst
 
 
-def our_compare(a: str, b: str, threads: bool = True) -> bool:
-    """`compare` of the two files; threads=False: without the read-ahead thread and the metrics' helper thread
-    (each row read in turn, every block on this thread), to show what the two threads give."""
+def our_compare(a: str, b: str, ahead: bool = True) -> bool:
+    """`compare` of the two files; ahead=False: without the read-ahead thread (each row pair read in turn), to
+    show what it gives."""
     from prefill_diff.dumps import reader
-    from prefill_diff.verify import metrics
     from prefill_diff.verify.report import compare_traces
-    saved = reader.READ_AHEAD, metrics.SPLIT_BLOCKS
-    reader.READ_AHEAD, metrics.SPLIT_BLOCKS = (True, saved[1]) if threads else (False, 1 << 62)
+    saved, reader.READ_AHEAD = reader.READ_AHEAD, ahead
     try:
         with reader.Trace(a) as ra, reader.Trace(b) as rb:
             return bool(compare_traces(ra, rb))
     finally:
-        reader.READ_AHEAD, metrics.SPLIT_BLOCKS = saved
+        reader.READ_AHEAD = saved
 
 
 def pure_read(paths) -> int:
@@ -128,13 +126,13 @@ def _evict_once(paths) -> float:
 
 
 def timed_rounds(ref: str, cand: str, repeats: int, cold: bool) -> dict:
-    """Interleaved rounds of the bare pass, compare (with and without its two threads) and the pure read
+    """Interleaved rounds of the bare pass, compare (with and without its read-ahead) and the pure read
     (evicted before each when cold); per round, compare's throughput over the bare pass's and over the pure
     read's; the load beside them."""
-    times = {"bare": [], "compare": [], "one thread": [], "read": []}
+    times = {"bare": [], "compare": [], "rows in turn": [], "read": []}
     evicted, ok, load = [], None, [os.getloadavg()[0]]
     passes = {"bare": lambda: bare_pass(ref, cand), "compare": lambda: our_compare(ref, cand),
-              "one thread": lambda: our_compare(ref, cand, threads=False), "read": lambda: pure_read((ref, cand))}
+              "rows in turn": lambda: our_compare(ref, cand, ahead=False), "read": lambda: pure_read((ref, cand))}
     for _ in range(repeats):  # interleaved: drift on a shared machine hits all three alike
         for name, fn in passes.items():
             if cold:
@@ -147,7 +145,7 @@ def timed_rounds(ref: str, cand: str, repeats: int, cold: bool) -> dict:
     t = {k: np.asarray(v) for k, v in times.items()}
     return {"times": times, "ok": ok, "load": load, "evicted": evicted,
             "vs_bare": t["bare"] / t["compare"], "vs_read": t["read"] / t["compare"],
-            "threads_gain": t["one thread"] / t["compare"]}
+            "ahead_gain": t["rows in turn"] / t["compare"]}
 
 
 def _summary(kind: str, r: dict, size: int) -> dict:
@@ -157,8 +155,8 @@ def _summary(kind: str, r: dict, size: int) -> dict:
                 f"{kind}: compare / pure read throughput (median of rounds)":
                     f"{np.median(r['vs_read']):.2f}x ({load})",
                 f"{kind}: rounds, compare / bare": [round(float(x), 2) for x in r["vs_bare"]],
-                f"{kind}: compare / compare without its read-ahead and helper threads (median of rounds)":
-                    f"{np.median(r['threads_gain']):.2f}x ({load})"})
+                f"{kind}: compare / compare reading its rows in turn (no read-ahead; median of rounds)":
+                    f"{np.median(r['ahead_gain']):.2f}x ({load})"})
     if r["evicted"]:
         who = "as root" if os.geteuid() == 0 else "as a normal user"
         out[f"{kind}: eviction"] = (f"posix_fadvise(DONTNEED) {who}: {min(r['evicted']):.0%}-{max(r['evicted']):.0%} "
