@@ -80,14 +80,16 @@ class Context:
         """The rows of every aligned pair, in order, of the reference's ``rd``, the candidate's ``cd`` and the
         golden's ``gd`` and twin's ``td`` (calib_datasets), the next pair's read ahead (dumps.reader.read_ahead).
         A pair's rows are valid until the next pair is requested."""
-        sources = [(self.ref, rd), (self.cand, cd)] + [(t, ds) for t, ds in (
-            (self.calib and self.calib.golden, gd), (self.calib and self.calib.twin, td)) if ds is not None]
-        steps = [(rs, cs, rs, rs)[:len(sources)] for rs, cs in self.pairs]
+        sources = [(self.ref, rd), (self.cand, cd)]
+        if gd is not None:
+            sources.append((self.calib.golden, gd))
+        if td is not None:
+            sources.append((self.calib.twin, td))
+        steps = [(rs, cs, rs, rs)[:len(sources)] for rs, cs in self.pairs]  # golden and twin: the reference's rows
         with closing(read_ahead(sources, steps)) as each:
             for (rs, cs), got in zip(self.pairs, each):
-                extra = iter(got[2:])
-                yield Rows(rs, cs, got[0], got[1], next(extra) if gd is not None else None,
-                           next(extra) if td is not None else None)
+                yield Rows(rs, cs, got[0], got[1], got[2] if gd is not None else None,
+                           got[-1] if td is not None else None)
 
     def kv_heads_read(self, heads) -> tuple | None:
         """The KV heads g(h) = ⌊h·H_kv/H_q⌋ that query heads ``heads`` read, by the reference's model."""
