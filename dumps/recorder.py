@@ -387,8 +387,8 @@ def _row_dots(m: np.ndarray, v: np.ndarray | None = None) -> np.ndarray:
 def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     """slab_stats of a C-contiguous array (rows first); ``bfloat16``: ``a`` holds bfloat16 bit patterns.
 
-    float32 and float64 blocks are reduced as they are: row sums by one matrix-vector product and rows' sums
-    of squares (rows of up to _SUM_ROW values, see _sum_row), in their dtype, added in float64. float16 and bfloat16
+    float32 and float64 blocks are reduced as they are: row sums and rows' sums of squares by one dot per row
+    (rows of up to _SUM_ROW values, see _sum_row), in their dtype, added in float64. float16 and bfloat16
     blocks are widened to float32 first (exact), other dtypes to float64."""
     rows = a.reshape(a.shape[0], -1)
     R, W = rows.shape
@@ -427,34 +427,33 @@ def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     return n, finite, float(np.min(mins)), float(np.max(maxs)), s, ss, _signed64(chk)
 
 
+def _rearranged(t, fn):
+    """``fn`` (a numpy reshape or copy) applied to a CPU tensor's data by numpy, not by torch's thread pool
+    (see slab_stats); a bfloat16 tensor's bits are rearranged and viewed as bfloat16 again."""
+    if _is_torch(t) and str(t.dtype) == "torch.bfloat16":
+        torch = sys.modules["torch"]
+        return torch.from_numpy(fn(t.detach().view(torch.int16).numpy())).view(torch.bfloat16)
+    return fn(to_numpy(t))
+
+
 def _slots(t, T: int, width: int):
-    """A cache tensor (n_kv_heads, T, head_dim) as rows of slots (T, n_kv_heads·head_dim): a copy made by numpy
-    for a CPU tensor (see slab_stats), kept a torch tensor for bfloat16 (whose checksum is of its own bits)."""
+    """A cache tensor (n_kv_heads, T, head_dim) as rows of slots (T, n_kv_heads·head_dim), copied by numpy for a
+    CPU tensor (bfloat16 stays bfloat16: its checksum is of its own bits)."""
     if _is_torch(t) and t.device.type != "cpu":
         return t.swapaxes(0, 1).reshape(T, width)
-    if _is_torch(t) and str(t.dtype) == "torch.bfloat16":  # its bits moved by numpy, viewed as bfloat16 again
-        torch = sys.modules["torch"]
-        bits = t.detach().view(torch.int16).numpy()
-        return torch.from_numpy(np.ascontiguousarray(bits.swapaxes(0, 1)).reshape(T, width)).view(torch.bfloat16)
-    return np.ascontiguousarray(to_numpy(t).swapaxes(0, 1)).reshape(T, width)
+    return _rearranged(t, lambda a: np.ascontiguousarray(a.swapaxes(0, 1)).reshape(T, width))
 
 
 def _slot_rows(t, T: int, H: int, D: int):
     """A cache tensor (n_kv_heads, T, head_dim) as rows with the statistics and checksum of its slots (T,
     n_kv_heads·head_dim): its own (H·T, D) rows, without a copy where it is contiguous, when a head_dim row is
-    whole 8-byte words (a slot's checksum is then the sum of its heads' rows'); else the slots. A CPU tensor is
-    reshaped by numpy (torch's copy of a strided tensor fans out to its thread pool; see slab_stats)."""
-    torch_cpu = _is_torch(t) and t.device.type == "cpu"
+    whole 8-byte words (a slot's checksum is then the sum of its heads' rows'); else the slots."""
     itemsize = t.element_size() if _is_torch(t) else np.dtype(t.dtype).itemsize
     if D * itemsize % 8:
         return _slots(t, T, H * D)
-    if not torch_cpu:
+    if _is_torch(t) and t.device.type != "cpu":
         return t.reshape(H * T, D)
-    if str(t.dtype) == "torch.bfloat16":  # numpy has no bfloat16: its bits reshaped, viewed as bfloat16 again
-        torch = sys.modules["torch"]
-        bits = t.detach().view(torch.int16).numpy().reshape(H * T, D)
-        return torch.from_numpy(bits).view(torch.bfloat16)
-    return t.detach().numpy().reshape(H * T, D)
+    return _rearranged(t, lambda a: a.reshape(H * T, D))
 
 
 def top_ids(z: np.ndarray, k: int) -> np.ndarray:
