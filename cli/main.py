@@ -16,6 +16,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, SpinnerColumn, TextColumn
 
+from ..dumps import native
 from ..dumps.inspect import summarize
 from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
@@ -160,7 +161,7 @@ class Progress:
 
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="prefill-diff")
+@click.version_option(package_name="prefill-diff", message=f"%(prog)s, version %(version)s\n{native.describe()}")
 def cli():
     """Layer-by-layer verification of LLM prefill.
 

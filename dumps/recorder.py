@@ -76,6 +76,7 @@ import h5py
 import numpy as np
 
 from ..engine.errors import INTERRUPT, PrefillDiffError
+from . import native
 from . import schema as sc
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
 
@@ -327,7 +328,8 @@ def slab_stats(x) -> tuple:
     over them (min, max, row sums, a dot for the sum of squares, the checksum); the finite count is only
     computed when sum or sumsq is not finite. The checksum is the wrapped int64 sum, row by row, of the
     data's 8-byte words (each row zero-padded to a multiple of 8 bytes), so it composes over any split into
-    rows: equal data gives equal checksums. A differing checksum alone is never a failure.
+    rows: equal data gives equal checksums. A differing checksum alone is never a failure. With the compiled
+    kernels (dumps/native.py), a float32, float64 or bfloat16 slab is reduced in one pass instead.
 
     A CPU tensor is reduced with numpy on a zero-copy view: torch's reductions fan out to its thread
     pool, and on an oversubscribed machine each of the ~40 small reductions per layer waits for a
@@ -342,11 +344,12 @@ def slab_stats(x) -> tuple:
         if x.device.type != "cpu":
             return _torch_stats(x.detach().contiguous(), n, torch)
         if x.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits, widened block by block (exact)
-            return _numpy_stats(np.ascontiguousarray(x.detach().view(torch.int16).numpy()), n, bfloat16=True)
+            return _array_stats(np.ascontiguousarray(x.detach().view(torch.int16).numpy()), n, bfloat16=True)
         x = x.detach().numpy()  # a strided tensor is copied by numpy below, not by torch's thread pool
-    return _numpy_stats(np.ascontiguousarray(x), n)
+    return _array_stats(np.ascontiguousarray(x), n)
 
 
+_NATIVE_TYPES = (np.dtype(np.float32), np.dtype(np.float64))  # and bfloat16 bits: dumps/_native.c
 _BLOCK = 1 << 18  # values reduced together: 1 MiB of float32, which stays in the L2 cache across the passes
 _HAS_VECDOT = hasattr(np, "vecdot")
 _SUM_ROW = 1024  # row sums in the block's float dtype over at most about this many values, then float64
@@ -382,6 +385,19 @@ def _row_dots(m: np.ndarray, v: np.ndarray | None = None) -> np.ndarray:
     if v is None:
         return np.vecdot(m, m) if _HAS_VECDOT else np.einsum("ij,ij->i", m, m)  # vecdot: numpy >= 2.0, faster
     return np.vecdot(m, v) if _HAS_VECDOT else np.einsum("ij,j->i", m, v)
+
+
+def _array_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
+    """slab_stats of a C-contiguous array (rows first); ``bfloat16``: ``a`` holds bfloat16 bit patterns. One pass
+    of the compiled kernel (dumps/native.py) for float32, float64 and bfloat16, else _numpy_stats; the numpy
+    code also takes over when a sum is not finite (it counts the finite values, and sums float32 values
+    whose sums overflowed again in float64)."""
+    k = native.kernels()
+    if k is not None and (bfloat16 or a.dtype in _NATIVE_TYPES):
+        lo, hi, s, ss, chk = k.stats(a.reshape(a.shape[0], -1), bfloat16)
+        if np.isfinite(s) and np.isfinite(ss):
+            return n, n, lo, hi, s, ss, chk
+    return _numpy_stats(a, n, bfloat16)
 
 
 def _numpy_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:

@@ -24,6 +24,22 @@ def _model_cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="module", params=["native", "shared", "numpy"])
+def both_kernels(request):
+    """The module's tests with the compiled kernels (dumps/native.py), with them and every slab of the comparison
+    shared with the helper thread (verify/metrics.py SHARE_BYTES), and with the numpy code they replace
+    (module-scoped: hypothesis refuses function-scoped fixtures)."""
+    from prefill_diff.dumps import native
+    from prefill_diff.verify import metrics
+    mp = pytest.MonkeyPatch()
+    if request.param == "numpy":
+        mp.setattr(native, "_MODULE", None)
+    if request.param == "shared":
+        mp.setattr(metrics, "SHARE_BYTES", 1)
+    yield request.param
+    mp.undo()
+
+
 def spawning_presets() -> set:
     """Presets that start processes (tp > 1) or compile with inductor (seconds each): the loops over every
     preset leave them out; tests/test_parallel.py runs each of them once."""

@@ -58,6 +58,8 @@ def imports() -> dict[str, dict[str, int]]:
             else:
                 continue
             for target in found:
+                if (ROOT / (target.replace(".", "/") + ".c")).exists():
+                    continue  # a compiled module of ours (dumps/_native.c): it imports nothing
                 if target in mods or target.split(".")[0] not in ORDER:
                     graph[mod].setdefault(target, node.lineno)
                 elif target.rsplit(".", 1)[0] in mods:  # `from .x import name`: the module x

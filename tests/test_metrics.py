@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,6 +12,8 @@ from prefill_diff.verify.tolerance import Tolerance
 
 F32_MAX = float(np.finfo(np.float32).max)
 SPECIAL = [0.0, np.nan, np.inf, -np.inf, 3e38, -3e38, 2e20, 1e-40, -1.5e19]
+
+pytestmark = pytest.mark.usefixtures("both_kernels")  # with the compiled kernels and without
 
 
 def naive(r, c, tol: Tolerance, equal_nan=False):

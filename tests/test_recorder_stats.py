@@ -11,6 +11,8 @@ from prefill_diff.dumps import recorder
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.dumps.recorder import _BLOCK, Recorder, slab_stats, top_ids, widen_bfloat16
 
+pytestmark = pytest.mark.usefixtures("both_kernels")  # with the compiled kernels and without
+
 
 def naive_checksum(a: np.ndarray) -> int:
     """Wrapped int64 sum of each row's bytes read as little-endian 8-byte words, rows zero-padded to 8 bytes."""

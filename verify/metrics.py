@@ -17,11 +17,15 @@ slab's dtype, then added in float64.
 from __future__ import annotations
 
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
+
+from ..dumps import native
 
 _local = threading.local()
 BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
@@ -102,7 +106,55 @@ class _Rows(NamedTuple):
 
 
 def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
-    """Every sum and extreme the metrics need, block by block so that each block stays in cache.
+    """Every sum and extreme the metrics need: one pass of the compiled kernel (dumps/native.py) over rows
+    with contiguous values, shared with a helper thread for a large slab (_shared_pass); else _numpy_pass."""
+    k = native.kernels()
+    if k is not None and r.dtype == c.dtype and r.dtype in _NATIVE_TYPES and r.strides[1] == r.itemsize \
+            and c.strides[1] == c.itemsize:
+        T = r.shape[0]
+        rr, dd, cc, dsum = (_buf(n, (T,), np.float64) for n in ("rr", "dd", "cc", "dsum"))
+        if SHARE_BYTES is not None and r.nbytes >= SHARE_BYTES and T >= 2:
+            gmax, qmax, qmin = _shared_pass(k, r, c, (rr, dd, cc, dsum))
+        else:
+            gmax, qmax, qmin = k.row_pass(r, c, rr, dd, cc, dsum)
+        return _Rows(rr=rr, dd=dd, cc=cc, dsum=dsum, gmax=gmax, qmax=qmax, qmin=qmin)
+    return _numpy_pass(r, c)
+
+
+# A slab of at least this many bytes per side is shared with a helper thread (None: never). Reading the rows
+# from memory is what bounds the pass: two cores read faster than one (measured on a mapped trace: 0.33 s ->
+# see docs/performance.md). The kernel hands out rows 16 at a time, so a helper that is late or descheduled
+# costs at most one chunk's wait; a helper that starts after the slab is done touches nothing.
+SHARE_BYTES: int | None = 1 << 20
+
+
+def _new_helper() -> None:
+    """The helper thread's executor; a forked child gets a new one (the parent's thread is not there)."""
+    global _HELPER
+    _HELPER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-diff-metrics")
+
+
+_new_helper()
+os.register_at_fork(after_in_child=_new_helper)
+
+
+def _shared_pass(k, r, c, out) -> tuple:
+    """k.row_pass over the slab by this thread and the helper together; the two slots' raw extremes finished as
+    the single call finishes them."""
+    state = np.zeros(2, dtype=np.int64)
+    slots = np.array([[0.0, -np.inf, np.inf, 0.0]] * 2)
+    _HELPER.submit(k.row_pass, r, c, *out, state, slots[1], False)  # not waited for: see SHARE_BYTES
+    k.row_pass(r, c, *out, state, slots[0], True)  # returns when every row is done, by either thread
+    gmax, qmax, qmin = float(slots[:, 0].max()), float(slots[:, 1].max()), float(slots[:, 2].min())
+    none = qmax < qmin  # no quotient was a number
+    return (math.nan if slots[:, 3].any() else gmax), (math.nan if none else qmax), (math.nan if none else qmin)
+
+
+_NATIVE_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _numpy_pass(r: np.ndarray, c: np.ndarray) -> _Rows:
+    """_pass in numpy, block by block so that each block stays in cache.
 
     Each block of rows (BLOCK_BYTES per operand) is read from memory once, by the subtraction; the
     other nine numpy calls on it find it in the CPU cache, and |c - r| is kept only for the block
