@@ -15,9 +15,17 @@ and inside the file. Before the first direct read from a file, a few values are 
 and must agree. Anything else - gzip, a chunk index that points past the end of the file,
 big-endian data, a virtual view over rank files - is read by h5py, as before:
 ``ChunkReader.read_row`` returns False and the caller reads the row with ``read_direct``.
+
+``ChunkReader.row_view`` goes one step further for the comparison: the file is mapped read-only
+(``mmap``) and a row is a numpy view of the page cache's own pages, with no copy at all; the
+next rows are announced to the kernel (``madvise(MADV_WILLNEED)``) so that a cold file is read
+while the current rows are compared. The file's size is checked before each view; a file cut
+short by another program in the moment a row is being read can still stop the process with
+SIGBUS, as with any memory-mapped reader (``PREFILL_DIFF_MMAP=0`` reads with system calls).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 import sys
@@ -30,12 +38,16 @@ import numpy as np
 # "rows" are single values, not worth a system call each.
 MIN_RANK = 2
 PROBE = 64  # values of a first row read both ways before a file's first direct read
+MMAP = os.environ.get("PREFILL_DIFF_MMAP", "").strip() != "0" and hasattr(mmap, "MADV_WILLNEED")
 
 
 class RowPlan(NamedTuple):
-    """Where the rows of one dataset lie in the file: row i is ``nbytes`` bytes at ``offsets[i]``."""
+    """Where the rows of one dataset lie in the file: row i is ``nbytes`` bytes at ``offsets[i]``, a row of
+    ``shape`` and ``dtype`` (the dataset's, kept: h5py's properties cost microseconds each)."""
     offsets: tuple
     nbytes: int
+    shape: tuple = ()
+    dtype: np.dtype | None = None
 
 
 class Refused(NamedTuple):
@@ -136,6 +148,7 @@ class ChunkReader:
         self.refusal = (file_refusal(f) if enabled else why)
         self._plans: dict = {}
         self._probed = False
+        self._map = None  # the file mapped read-only (row_view), False once mapping failed
         if self.refusal is None:
             self.fd = f.id.get_vfd_handle()  # the descriptor HDF5 itself reads through (sec2: pread)
             st = os.fstat(self.fd)
@@ -164,7 +177,7 @@ class ChunkReader:
         offsets = _row_offsets(ds, nbytes, self.file_size)
         if isinstance(offsets, str):
             return Refused(offsets)
-        plan = RowPlan(offsets=offsets, nbytes=nbytes)
+        plan = RowPlan(offsets=offsets, nbytes=nbytes, shape=tuple(ds.shape[1:]), dtype=ds.dtype)
         if not self._probed:  # once per file: HDF5 and this module agree on what an address means
             if not self._probe(ds, plan):
                 self.refusal = "a row read directly differs from HDF5's read of it"
@@ -183,15 +196,67 @@ class ChunkReader:
     def read_row(self, ds: h5py.Dataset, index: int, buf: np.ndarray) -> bool:
         """Read ``ds[index]`` into ``buf`` (C-contiguous, of ``ds``'s row shape and dtype) and return True;
         return False, with ``buf`` undefined, when this row must be read by h5py instead."""
-        if self.refusal is not None or not ds.id.valid or ds.id.fileno != self.fileno:
+        plan = self._usable_plan(ds, index)
+        if plan is None:
             return False
-        plan = self.plan(ds)
-        if isinstance(plan, Refused) or not 0 <= index < len(plan.offsets):
-            return False
-        if buf.dtype != ds.dtype or buf.nbytes != plan.nbytes or not buf.flags.c_contiguous \
+        if buf.dtype != plan.dtype or buf.nbytes != plan.nbytes or not buf.flags.c_contiguous \
                 or not buf.flags.writeable:
             return False
         return _pread_into(self.fd, memoryview(buf).cast("B"), plan.offsets[index])
+
+    def _usable_plan(self, ds: h5py.Dataset, index: int = 0) -> RowPlan | None:
+        if self.refusal is not None or not ds.id.valid or ds.id.fileno != self.fileno:
+            return None
+        plan = self.plan(ds)
+        if isinstance(plan, Refused) or not 0 <= index < len(plan.offsets):
+            return None
+        return plan
+
+    def _mapped(self):
+        if self._map is None:
+            self._map = False
+            if MMAP:
+                try:
+                    m = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+                except (OSError, ValueError):  # e.g. a file system that cannot map
+                    return None
+                if len(m) >= self.file_size:
+                    self._map = m
+                else:
+                    m.close()
+        return self._map or None
+
+    def mapped_plan(self, ds: h5py.Dataset) -> RowPlan | None:
+        """The row plan of ``ds`` when its rows can be viewed in the mapped file (view), else None."""
+        plan = self._usable_plan(ds)
+        return plan if plan is not None and self._mapped() is not None else None
+
+    def view(self, plan: RowPlan, index: int) -> np.ndarray:
+        """Row ``index`` of a mapped_plan as a read-only view of the mapped file (no copy). Raises OSError when
+        the file is now shorter than the row's end (another program cut it short since it was checked)."""
+        off = plan.offsets[index]
+        if os.fstat(self.fd).st_size < off + plan.nbytes:
+            raise OSError(f"the file is now shorter than a row at byte {off} needs (changed while read)")
+        return np.frombuffer(self._map, dtype=plan.dtype, count=plan.nbytes // plan.dtype.itemsize,
+                             offset=off).reshape(plan.shape)
+
+    def will_need(self, plan: RowPlan, index: int) -> None:
+        """Ask the kernel to start reading row ``index`` of a mapped_plan into the page cache (a cold file is
+        then read while the current rows are compared; for a cached row it is a page-table walk)."""
+        start = plan.offsets[index] // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_WILLNEED, start, plan.offsets[index] + plan.nbytes - start)
+        except (OSError, ValueError, AttributeError):  # advice only (AttributeError: closed since)
+            pass
+
+    def close(self) -> None:
+        """Unmap the file; a mapping that rows still view is released when the last view is gone."""
+        m, self._map = self._map, False
+        if m:
+            try:
+                m.close()
+            except BufferError:
+                pass
 
 
 __all__ = ["ChunkReader", "RowPlan", "Refused", "file_refusal"]

@@ -180,6 +180,10 @@ def read_ahead(sources, steps) -> Iterator[tuple]:
     sources, steps = [RowSource(*s) for s in sources], [tuple(s) for s in steps]
     if not steps:
         return
+    mapped = [s.trace.mapped_rows(s.ds) for s in sources]
+    if all(m is not None for m in mapped):
+        yield from _mapped_rows(mapped, steps)
+        return
     bufs = [[_row_buffer(f"ahead{j}.{k}", s.ds.shape[1:], s.ds.dtype) for j, s in enumerate(sources)] for k in (0, 1)]
 
     def read(k: int) -> tuple:
@@ -202,30 +206,47 @@ def read_ahead(sources, steps) -> Iterator[tuple]:
             pending.cancel() or wait([pending])
 
 
+def _mapped_rows(mapped, steps) -> Iterator[tuple]:
+    """read_ahead over mapped files (Trace.mapped_rows): each row a view of the page cache, no copy and no
+    thread; the next step's rows are announced to the kernel first, so that a cold file is read while this
+    step is compared."""
+    for k, step in enumerate(steps):
+        if k + 1 < len(steps):
+            for (_, will_need), i in zip(mapped, steps[k + 1]):
+                will_need(i)
+        yield tuple(view(i) for (view, _), i in zip(mapped, step))
+
+
 class LayerView:
     """One layer of a trace: states, statistics, samples and cache, all lazy."""
 
     def __init__(self, trace: "Trace", layer: int):
         self.trace, self.layer = trace, layer
         self.g = trace.f[layer_group(layer)]
+        self._found = trace.__dict__.get("_found", {})
+
+    def _get(self, rel: str):
+        """self.g.get(rel), from the datasets the trace's check found (an HDF5 lookup costs ~70 us)."""
+        key = (self.layer, rel)
+        return self._found[key] if key in self._found else self.g.get(rel)
 
     @_guarded
     def state(self, name: str):
-        ds = self.g.get(sc.STATE.rel(name))
+        ds = self._get(sc.STATE.rel(name))
         return ds if isinstance(ds, h5py.Dataset) else None
 
     @_guarded
     def sampled(self, name: str):
-        return self.g.get(sc.SAMPLED.rel(name))
+        return self._get(sc.SAMPLED.rel(name))
 
     @_guarded
     def stats(self, name: str):
-        ds = self.g.get(sc.STATS.rel(name))
+        ds = self._get(sc.STATS.rel(name))
         if ds is None:
             return None
         st = self.trace.read(ds)
         col = {k: i for i, k in enumerate(STAT_COLUMNS)}
-        full = self.g.get(sc.STATE.rel(name))
+        full = self._get(sc.STATE.rel(name))
         limit = self.trace.n_cols * max(int(np.prod(full.shape[2:])) if full is not None else 1, 1) * 2 ** 20
         for c, f in (("count", "finite"), ("pad_count", "pad_finite")):
             n, k = st[:, col[c]], st[:, col[f]]
@@ -237,12 +258,12 @@ class LayerView:
 
     @_guarded
     def checksum(self, name: str):
-        ds = self.g.get(sc.CHECKSUM.rel(name))
+        ds = self._get(sc.CHECKSUM.rel(name))
         return None if ds is None else self.trace.read(ds)
 
     @_guarded
     def cache(self, name: str):
-        return self.g.get(sc.CACHE.rel(name))
+        return self._get(sc.CACHE.rel(name))
 
     @cached_property
     @_guarded
@@ -300,6 +321,9 @@ class Trace:
             raise TraceError(f"{self.name}: damaged trace ({type(e).__name__}: {str(e)[:160]})") from None
 
     def close(self):
+        chunks = self.__dict__.get("_chunks")  # made on the first row read
+        if chunks is not None:
+            chunks.close()
         try:
             self.f.close()
         except Exception:
@@ -338,6 +362,22 @@ class Trace:
                 from None
         return buf
 
+    def mapped_rows(self, ds):
+        """A function of a row index giving ds[index] as a read-only view of the mapped file (dumps.chunks
+        ChunkReader.view), and one announcing a row that will be needed; None when rows must be read
+        (read_row_into)."""
+        plan = self._chunks.mapped_plan(ds)
+        if plan is None:
+            return None
+        chunks, name = self._chunks, ds.name
+
+        def view(index: int) -> np.ndarray:
+            try:
+                return chunks.view(plan, index)
+            except _DAMAGE as e:
+                raise TraceError(f"{self.name}: cannot read {name} ({str(e).splitlines()[0][:160]})") from None
+        return view, lambda index: chunks.will_need(plan, index)
+
     @cached_property
     def _chunks(self) -> ChunkReader:  # made on the first row read, after _check passed
         return ChunkReader(self.f, enabled=not self._built_here, why="a view built over rank files")
@@ -347,6 +387,7 @@ class Trace:
         return self._chunks
 
     def _check(self):
+        self._found = {}  # (layer, path in its group) -> the dataset (or None) the check found: _element
         if not self._built_here:  # a file we did not build ourselves: nothing outside it is followed
             check_storage(self.f, self.name)
         self._check_header(require_complete=True)
@@ -393,10 +434,15 @@ class Trace:
         model["args"] = model.get("args") or {}
 
     def _element(self, group, el: sc.Element, dims: dict, name: str | None = None, layer: int | None = None,
-                 required: bool = True):
-        """``group``'s instance of a schema element, checked against it (dtype kind and shape in ``dims``);
-        None when it is absent and not ``required``. Raises TraceError naming the dataset."""
-        ds = group.get(el.rel(name))
+                 required: bool = True, ds=False):
+        """``group``'s instance of a schema element (``ds`` when the caller looked it up already), checked
+        against it (dtype kind and shape in ``dims``); None when it is absent and not ``required``. Raises
+        TraceError naming the dataset. A layer's datasets are remembered for LayerView."""
+        rel = el.rel(name)
+        if ds is False:
+            ds = group.get(rel)
+        if layer is not None and "_found" in self.__dict__ and (ds is None or isinstance(ds, h5py.Dataset)):
+            self._found[(layer, rel)] = ds
         path = "/" + el.at(layer, name)
         if not isinstance(ds, h5py.Dataset):
             if ds is None and not required:
@@ -492,7 +538,7 @@ class Trace:
                 raise TraceError(f"{where}: layer {i} {name} declares rows of {self.n_cols * ds.shape[2]} values, "
                                  "larger than a reader allocates")
             required = self.level == "full" and name in REQUIRED_STATES
-            self._element(g, sc.STATE, {**dims, **({"W": want} if want else {})}, name, i, required)
+            self._element(g, sc.STATE, {**dims, **({"W": want} if want else {})}, name, i, required, ds=ds)
         for name in sc.STAT_TENSORS:  # the five states' MUST exist (contract: docs/trace-format.md), others MAY
             self._element(g, sc.STATS, dims, name, i, required=name in REQUIRED_STATES)
             self._element(g, sc.CHECKSUM, dims, name, i, required=name in REQUIRED_STATES)
@@ -505,7 +551,7 @@ class Trace:
             if isinstance(ds, h5py.Dataset) and ds.ndim == 4 and int(np.prod(ds.shape[1:])) * ds.dtype.itemsize > \
                     ROW_LIMIT:
                 raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
-            self._element(g, sc.CACHE, {**dims, "T": pos.shape[1]}, name, i, required=self.level == "full")
+            self._element(g, sc.CACHE, {**dims, "T": pos.shape[1]}, name, i, required=self.level == "full", ds=ds)
 
     def _check_sampled(self, i: int, g: h5py.Group):
         """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""
@@ -631,6 +677,7 @@ class LiveTrace(Trace):
         self._check_inputs()
         self.n_layers = int(self.meta.get("model", {}).get("args", {}).get("n_layers", 0))
         self._checked = set()
+        self._found = {}
 
     def layer(self, i: int) -> LayerView:
         if i not in self._checked:

@@ -90,9 +90,12 @@ def test_compare_with_direct_reads_equals_compare_through_h5py(tmp_path, monkeyp
             return bool(rep), [(t.tensor, t.max_abs, t.max_rel, t.n_bad, t.cosine) for lr in rep.layers
                                for t in lr.tensors]
 
+    from prefill_diff.dumps import chunks
+    mapped = run()
+    monkeypatch.setattr(chunks, "MMAP", False)
     direct = run()
     monkeypatch.setattr(ChunkReader, "read_row", lambda self, ds, index, buf: False)
-    assert direct == run()
+    assert mapped == direct == run()
     assert not direct[0] and any(n_bad for _, _, _, n_bad, _ in direct[1])  # the noise breaks tolerance
 
 
@@ -270,14 +273,17 @@ def test_a_file_shorter_than_its_plan_falls_back(tmp_path):
 
 @pytest.fixture(autouse=False)
 def ahead_always(monkeypatch):
-    """The test traces' rows are small: read them ahead all the same."""
-    from prefill_diff.dumps import reader
+    """Rows read into buffers (the file not mapped, as for a compressed trace), ahead on the background thread
+    although the test traces' rows are small."""
+    from prefill_diff.dumps import chunks, reader
     monkeypatch.setattr(reader, "AHEAD_MIN_BYTES", 0)
+    monkeypatch.setattr(chunks, "MMAP", False)
 
 
 @pytest.mark.parametrize("threshold", [0, 1 << 40])
 def test_read_ahead_yields_every_step_in_order_with_its_rows(tmp_path, monkeypatch, threshold):
-    from prefill_diff.dumps import reader
+    from prefill_diff.dumps import chunks, reader
+    monkeypatch.setattr(chunks, "MMAP", False)  # rows read into buffers (mapped rows: the tests below)
     monkeypatch.setattr(reader, "AHEAD_MIN_BYTES", threshold)  # read ahead, or each step on this thread
     a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
     steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]  # repeated and crossed rows
@@ -365,3 +371,64 @@ def _child_work(path: str) -> None:
         rd = t.layer(0).state("mid")
         rows = [r[0].copy() for r in read_ahead([(t, rd)], [(0,), (1,), (2,)])]
         assert all(r.tobytes() == rd[i].tobytes() for i, r in enumerate(rows))
+
+
+# -- mapped rows: views of the page cache, no copy ------------------------------------------------------------
+
+def test_mapped_rows_are_read_only_views_equal_to_h5py(tmp_path):
+    a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
+    steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]
+    with Trace(a) as ta, Trace(b) as tb:
+        rd, cd, kd = ta.layer(1).state("mid"), tb.layer(1).state("mid"), tb.layer(0).cache("keys")
+        sources = [(ta, rd), (tb, cd), (tb, kd)]
+        assert all(t.mapped_rows(ds) is not None for t, ds in sources)
+        kept = []
+        for k, rows in enumerate(read_ahead(sources, steps)):
+            for (_, ds), i, row in zip(sources, steps[k], rows):
+                assert row.tobytes() == ds[i].tobytes() and row.shape == ds.shape[1:] and row.dtype == ds.dtype
+                assert not row.flags.writeable  # the trace cannot be changed through a row
+            kept.append(rows)
+        assert kept[0][0].tobytes() == rd[0].tobytes()  # a view outlives its step
+    # the traces are closed while views of them are alive: the mapping stays until the last view goes
+    assert kept[2][0].tobytes() == h5py.File(a, "r")["layers/001/mid"][2].tobytes()
+
+
+def test_mapped_file_cut_short_raises_instead_of_reading_past_its_end(tmp_path):
+    """Another program truncates the trace during the comparison: the next row's view is refused with a
+    TraceError (touching pages past the end of a mapped file would stop the process with SIGBUS)."""
+    path = record(tmp_path / "t.h5")
+    with Trace(path) as t:
+        ds = t.layer(1).state("layer_output")
+        view, _ = t.mapped_rows(ds)
+        assert view(0).tobytes() == ds[0].tobytes()
+        plan = t._chunks.plan(ds)
+        os.truncate(path, plan.offsets[S - 1] + 8)
+        with pytest.raises(TraceError, match="changed while read"):
+            view(S - 1)
+
+
+def test_compressed_or_unmappable_rows_are_read_into_buffers(tmp_path, monkeypatch):
+    from prefill_diff.dumps import chunks
+    z = record(tmp_path / "z.h5", compression="gzip")
+    with Trace(z) as t:
+        ds = t.layer(0).state("mid")
+        assert t.mapped_rows(ds) is None
+        rows = [r[0].copy() for r in read_ahead([(t, ds)], [(0,), (2,)])]
+        assert rows[1].tobytes() == ds[2].tobytes()
+    plain = record(tmp_path / "p.h5")
+    monkeypatch.setattr(chunks.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError("cannot map")))
+    with Trace(plain) as t:
+        ds = t.layer(0).state("mid")
+        assert t.mapped_rows(ds) is None  # a file system that cannot map: read with system calls
+        assert next(iter(read_ahead([(t, ds)], [(1,)])))[0].tobytes() == ds[1].tobytes()
+
+
+def test_mapping_is_turned_off_by_environment(tmp_path):
+    import subprocess
+    import sys
+    path = record(tmp_path / "t.h5")
+    code = ("import sys; from prefill_diff.dumps import chunks; from prefill_diff.dumps.reader import Trace\n"
+            "t = Trace(sys.argv[1]); print(chunks.MMAP, t.mapped_rows(t.layer(0).state('mid')))")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], env={**os.environ, "PREFILL_DIFF_MMAP": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "None"]
