@@ -67,17 +67,20 @@ def bare_pass(a: str, b: str) -> float:
     return worst
 
 
-def our_compare(a: str, b: str, ahead: bool = True) -> bool:
-    """`compare` of the two files; ahead=False: without the read-ahead thread (each row pair read in turn), to
-    show what it gives."""
-    from prefill_diff.dumps import reader
+def our_compare(a: str, b: str, fast: bool = True) -> bool:
+    """`compare` of the two files; fast=False: without the compiled kernels and without mapping the files (numpy
+    metrics over rows read into buffers by the read-ahead thread, as when the kernels did not build or
+    PREFILL_DIFF_NATIVE=0 and PREFILL_DIFF_MMAP=0 are set), to show what they give."""
+    from prefill_diff.dumps import chunks, native, reader
     from prefill_diff.verify.report import compare_traces
-    saved, reader.READ_AHEAD = reader.READ_AHEAD, ahead
+    saved = native._MODULE, chunks.MMAP
+    if not fast:
+        native._MODULE, chunks.MMAP = None, False
     try:
         with reader.Trace(a) as ra, reader.Trace(b) as rb:
             return bool(compare_traces(ra, rb))
     finally:
-        reader.READ_AHEAD = saved
+        native._MODULE, chunks.MMAP = saved
 
 
 def pure_read(paths) -> int:
@@ -126,13 +129,13 @@ def _evict_once(paths) -> float:
 
 
 def timed_rounds(ref: str, cand: str, repeats: int, cold: bool) -> dict:
-    """Interleaved rounds of the bare pass, compare (with and without its read-ahead) and the pure read
+    """Interleaved rounds of the bare pass, compare (with and without its compiled kernels and mapping) and the pure read
     (evicted before each when cold); per round, compare's throughput over the bare pass's and over the pure
     read's; the load beside them."""
-    times = {"bare": [], "compare": [], "rows in turn": [], "read": []}
+    times = {"bare": [], "compare": [], "numpy, read": [], "read": []}
     evicted, ok, load = [], None, [os.getloadavg()[0]]
     passes = {"bare": lambda: bare_pass(ref, cand), "compare": lambda: our_compare(ref, cand),
-              "rows in turn": lambda: our_compare(ref, cand, ahead=False), "read": lambda: pure_read((ref, cand))}
+              "numpy, read": lambda: our_compare(ref, cand, fast=False), "read": lambda: pure_read((ref, cand))}
     for _ in range(repeats):  # interleaved: drift on a shared machine hits all three alike
         for name, fn in passes.items():
             if cold:
@@ -145,7 +148,7 @@ def timed_rounds(ref: str, cand: str, repeats: int, cold: bool) -> dict:
     t = {k: np.asarray(v) for k, v in times.items()}
     return {"times": times, "ok": ok, "load": load, "evicted": evicted,
             "vs_bare": t["bare"] / t["compare"], "vs_read": t["read"] / t["compare"],
-            "ahead_gain": t["rows in turn"] / t["compare"]}
+            "fast_gain": t["numpy, read"] / t["compare"]}
 
 
 def _summary(kind: str, r: dict, size: int) -> dict:
@@ -155,8 +158,8 @@ def _summary(kind: str, r: dict, size: int) -> dict:
                 f"{kind}: compare / pure read throughput (median of rounds)":
                     f"{np.median(r['vs_read']):.2f}x ({load})",
                 f"{kind}: rounds, compare / bare": [round(float(x), 2) for x in r["vs_bare"]],
-                f"{kind}: compare / compare reading its rows in turn (no read-ahead; median of rounds)":
-                    f"{np.median(r['ahead_gain']):.2f}x ({load})"})
+                f"{kind}: compare / compare without kernels or mapping (numpy metrics, rows read ahead into "
+                f"buffers; median of rounds)": f"{np.median(r['fast_gain']):.2f}x ({load})"})
     if r["evicted"]:
         who = "as root" if os.geteuid() == 0 else "as a normal user"
         out[f"{kind}: eviction"] = (f"posix_fadvise(DONTNEED) {who}: {min(r['evicted']):.0%}-{max(r['evicted']):.0%} "

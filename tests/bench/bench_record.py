@@ -15,6 +15,7 @@ import time
 import numpy as np
 import torch
 
+from prefill_diff.dumps import native
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.engine.model import ModelArgs
 from prefill_diff.engine.prefill import Engine, NumericalConfig
@@ -28,8 +29,18 @@ SMOKE_SIZE = dict(args=ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, h
                                  vocab_size=512), batch=2, n=64, repeats=2, short_n=16, short_repeats=2)
 
 
+NUMPY_STATS = "stats, no kernels"  # the stats level with the numpy code the compiled kernels replace
+
+
 def one(engine, ids, mask, pos, level, d, tag):
-    """Seconds for one prefill; with a trace at ``level`` (None: no recorder)."""
+    """Seconds for one prefill; with a trace at ``level`` (None: no recorder; NUMPY_STATS: stats without the
+    compiled kernels)."""
+    if level == NUMPY_STATS:
+        saved, native._MODULE = native._MODULE, None
+        try:
+            return one(engine, ids, mask, pos, "stats", d, tag)
+        finally:
+            native._MODULE = saved
     t0 = time.perf_counter()
     if level is None:
         engine.prefill(ids, mask, pos)
@@ -56,14 +67,14 @@ def _levels(engine, args, B: int, n: int, repeats: int, out_dir: str, kernel: st
     mask = torch.ones(B, n, dtype=torch.long)
     pos = torch.arange(n).expand(B, n)
     engine.prefill(ids, mask, pos)  # warm up
-    levels = (None, "stats", "sampled", "full")
+    levels = (None, "stats", NUMPY_STATS, "sampled", "full")
     times = {lv: [] for lv in levels}
     sizes = {}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(dir=out_dir) as d:
         for r in range(repeats):  # interleaved, so drift on a shared machine hits every level alike
             for lv in levels:
-                dt, size = one(engine, ids, mask, pos, lv, d, f"{lv}-{r}")
+                dt, size = one(engine, ids, mask, pos, lv, d, f"{str(lv).replace(', ', '-').replace(' ', '-')}-{r}")
                 times[lv].append(dt)
                 sizes[lv] = size
             os.sync()  # let the written traces reach the disk before the next round is timed
@@ -72,7 +83,7 @@ def _levels(engine, args, B: int, n: int, repeats: int, out_dir: str, kernel: st
     return {"config": f"d={args.dim} L={args.n_layers} H_q={args.n_heads} H_kv={args.n_kv_heads} B={B} n={n} "
                       f"float32 kernel={kernel}, traces in {out_dir}",
             "load average (1 min) during the rounds, min-max": [min(load), max(load)],
-            "cpus": os.cpu_count(),
+            "cpus": os.cpu_count(), "kernels": native.describe(),
             "no recorder (s, best)": min(times[None]),
             **{f"{lv} trace / none (median of rounds)": float(np.median(rounds[lv])) for lv in levels[1:]},
             **{f"{lv} trace / none (best of {repeats} rounds each)": min(times[lv]) / min(times[None])
