@@ -249,6 +249,17 @@ class ChunkReader:
         except (OSError, ValueError, AttributeError):  # advice only (AttributeError: closed since)
             pass
 
+    def done_with(self, plan: RowPlan, index: int) -> None:
+        """Drop row ``index`` of a mapped_plan from this process's page tables (MADV_DONTNEED; a shared file
+        mapping keeps its data: the page cache still holds the pages, and a view touched again faults them
+        back in). Without it every page compared stays mapped, and the process's resident size grows with
+        the traces (2.2 GiB for two 1 GiB traces)."""
+        start = plan.offsets[index] // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._map.madvise(mmap.MADV_DONTNEED, start, plan.offsets[index] + plan.nbytes - start)
+        except (OSError, ValueError, AttributeError):
+            pass
+
     def close(self) -> None:
         """Unmap the file; a mapping that rows still view is released when the last view is gone."""
         m, self._map = self._map, False

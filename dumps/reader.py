@@ -209,12 +209,17 @@ def read_ahead(sources, steps) -> Iterator[tuple]:
 def _mapped_rows(mapped, steps) -> Iterator[tuple]:
     """read_ahead over mapped files (Trace.mapped_rows): each row a view of the page cache, no copy and no
     thread; the next step's rows are announced to the kernel first, so that a cold file is read while this
-    step is compared."""
+    step is compared, and the previous step's pages are released from the process once it is over (its
+    views stay valid: touched again, they fault the pages back in)."""
     for k, step in enumerate(steps):
         if k + 1 < len(steps):
-            for (_, will_need), i in zip(mapped, steps[k + 1]):
+            for (_, will_need, _), i in zip(mapped, steps[k + 1]):
                 will_need(i)
-        yield tuple(view(i) for (view, _), i in zip(mapped, step))
+        try:
+            yield tuple(view(i) for (view, _, _), i in zip(mapped, step))
+        finally:
+            for (_, _, done_with), i in zip(mapped, step):
+                done_with(i)
 
 
 class LayerView:
@@ -223,30 +228,24 @@ class LayerView:
     def __init__(self, trace: "Trace", layer: int):
         self.trace, self.layer = trace, layer
         self.g = trace.f[layer_group(layer)]
-        self._found = trace.__dict__.get("_found", {})
-
-    def _get(self, rel: str):
-        """self.g.get(rel), from the datasets the trace's check found (an HDF5 lookup costs ~70 us)."""
-        key = (self.layer, rel)
-        return self._found[key] if key in self._found else self.g.get(rel)
 
     @_guarded
     def state(self, name: str):
-        ds = self._get(sc.STATE.rel(name))
+        ds = self.g.get(sc.STATE.rel(name))
         return ds if isinstance(ds, h5py.Dataset) else None
 
     @_guarded
     def sampled(self, name: str):
-        return self._get(sc.SAMPLED.rel(name))
+        return self.g.get(sc.SAMPLED.rel(name))
 
     @_guarded
     def stats(self, name: str):
-        ds = self._get(sc.STATS.rel(name))
+        ds = self.g.get(sc.STATS.rel(name))
         if ds is None:
             return None
         st = self.trace.read(ds)
         col = {k: i for i, k in enumerate(STAT_COLUMNS)}
-        full = self._get(sc.STATE.rel(name))
+        full = self.g.get(sc.STATE.rel(name))
         limit = self.trace.n_cols * max(int(np.prod(full.shape[2:])) if full is not None else 1, 1) * 2 ** 20
         for c, f in (("count", "finite"), ("pad_count", "pad_finite")):
             n, k = st[:, col[c]], st[:, col[f]]
@@ -258,12 +257,12 @@ class LayerView:
 
     @_guarded
     def checksum(self, name: str):
-        ds = self._get(sc.CHECKSUM.rel(name))
+        ds = self.g.get(sc.CHECKSUM.rel(name))
         return None if ds is None else self.trace.read(ds)
 
     @_guarded
     def cache(self, name: str):
-        return self._get(sc.CACHE.rel(name))
+        return self.g.get(sc.CACHE.rel(name))
 
     @cached_property
     @_guarded
@@ -363,9 +362,9 @@ class Trace:
         return buf
 
     def mapped_rows(self, ds):
-        """A function of a row index giving ds[index] as a read-only view of the mapped file (dumps.chunks
-        ChunkReader.view), and one announcing a row that will be needed; None when rows must be read
-        (read_row_into)."""
+        """Three functions of a row index: ds[index] as a read-only view of the mapped file (dumps.chunks
+        ChunkReader.view), announcing a row that will be needed, and releasing a row's pages from the
+        process (they stay in the page cache); None when rows must be read (read_row_into)."""
         plan = self._chunks.mapped_plan(ds)
         if plan is None:
             return None
@@ -376,7 +375,7 @@ class Trace:
                 return chunks.view(plan, index)
             except _DAMAGE as e:
                 raise TraceError(f"{self.name}: cannot read {name} ({str(e).splitlines()[0][:160]})") from None
-        return view, lambda index: chunks.will_need(plan, index)
+        return view, lambda index: chunks.will_need(plan, index), lambda index: chunks.done_with(plan, index)
 
     @cached_property
     def _chunks(self) -> ChunkReader:  # made on the first row read, after _check passed
@@ -387,7 +386,6 @@ class Trace:
         return self._chunks
 
     def _check(self):
-        self._found = {}  # (layer, path in its group) -> the dataset (or None) the check found: _element
         if not self._built_here:  # a file we did not build ourselves: nothing outside it is followed
             check_storage(self.f, self.name)
         self._check_header(require_complete=True)
@@ -437,12 +435,10 @@ class Trace:
                  required: bool = True, ds=False):
         """``group``'s instance of a schema element (``ds`` when the caller looked it up already), checked
         against it (dtype kind and shape in ``dims``); None when it is absent and not ``required``. Raises
-        TraceError naming the dataset. A layer's datasets are remembered for LayerView."""
+        TraceError naming the dataset."""
         rel = el.rel(name)
         if ds is False:
             ds = group.get(rel)
-        if layer is not None and "_found" in self.__dict__ and (ds is None or isinstance(ds, h5py.Dataset)):
-            self._found[(layer, rel)] = ds
         path = "/" + el.at(layer, name)
         if not isinstance(ds, h5py.Dataset):
             if ds is None and not required:
@@ -677,7 +673,6 @@ class LiveTrace(Trace):
         self._check_inputs()
         self.n_layers = int(self.meta.get("model", {}).get("args", {}).get("n_layers", 0))
         self._checked = set()
-        self._found = {}
 
     def layer(self, i: int) -> LayerView:
         if i not in self._checked:

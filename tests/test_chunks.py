@@ -375,9 +375,13 @@ def _child_work(path: str) -> None:
 
 # -- mapped rows: views of the page cache, no copy ------------------------------------------------------------
 
-def test_mapped_rows_are_read_only_views_equal_to_h5py(tmp_path):
+def test_mapped_rows_are_read_only_views_equal_to_h5py(tmp_path, monkeypatch):
+    """Views equal h5py's reads; each step's pages are released from the process once the next step is asked
+    for (the resident size stays bounded), and a released view still reads the same bytes."""
     a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
     steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]
+    released, real_done = [], ChunkReader.done_with
+    monkeypatch.setattr(ChunkReader, "done_with", lambda self, plan, i: (released.append(i), real_done(self, plan, i)))
     with Trace(a) as ta, Trace(b) as tb:
         rd, cd, kd = ta.layer(1).state("mid"), tb.layer(1).state("mid"), tb.layer(0).cache("keys")
         sources = [(ta, rd), (tb, cd), (tb, kd)]
@@ -388,7 +392,9 @@ def test_mapped_rows_are_read_only_views_equal_to_h5py(tmp_path):
                 assert row.tobytes() == ds[i].tobytes() and row.shape == ds.shape[1:] and row.dtype == ds.dtype
                 assert not row.flags.writeable  # the trace cannot be changed through a row
             kept.append(rows)
-        assert kept[0][0].tobytes() == rd[0].tobytes()  # a view outlives its step
+            assert released == [i for st in steps[:k] for i in st]  # the steps before this one
+        assert released == [i for st in steps for i in st]
+        assert kept[0][0].tobytes() == rd[0].tobytes()  # a view outlives its step and its release
     # the traces are closed while views of them are alive: the mapping stays until the last view goes
     assert kept[2][0].tobytes() == h5py.File(a, "r")["layers/001/mid"][2].tobytes()
 
@@ -399,7 +405,7 @@ def test_mapped_file_cut_short_raises_instead_of_reading_past_its_end(tmp_path):
     path = record(tmp_path / "t.h5")
     with Trace(path) as t:
         ds = t.layer(1).state("layer_output")
-        view, _ = t.mapped_rows(ds)
+        view, _, _ = t.mapped_rows(ds)
         assert view(0).tobytes() == ds[0].tobytes()
         plan = t._chunks.plan(ds)
         os.truncate(path, plan.offsets[S - 1] + 8)
