@@ -174,6 +174,15 @@ STATS(stats_bf16, float, load_bf16, 2)
 
 /* ---- argument checks: buffers of the expected format, rank and layout ---------------------------------- */
 
+static char kind(const Py_buffer *v)
+{
+    /* the one-letter struct code of a native little-endian scalar format ("f", "<f", "=d"...), else '?' */
+    const char *f = v->format ? v->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
+        f++;
+    return f[0] != '\0' && f[1] == '\0' ? f[0] : '?';
+}
+
 static int get2d(PyObject *obj, Py_buffer *v, const char *what, int writable)
 {
     if (PyObject_GetBuffer(obj, v, PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
@@ -190,20 +199,12 @@ static int get_out(PyObject *obj, Py_buffer *v, Py_ssize_t n, const char *what)
 {
     if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
         return -1;
-    if (strcmp(v->format, "d") != 0 || v->len != n * (Py_ssize_t)sizeof(double)) {
+    if (kind(v) != 'd' || v->len != n * (Py_ssize_t)sizeof(double)) {
         PyErr_Format(PyExc_ValueError, "%s: a contiguous float64 buffer of %zd values is needed", what, n);
         PyBuffer_Release(v);
         return -1;
     }
     return 0;
-}
-
-static char kind(const Py_buffer *v)
-{
-    const char *f = v->format;
-    if (f[0] == '<' || f[0] == '=' || f[0] == '@')
-        f++;
-    return f[1] == '\0' ? f[0] : '?';
 }
 
 PyDoc_STRVAR(row_pass_doc,

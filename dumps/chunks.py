@@ -16,12 +16,14 @@ and must agree. Anything else - gzip, a chunk index that points past the end of 
 big-endian data, a virtual view over rank files - is read by h5py, as before:
 ``ChunkReader.read_row`` returns False and the caller reads the row with ``read_direct``.
 
-``ChunkReader.row_view`` goes one step further for the comparison: the file is mapped read-only
-(``mmap``) and a row is a numpy view of the page cache's own pages, with no copy at all; the
-next rows are announced to the kernel (``madvise(MADV_WILLNEED)``) so that a cold file is read
-while the current rows are compared. The file's size is checked before each view; a file cut
-short by another program in the moment a row is being read can still stop the process with
-SIGBUS, as with any memory-mapped reader (``PREFILL_DIFF_MMAP=0`` reads with system calls).
+``ChunkReader.mapped_plan`` and ``view`` go one step further for the comparison: the file is
+mapped read-only (``mmap``) and a row is a numpy view of the page cache's own pages, with no
+copy at all; ``will_need`` announces the next rows to the kernel (``madvise(MADV_WILLNEED)``) so
+that a cold file is read while the current rows are compared, and ``done_with`` drops a compared
+row's pages from the process (``MADV_DONTNEED``: they stay in the page cache). The file's size is
+checked before each view; a file cut short by another program in the moment a row is being read
+can still stop the process with SIGBUS, as with any memory-mapped reader (``PREFILL_DIFF_MMAP=0``
+reads with system calls).
 """
 from __future__ import annotations
 
@@ -148,7 +150,7 @@ class ChunkReader:
         self.refusal = (file_refusal(f) if enabled else why)
         self._plans: dict = {}
         self._probed = False
-        self._map = None  # the file mapped read-only (row_view), False once mapping failed
+        self._map = None  # the file mapped read-only (view), False once mapping failed or closed
         if self.refusal is None:
             self.fd = f.id.get_vfd_handle()  # the descriptor HDF5 itself reads through (sec2: pread)
             st = os.fstat(self.fd)

@@ -393,8 +393,9 @@ def _array_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     code also takes over when a sum is not finite (it counts the finite values, and sums float32 values
     whose sums overflowed again in float64)."""
     k = native.kernels()
-    if k is not None and (bfloat16 or a.dtype in _NATIVE_TYPES):
-        lo, hi, s, ss, chk = k.stats(a.reshape(a.shape[0], -1), bfloat16)
+    rows = a.reshape(a.shape[0], -1)
+    if k is not None and (bfloat16 or a.dtype in _NATIVE_TYPES) and rows.strides[1] == rows.itemsize:
+        lo, hi, s, ss, chk = k.stats(rows, bfloat16)
         if np.isfinite(s) and np.isfinite(ss):
             return n, n, lo, hi, s, ss, chk
     return _numpy_stats(a, n, bfloat16)

@@ -1,10 +1,11 @@
 """Error metrics of one slab of aligned rows, in one blocked pass over reused buffers.
 
 A slab is (T, W): T rows (one per aligned position) of width W. The slab is read from memory
-once, a block of rows at a time; on each block, while it is in the CPU cache, numpy computes
-|c - r|, the signed relative error, their extremes and the per-row sums (squares of r, c and
-c - r, sum of |c - r|), all into preallocated buffers. The element-wise tolerance bound is only
-evaluated exactly on rows that a cheap screen cannot clear:
+once: |c - r|, the signed relative error, their extremes and the per-row sums (squares of r, c
+and c - r, sum of |c - r|) come from one loop of the compiled kernel (dumps/native.py; a large
+slab shared with a helper thread), or, without it, from numpy calls on one block of rows at a
+time while the block is in the CPU cache, into preallocated buffers. The element-wise tolerance
+bound is only evaluated exactly on rows that a cheap screen cannot clear:
 
     a row passes for sure when  max_i |d_i| <= atol + ntol·rms(ref row)   (rtol·|ref| >= 0)
                           or when ||d|| <= row_rtol·||ref||                (the row rule)
@@ -122,9 +123,9 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
 
 
 # A slab of at least this many bytes per side is shared with a helper thread (None: never). Reading the rows
-# from memory is what bounds the pass: two cores read faster than one (measured on a mapped trace: 0.33 s ->
-# see docs/performance.md). The kernel hands out rows 16 at a time, so a helper that is late or descheduled
-# costs at most one chunk's wait; a helper that starts after the slab is done touches nothing.
+# from memory is what bounds the kernel, and two cores read faster than one (a warm full-size compare: 0.56 s
+# against 0.68 s; docs/performance.md). The kernel hands out rows 16 at a time, so a helper that is late or
+# descheduled costs at most one chunk's wait; a helper that starts after the slab is done touches nothing.
 SHARE_BYTES: int | None = 1 << 20
 
 
