@@ -21,18 +21,18 @@ def _load():
     if sys.byteorder != "little":  # the checksum reads 8-byte words as little-endian
         return None, "not used on a big-endian machine"
     try:
-        from ._native import row_pass, stats
+        from ._native import row_pass, stats, unaligned_ok
     except ImportError as e:
         return None, f"not built ({e})"
-    return SimpleNamespace(row_pass=row_pass, stats=stats), "in use"
+    return SimpleNamespace(row_pass=row_pass, stats=stats, unaligned_ok=bool(unaligned_ok)), "in use"
 
 
 _MODULE, STATE = _load()
 
 
 def kernels():
-    """The compiled kernels (``row_pass``, ``stats``: see dumps/_native.c), or None: the callers' numpy code is
-    used."""
+    """The compiled kernels (``row_pass``, ``stats``: see dumps/_native.c; ``unaligned_ok``: whether they read rows
+    at any byte offset, as mapped trace rows often are), or None: the callers' numpy code is used."""
     return _MODULE
 
 

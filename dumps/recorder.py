@@ -394,7 +394,8 @@ def _array_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     whose sums overflowed again in float64)."""
     k = native.kernels()
     rows = a.reshape(a.shape[0], -1)
-    if k is not None and (bfloat16 or a.dtype in _NATIVE_TYPES) and rows.strides[1] == rows.itemsize:
+    if k is not None and (bfloat16 or a.dtype in _NATIVE_TYPES) and rows.strides[1] == rows.itemsize \
+            and (k.unaligned_ok or rows.flags.aligned):
         lo, hi, s, ss, chk = k.stats(rows, bfloat16)
         if np.isfinite(s) and np.isfinite(ss):
             return n, n, lo, hi, s, ss, chk

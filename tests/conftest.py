@@ -24,18 +24,35 @@ def _model_cache(tmp_path_factory):
     mp.undo()
 
 
-@pytest.fixture(scope="module", params=["native", "shared", "numpy"])
-def both_kernels(request):
-    """The module's tests with the compiled kernels (dumps/native.py), with them and every slab of the comparison
-    shared with the helper thread (verify/metrics.py SHARE_BYTES), and with the numpy code they replace
-    (module-scoped: hypothesis refuses function-scoped fixtures)."""
+def _kernel_paths(request):
+    """Set up one of the compiled kernels' paths (dumps/native.py) for a module's tests: "native", "shared" (every
+    comparison slab shared with the helper thread, verify/metrics.py SHARE_BYTES) or "numpy" (the code the kernels
+    replace). Without the kernels built, the first two would repeat "numpy": skipped, unless CI requires them."""
     from prefill_diff.dumps import native
     from prefill_diff.verify import metrics
+    if request.param != "numpy" and native.kernels() is None and os.environ.get("PREFILL_DIFF_REQUIRE_NATIVE") != "1":
+        pytest.skip(native.describe())
     mp = pytest.MonkeyPatch()
     if request.param == "numpy":
         mp.setattr(native, "_MODULE", None)
     if request.param == "shared":
         mp.setattr(metrics, "SHARE_BYTES", 1)
+    return mp
+
+
+@pytest.fixture(scope="module", params=["native", "numpy"])
+def both_kernels(request):
+    """The module's tests with the compiled kernels and with the numpy code they replace (module-scoped:
+    hypothesis refuses function-scoped fixtures)."""
+    mp = _kernel_paths(request)
+    yield request.param
+    mp.undo()
+
+
+@pytest.fixture(scope="module", params=["native", "shared", "numpy"])
+def metric_kernels(request):
+    """both_kernels, and the comparison's slabs shared with the helper thread too."""
+    mp = _kernel_paths(request)
     yield request.param
     mp.undo()
 

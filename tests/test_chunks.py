@@ -91,7 +91,10 @@ def test_compare_with_direct_reads_equals_compare_through_h5py(tmp_path, monkeyp
                                for t in lr.tensors]
 
     from prefill_diff.dumps import chunks
+    views, real_view = [], ChunkReader.view
+    monkeypatch.setattr(ChunkReader, "view", lambda self, plan, i: (views.append(i), real_view(self, plan, i))[1])
     mapped = run()
+    assert len(views) > 0  # the first run really read mapped rows
     monkeypatch.setattr(chunks, "MMAP", False)
     direct = run()
     monkeypatch.setattr(ChunkReader, "read_row", lambda self, ds, index, buf: False)
@@ -376,8 +379,8 @@ def _child_work(path: str) -> None:
 # -- mapped rows: views of the page cache, no copy ------------------------------------------------------------
 
 def test_mapped_rows_are_read_only_views_equal_to_h5py(tmp_path, monkeypatch):
-    """Views equal h5py's reads; each step's pages are released from the process once the next step is asked
-    for (the resident size stays bounded), and a released view still reads the same bytes."""
+    """Views equal h5py's reads; each step's pages are released from the process (done_with) once the next step
+    is asked for, and a released view still reads the same bytes."""
     a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
     steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]
     released, real_done = [], ChunkReader.done_with

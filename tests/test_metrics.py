@@ -13,7 +13,7 @@ from prefill_diff.verify.tolerance import Tolerance
 F32_MAX = float(np.finfo(np.float32).max)
 SPECIAL = [0.0, np.nan, np.inf, -np.inf, 3e38, -3e38, 2e20, 1e-40, -1.5e19]
 
-pytestmark = pytest.mark.usefixtures("both_kernels")  # with the compiled kernels and without
+pytestmark = pytest.mark.usefixtures("metric_kernels")  # with the compiled kernels (one thread, shared), without
 
 
 def naive(r, c, tol: Tolerance, equal_nan=False):

@@ -287,3 +287,45 @@ def test_shared_quotients_all_nan_and_refused_arguments():
         K.row_pass(z, z, *out, np.zeros(2, np.int32), np.zeros(4), True)
     with pytest.raises(ValueError, match="slot"):
         K.row_pass(z, z, *out, np.zeros(2, np.int64), np.zeros(3), True)
+
+
+@need
+def test_the_waiting_caller_returns_only_when_every_row_is_done():
+    """Every row claimed, the last chunk not finished by the other thread: the caller with wait blocks until
+    that chunk is counted done (its buffers are reused the moment it returns)."""
+    import threading
+    r = np.ones((64, 8), np.float32)
+    out = [np.zeros(64) for _ in range(4)]
+    state = np.array([64, 48], np.int64)  # all rows handed out; 16 still being computed elsewhere
+    slot = np.array([0.0, -np.inf, np.inf, 0.0])
+    waiter = threading.Thread(target=K.row_pass, args=(r, r, *out, state, slot, True))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # still waiting for the 16 rows
+    state[1] += 16
+    waiter.join(10)
+    assert not waiter.is_alive() and (slot == [0.0, -np.inf, np.inf, 0.0]).all()  # it computed no row itself
+
+
+@need
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rows_at_any_byte_offset(dtype):
+    """Rows mapped from a trace often start at an odd byte (HDF5 aligns nothing): the kernels read them as they
+    read aligned rows, and the comparison's pass gives the numpy pass's results."""
+    rng = np.random.default_rng(3)
+    r, c = rows_of((9, 37), dtype, rng, 0.05)
+    item = np.dtype(dtype).itemsize
+    raw = np.zeros(2 * r.nbytes + 16, np.uint8)
+    mr = np.frombuffer(raw.data, dtype=dtype, count=r.size, offset=1).reshape(r.shape)
+    mc = np.frombuffer(raw.data, dtype=dtype, count=c.size, offset=3 + r.nbytes).reshape(c.shape)
+    raw[1:1 + r.nbytes] = np.frombuffer(r.tobytes(), np.uint8)
+    raw[3 + r.nbytes:3 + r.nbytes + c.nbytes] = np.frombuffer(c.tobytes(), np.uint8)
+    assert not mr.flags.aligned and not mc.flags.aligned and item > 1
+    (rr, dd, cc, dsum), ext = kernel_pass(mr, mc)
+    (rr2, dd2, cc2, dsum2), ext2 = kernel_pass(r, c)
+    assert all(same(a, b) for a, b in zip(ext, ext2))
+    assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip((rr, dd, cc, dsum), (rr2, dd2, cc2, dsum2)))
+    s, want = metrics._pass(mr, mc), metrics._numpy_pass(r, c)
+    assert same(s.gmax, want.gmax) and same(s.qmax, want.qmax) and same(s.qmin, want.qmin)
+    got, exp = K.stats(mr, False), numpy_stats(np.ascontiguousarray(r))
+    assert got[4] == exp[6] and (np.isnan(got[0]) or got[0] == exp[2])

@@ -111,7 +111,8 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
     with contiguous values, shared with a helper thread for a large slab (_shared_pass); else _numpy_pass."""
     k = native.kernels()
     if k is not None and r.dtype == c.dtype and r.dtype in _NATIVE_TYPES and r.strides[1] == r.itemsize \
-            and c.strides[1] == c.itemsize:
+            and c.strides[1] == c.itemsize and r.strides[0] >= 0 and c.strides[0] >= 0 \
+            and (k.unaligned_ok or (r.flags.aligned and c.flags.aligned)):
         T = r.shape[0]
         rr, dd, cc, dsum = (_buf(n, (T,), np.float64) for n in ("rr", "dd", "cc", "dsum"))
         if SHARE_BYTES is not None and r.nbytes >= SHARE_BYTES and T >= 2:
