@@ -212,15 +212,20 @@ static int get2d(PyObject *obj, Py_buffer *v, const char *what, int writable)
     return 0;
 }
 
-static int get_out(PyObject *obj, Py_buffer *v, Py_ssize_t n, const char *what)
+static int get_vec(PyObject *obj, Py_buffer *v, const char *what, const char *codes, const char *type,
+                   Py_ssize_t n)
 {
+    /* a writable contiguous buffer of n 8-byte values whose struct code is one of codes */
     if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
         return -1;
-    if (kind(v) != 'd' || v->len != n * (Py_ssize_t)sizeof(double)) {
-        PyErr_Format(PyExc_ValueError, "%s: a contiguous float64 buffer of %zd values is needed", what, n);
+    char k = kind(v);
+    if (k == '?' || strchr(codes, k) == NULL || v->itemsize != 8 || v->len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "%s: a contiguous %s buffer of %zd values is needed", what, type, n);
         PyBuffer_Release(v);
         return -1;
     }
+    return 0;
+}
     return 0;
 }
 
@@ -234,17 +239,6 @@ PyDoc_STRVAR(row_pass_doc,
 "rows: each merges its raw extremes (max |c - r|, max and min quotient, NaN seen) into its own slot; the one\n"
 "called with wait true returns when every row is done (verify/metrics.py finishes the two slots).");
 
-static int get_vec(PyObject *obj, Py_buffer *v, const char *what, const char *fmt, Py_ssize_t n)
-{
-    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE) < 0)
-        return -1;
-    char k = kind(v);
-    int ok = strchr(fmt, k) != NULL && k != '?' && v->itemsize == 8 && v->len == n * 8;
-    if (!ok) {
-        PyErr_Format(PyExc_ValueError, "%s: a contiguous buffer of %zd 8-byte values (%s) is needed", what, n, fmt);
-        PyBuffer_Release(v);
-        return -1;
-    }
     return 0;
 }
 
@@ -271,12 +265,12 @@ static PyObject *row_pass(PyObject *self, PyObject *args)
         goto done;
     }
     for (; got < 4; got++)
-        if (get_out(o[got], &out[got], r.shape[0], "rr, dd, cc, dsum") < 0)
+        if (get_vec(o[got], &out[got], "rr, dd, cc, dsum", "d", "float64", r.shape[0]) < 0)
             goto done;
     if (so != NULL) {
-        if (get_vec(so, &st, "state", "qlQL", 2) < 0)
+        if (get_vec(so, &st, "state", "qlQL", "int64", 2) < 0)
             goto done;
-        if (get_vec(lo, &sl, "slot", "d", 4) < 0) {
+        if (get_vec(lo, &sl, "slot", "d", "float64", 4) < 0) {
             PyBuffer_Release(&st);
             goto done;
         }

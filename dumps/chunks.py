@@ -246,11 +246,7 @@ class ChunkReader:
     def will_need(self, plan: RowPlan, index: int) -> None:
         """Ask the kernel to start reading row ``index`` of a mapped_plan into the page cache (a cold file is
         then read while the current rows are compared; for a cached row it is a page-table walk)."""
-        start = plan.offsets[index] // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            self._map.madvise(mmap.MADV_WILLNEED, start, plan.offsets[index] + plan.nbytes - start)
-        except (OSError, ValueError, AttributeError):  # advice only (AttributeError: closed since)
-            pass
+        self._advise(mmap.MADV_WILLNEED, plan.offsets[index], plan.offsets[index] + plan.nbytes)
 
     def done_with(self, plan: RowPlan, index: int) -> None:
         """Drop row ``index`` of a mapped_plan from this process's page tables (MADV_DONTNEED; a shared file
@@ -259,11 +255,18 @@ class ChunkReader:
         the traces (2.2 GiB for two 1 GiB traces). The range is widened by FAULT_AROUND on both sides: a page
         fault maps the cached pages around it too (Linux's fault-around, 64 KiB), which would otherwise stay
         mapped at every row's edges (38 MiB over two 2 GiB traces)."""
-        lo = max(0, plan.offsets[index] - FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE
-        hi = min(len(self._map), plan.offsets[index] + plan.nbytes + FAULT_AROUND) if self._map else 0
+        self._advise(mmap.MADV_DONTNEED, max(0, plan.offsets[index] - FAULT_AROUND),
+                     plan.offsets[index] + plan.nbytes + FAULT_AROUND)
+
+    def _advise(self, advice: int, lo: int, hi: int) -> None:
+        """madvise over bytes [lo, hi) of the mapping (lo rounded down to a page, hi capped at the end); advice
+        only, so a failure or a closed mapping is ignored."""
+        if not self._map:
+            return
+        lo = lo // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-        except (OSError, ValueError, AttributeError):
+            self._map.madvise(advice, lo, min(hi, len(self._map)) - lo)
+        except (OSError, ValueError):  # ValueError: closed since
             pass
 
     def close(self) -> None:
