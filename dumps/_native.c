@@ -226,8 +226,6 @@ static int get_vec(PyObject *obj, Py_buffer *v, const char *what, const char *co
     }
     return 0;
 }
-    return 0;
-}
 
 PyDoc_STRVAR(row_pass_doc,
 "row_pass(r, c, rr, dd, cc, dsum) -> (max |c - r|, max (c - r)/r, min (c - r)/r)\n"
@@ -238,9 +236,6 @@ PyDoc_STRVAR(row_pass_doc,
 "With state (int64 [next row, rows done], zeros) and slot (float64 [0, -inf, inf, 0]), two threads share the\n"
 "rows: each merges its raw extremes (max |c - r|, max and min quotient, NaN seen) into its own slot; the one\n"
 "called with wait true returns when every row is done (verify/metrics.py finishes the two slots).");
-
-    return 0;
-}
 
 static PyObject *row_pass(PyObject *self, PyObject *args)
 {

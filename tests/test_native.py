@@ -31,6 +31,17 @@ def test_built_where_required():
     assert native.describe().startswith("compiled kernels: ")
 
 
+def test_an_in_place_build_is_not_older_than_its_source():
+    """The extension is optional: a build that fails (a compile error after an edit of _native.c) leaves the
+    previous in-place build loaded, silently. An editable install's module must be newer than its source."""
+    import glob
+    src = os.path.join(os.path.dirname(native.__file__), "_native.c")
+    for built in glob.glob(os.path.join(os.path.dirname(native.__file__), "_native*.so")):
+        if os.path.exists(src):
+            assert os.path.getmtime(built) >= os.path.getmtime(src), \
+                f"{built} is older than {src}: rebuild it (pip install -e .) and read the compiler's errors"
+
+
 def test_turned_off_by_environment():
     code = "from prefill_diff.dumps import native; print(native.kernels() is None, native.describe())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PREFILL_DIFF_NATIVE": "0"},
