@@ -12,7 +12,10 @@ import os
 import sys
 from types import SimpleNamespace
 
+import numpy as np
+
 ENV = "PREFILL_DIFF_NATIVE"
+FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float64))  # what the kernels read (and bfloat16 bit patterns)
 
 
 def _load():

@@ -349,7 +349,6 @@ def slab_stats(x) -> tuple:
     return _array_stats(np.ascontiguousarray(x), n)
 
 
-_NATIVE_TYPES = (np.dtype(np.float32), np.dtype(np.float64))  # and bfloat16 bits: dumps/_native.c
 _BLOCK = 1 << 18  # values reduced together: 1 MiB of float32, which stays in the L2 cache across the passes
 _HAS_VECDOT = hasattr(np, "vecdot")
 _SUM_ROW = 1024  # row sums in the block's float dtype over at most about this many values, then float64
@@ -394,7 +393,7 @@ def _array_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     whose sums overflowed again in float64)."""
     k = native.kernels()
     rows = a.reshape(a.shape[0], -1)
-    if k is not None and (bfloat16 or a.dtype in _NATIVE_TYPES) and rows.strides[1] == rows.itemsize \
+    if k is not None and (bfloat16 or a.dtype in native.FLOAT_TYPES) and rows.strides[1] == rows.itemsize \
             and (k.unaligned_ok or rows.flags.aligned):
         lo, hi, s, ss, chk = k.stats(rows, bfloat16)
         if np.isfinite(s) and np.isfinite(ss):

@@ -110,7 +110,7 @@ def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
     """Every sum and extreme the metrics need: one pass of the compiled kernel (dumps/native.py) over rows
     with contiguous values, shared with a helper thread for a large slab (_shared_pass); else _numpy_pass."""
     k = native.kernels()
-    if k is not None and r.dtype == c.dtype and r.dtype in _NATIVE_TYPES and r.strides[1] == r.itemsize \
+    if k is not None and r.dtype == c.dtype and r.dtype in native.FLOAT_TYPES and r.strides[1] == r.itemsize \
             and c.strides[1] == c.itemsize and r.strides[0] >= 0 and c.strides[0] >= 0 \
             and (k.unaligned_ok or (r.flags.aligned and c.flags.aligned)):
         T = r.shape[0]
@@ -151,8 +151,6 @@ def _shared_pass(k, r, c, out) -> tuple:
     none = qmax < qmin  # no quotient was a number
     return (math.nan if slots[:, 3].any() else gmax), (math.nan if none else qmax), (math.nan if none else qmin)
 
-
-_NATIVE_TYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _numpy_pass(r: np.ndarray, c: np.ndarray) -> _Rows:
