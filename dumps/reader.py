@@ -668,7 +668,8 @@ class LiveTrace(Trace):
     """A trace still being recorded in memory (run --fail-fast): layers are checked as they arrive."""
 
     def __init__(self, recorder, name: str):
-        self.f, self.name = recorder.f, name
+        self.f, self.name, self._recorder = recorder.f, name, recorder
+        recorder.flush()  # the inputs, which the recorder keeps in memory until it closes
         self._check_header(require_complete=False)
         self._check_inputs()
         self.n_layers = int(self.meta.get("model", {}).get("args", {}).get("n_layers", 0))
@@ -684,6 +685,7 @@ class LiveTrace(Trace):
 
     def refresh(self) -> None:
         """Re-read what the recorder finished since: meta and the final outputs."""
+        self._recorder.flush()
         self.meta = _json_attr(self.f, "meta", self.name) or {}
         _check_meta(self.meta, self.name)
         self._check_final()

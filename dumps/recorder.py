@@ -65,6 +65,7 @@ import ctypes
 import errno
 import functools
 import json
+import math
 import os
 import secrets
 import sys
@@ -130,19 +131,44 @@ def _creation(dtype: str, shape: tuple, maxshape: tuple | None, chunks: tuple | 
                  space=h5py.h5s.create_simple(shape, unlimited), dcpl=dcpl)
 
 
-def _new_dataset(group: h5py.Group, rel: str, data: np.ndarray, shape: tuple, fill=None, chunks=None,
+def _new_dataset(group, rel: str, data: np.ndarray, shape: tuple, fill=None, chunks=None,
                  maxshape=None) -> h5py.h5d.DatasetID:
     """A new dataset ``rel`` (its parent group exists) of ``shape`` holding ``data``: what
     ``group.create_dataset(rel, shape, data=data, fillvalue=fill, chunks=chunks, maxshape=maxshape)`` makes,
     through h5py's low-level API in a quarter of the time (issue 18: a layer has 18 small datasets, 26 at the
-    sampled level). ``fill``: an integer or NaN."""
+    sampled level). ``group``: an h5py group or its low-level id (a bare name in the group it is made in
+    skips a path lookup per dataset). ``fill``: an integer or NaN."""
     if data.shape != tuple(shape):
         raise RecorderError(f"internal: {rel} holds shape {data.shape}, the format says {tuple(shape)}")
     key = None if fill is None else ("nan" if np.isnan(fill) else str(int(fill)))
     kind = _creation(data.dtype.str, data.shape, maxshape, chunks, key)
-    dsid = h5py.h5d.create(group.id, rel.encode("ascii"), kind.file_type, kind.space, dcpl=kind.dcpl)
+    gid = group.id if isinstance(group, h5py.Group) else group
+    dsid = h5py.h5d.create(gid, rel.encode("ascii"), kind.file_type, kind.space, dcpl=kind.dcpl)
     dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
     return dsid
+
+
+def _leaf(el) -> str:
+    """The last part of an element's path: its name inside its own group."""
+    return el.path.rpartition("/")[2]
+
+
+@functools.lru_cache(maxsize=1)
+def _group_plists() -> tuple:
+    """(link, group) creation property lists of a new group, made once: what h5py's create_group passes for an
+    ASCII name (no time stamps, link order not tracked)."""
+    lcpl = h5py.h5p.create(h5py.h5p.LINK_CREATE)
+    lcpl.set_create_intermediate_group(True)
+    lcpl.set_char_encoding(h5py.h5t.CSET_ASCII)
+    gcpl = h5py.h5p.create(h5py.h5p.GROUP_CREATE)
+    gcpl.set_obj_track_times(False)
+    return lcpl, gcpl
+
+
+def _new_group(parent, name: str) -> h5py.h5g.GroupID:
+    """A new group ``name`` under ``parent`` (a low-level id): what ``create_group`` makes, without its checks."""
+    lcpl, gcpl = _group_plists()
+    return h5py.h5g.create(parent, name.encode("ascii"), lcpl=lcpl, gcpl=gcpl)
 
 
 @functools.lru_cache(maxsize=64)
@@ -284,7 +310,7 @@ def check_meta(meta) -> dict:
 
 
 def _shape(x) -> tuple:
-    return tuple(int(n) for n in x.shape)
+    return tuple(map(int, x.shape))
 
 
 def _want(what: str, x, expected: tuple) -> None:
@@ -336,7 +362,7 @@ def slab_stats(x) -> tuple:
     descheduled thread (27-78 ms against 3 ms per state of 4 x 256 x 1024 at load 6; issue 18). A tensor
     on an accelerator is reduced there.
     """
-    n = int(np.prod(x.shape))
+    n = math.prod(x.shape)
     if n == 0:
         return 0, 0, np.inf, -np.inf, 0.0, 0.0, 0
     if _is_torch(x):
@@ -463,8 +489,12 @@ def _slots(t, T: int, width: int):
 
 def _slot_rows(t, T: int, H: int, D: int):
     """A cache tensor (n_kv_heads, T, head_dim) as rows with the statistics and checksum of its slots (T,
-    n_kv_heads·head_dim): its own (H·T, D) rows, without a copy where it is contiguous, when a head_dim row is
-    whole 8-byte words (a slot's checksum is then the sum of its heads' rows'); else the slots."""
+    n_kv_heads·head_dim): the slots themselves without a copy where the tensor is a view of a (T, n_kv_heads,
+    head_dim) array (how the engine's cache hands them); its own (H·T, D) rows, without a copy where it is
+    contiguous, when a head_dim row is whole 8-byte words (a slot's checksum is then the sum of its heads'
+    rows'); else the slots, copied."""
+    if _is_torch(t) and t.device.type == "cpu" and t.swapaxes(0, 1).is_contiguous():
+        return _rearranged(t, lambda a: a.swapaxes(0, 1).reshape(T, H * D))
     itemsize = t.element_size() if _is_torch(t) else np.dtype(t.dtype).itemsize
     if D * itemsize % 8:
         return _slots(t, T, H * D)
@@ -541,14 +571,21 @@ class _Stats:
 
     def table(self) -> np.ndarray:
         """Rows of STAT_COLUMNS."""
-        v = self.valid
-        count = np.maximum(v[:, 0], 1)
-        with np.errstate(invalid="ignore"):
-            out = np.stack([v[:, 0], v[:, 1], v[:, 2], v[:, 3], v[:, 4] / count, np.sqrt(v[:, 5]),
-                            self.pad[:, 0], self.pad[:, 1]], axis=1)
-        empty = v[:, 0] == 0
-        out[empty, 2:6] = np.nan
-        return out
+        return _stat_tables([self])[0]
+
+
+def _stat_tables(stats: list) -> np.ndarray:
+    """The rows of STAT_COLUMNS of several tensors' _Stats, (tensors, samples, columns), computed together (a
+    table per tensor was a dozen small numpy calls, for 16 tensors a layer; issue 18)."""
+    v = np.stack([st.valid for st in stats])
+    out = np.empty(v.shape[:2] + (len(STAT_COLUMNS),))
+    out[..., :4] = v[..., :4]
+    with np.errstate(invalid="ignore"):
+        np.divide(v[..., 4], np.maximum(v[..., 0], 1), out=out[..., 4])
+        np.sqrt(v[..., 5], out=out[..., 5])
+    out[..., 6:] = np.stack([st.pad for st in stats])
+    out[v[..., 0] == 0, 2:6] = np.nan  # no valid cell: no minimum, maximum, mean or norm
+    return out
 
 
 def select_tokens(length: int, k: int) -> list[int]:
@@ -586,7 +623,9 @@ class TraceWriter(Protocol):
     ``Recorder`` implements, in a file or in memory, for a whole run or one tensor-parallel rank. (An engine
     reports in its own forward coordinates, (batch row, column); engine.runner.Placement maps those onto
     these calls.) The order: ``begin``; then ``inputs``, ``state``, ``cache`` and ``layer_done`` per layer;
-    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``."""
+    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``. The inputs and the
+    final outputs are kept in memory until ``close``; ``flush`` writes them for a reader of the file being
+    recorded."""
 
     def begin(self, samples, n_cols: int, meta: dict) -> None: ...
     def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None: ...
@@ -595,6 +634,7 @@ class TraceWriter(Protocol):
     def layer_done(self, layer: int) -> None: ...
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None: ...
     def final_top_ids(self) -> list[int]: ...
+    def flush(self) -> None: ...
     def update_meta(self, **items) -> None: ...
     def close(self) -> None: ...
     def abort(self) -> None: ...
@@ -669,7 +709,8 @@ class Recorder:
         self._small: dict[tuple, object] = {}  # (layer, element path, name) -> h5py DatasetID written so far
         self._layers: dict[int, _LayerBuffers] = {}
         self._dirty: set = set()  # layers with something not yet written
-        self._final: dict | None = None  # FINAL element name -> dataset, created on the first final()
+        self._final: dict | None = None  # FINAL element name -> its array, made on the first final()
+        self._final_sources: dict = {}  # norm_last, logits -> the source dtype
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -721,7 +762,8 @@ class Recorder:
                      "H": self.args["n_kv_heads"], "D": self.args["head_dim"], "stat": len(STAT_COLUMNS)}
         sc.TOKEN_IDS.create(self.f, self.dims, data=ids)
         sc.LENGTHS.create(self.f, self.dims, data=self.lengths)
-        self._inputs = {name: el.create(self.f, self.dims) for name, el in sc.INPUTS.items()}
+        self._inputs = {name: np.full(el.shape_for(self.dims), el.fill, dtype=el.dtype)  # written by close
+                        for name, el in sc.INPUTS.items()}
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
         self.meta = dict(meta)
@@ -743,9 +785,10 @@ class Recorder:
             self.f[sc.SAMPLED_GROUP].attrs[sc.ATTR_SEED] = self.sample_seed
 
     def _group(self, layer: int) -> h5py.Group:
-        if layer not in self._groups:
-            self._groups[layer] = self.f.require_group(layer_group(layer))
-        return self._groups[layer]
+        g = self._groups.get(layer)
+        if g is None:  # made once per layer by this recorder (the first makes the layers group too)
+            g = self._groups[layer] = h5py.Group(_new_group(self.f.id, layer_group(layer)))
+        return g
 
     def _buffers(self, layer: int) -> _LayerBuffers:
         self._dirty.add(layer)
@@ -771,8 +814,8 @@ class Recorder:
         sl = np.s_[sample, col:col + T]
         inp = self._inputs
         inp["input_ids"][sl] = to_numpy(ids)
-        inp["valid_mask"][sl] = v.astype(np.uint8)
-        inp["computed"][sl] = np.ones(T, dtype=np.uint8)
+        inp["valid_mask"][sl] = v
+        inp["computed"][sl] = 1
         inp["positions"][sl] = to_numpy(positions)
         inp["token_index"][sl] = to_numpy(token_index)
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
@@ -807,17 +850,20 @@ class Recorder:
         self._need_begin()
         if name not in STATES:
             raise RecorderError(f"state name must be one of {', '.join(STATES)} (got {name!r})")
-        self._layer(layer, f"state {name}")
-        self._where(sample, col, x, f"layer {layer} {name}")
         width = self.args["n_heads"] * self.args["head_dim"] if name == "attn_heads" else self.args["dim"]
-        _want(f"layer {layer} {name} of sample {sample}", x, (None, width))
+        shape = _shape(x)
+        if not (0 <= layer < self.args["n_layers"] and 0 <= sample < self.n_samples and len(shape) == 2
+                and shape[1] == width and 0 <= col and col + shape[0] <= self.n_cols):  # the checks, with messages
+            self._layer(layer, f"state {name}")
+            self._where(sample, col, x, f"layer {layer} {name}")
+            _want(f"layer {layer} {name} of sample {sample}", x, (None, width))
         self._seen.add((layer, name))
-        T = x.shape[0]
+        T = shape[0]
         v = self.valid[sample, col:col + T]
         st = self._stat(layer, name)
-        idx = np.flatnonzero(v)
-        if idx.size:
-            a, b = int(idx[0]), int(idx[-1]) + 1
+        idx = None if T and v.all() else np.flatnonzero(v)  # every cell valid: no search for the first and last
+        if idx is None or idx.size:
+            a, b = (0, T) if idx is None else (int(idx[0]), int(idx[-1]) + 1)
             st.add(sample, self._slab(layer, name, x[a:b]))
             if a > 0:
                 st.add(sample, self._slab(layer, name, x[:a]), padding=True)
@@ -934,13 +980,12 @@ class Recorder:
         _check_interrupt()
         g = self._group(layer)
         stats = self._stats.get(layer, {})
-        if stats and (layer, sc.STATS_GROUP) not in self._small:
-            _text(g.create_group(sc.STATS_GROUP), sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
-            g.create_group(sc.CHECKSUMS_GROUP)
-            self._small[(layer, sc.STATS_GROUP)] = None
-        for name, st in stats.items():
-            self._put_small(g, layer, sc.STATS, name, st.table())
-            self._put_small(g, layer, sc.CHECKSUM, name, np.array(st.checksum, dtype=np.int64))
+        if stats:
+            tables = _stat_tables(list(stats.values()))
+            stats_id, sums_id = self._subgroup(g, layer, sc.STATS_GROUP), self._subgroup(g, layer, sc.CHECKSUMS_GROUP)
+            for i, (name, st) in enumerate(stats.items()):
+                self._put_small(stats_id, layer, sc.STATS, name, tables[i])
+                self._put_small(sums_id, layer, sc.CHECKSUM, name, np.array(st.checksum, dtype=np.int64))
         buf = self._layers.get(layer)
         if buf is not None:
             self._write_cache_index(g, layer, buf)
@@ -948,14 +993,31 @@ class Recorder:
                 self._write_sampled_layer(g, layer, name, smp)
         self._dirty.discard(layer)
 
-    def _put_small(self, g: h5py.Group, layer: int, el: sc.Element, name: str, data: np.ndarray) -> None:
-        """A layer's contiguous statistics dataset ``el`` (stats/NAME or checksums/NAME) holds ``data``: created
-        on the layer's first write, written in place on a later one (a layer reached again)."""
+    def _subgroup(self, g: h5py.Group, layer: int, name: str) -> h5py.h5g.GroupID:
+        """The low-level id of layer group ``g``'s group ``name`` (stats, checksums, cache, sampled): made on first
+        use, the stats group with its columns, or opened where the full level's cache tensors made it."""
+        key = (layer, name)
+        gid = self._small.get(key)
+        if gid is None:
+            buf = self._layers.get(layer)
+            if name == sc.CACHE_GROUP and buf is not None and buf.tensors:
+                gid = h5py.h5g.open(g.id, name.encode("ascii"))
+            else:
+                gid = _new_group(g.id, name)
+                if name == sc.STATS_GROUP:  # as _text writes it
+                    _new_attr(gid, sc.ATTR_COLUMNS, np.bytes_(json.dumps(STAT_COLUMNS).encode("utf-8")))
+            self._small[key] = gid
+        return gid
+
+    def _put_small(self, gid, layer: int, el: sc.Element, name: str, data: np.ndarray) -> None:
+        """A layer's contiguous statistics dataset ``el`` (stats/NAME or checksums/NAME, in its group ``gid``)
+        holds ``data``: created on the layer's first write, written in place on a later one (a layer reached
+        again)."""
         key = (layer, el.path, name)
         dsid = self._small.get(key)
         data = np.ascontiguousarray(data, dtype=el.dtype)
         if dsid is None:
-            self._small[key] = _new_dataset(g, el.rel(name), data, el.shape_for(self.dims))
+            self._small[key] = _new_dataset(gid, name, data, el.shape_for(self.dims))
         else:
             dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
 
@@ -966,14 +1028,13 @@ class Recorder:
             return
         key = (layer, sc.CACHE_POSITIONS.path)
         if key not in self._small:
-            if sc.CACHE_GROUP not in g:  # the full level's cache tensors made it already
-                g.create_group(sc.CACHE_GROUP)
+            cache = self._subgroup(g, layer, sc.CACHE_GROUP)
             T = buf.positions.shape[1]
-            self._small[key] = _new_dataset(g, sc.CACHE_POSITIONS.rel(), buf.positions, buf.positions.shape,
+            self._small[key] = _new_dataset(cache, _leaf(sc.CACHE_POSITIONS), buf.positions, buf.positions.shape,
                                             fill=sc.CACHE_POSITIONS.fill, chunks=(1, T), maxshape=(self.n_samples, None))
             self._small[(layer, sc.CACHE_LENGTHS.path)] = _new_dataset(
-                g, sc.CACHE_LENGTHS.rel(), buf.lengths, sc.CACHE_LENGTHS.shape_for(self.dims), fill=sc.CACHE_LENGTHS.fill)
-            cache = g[sc.CACHE_GROUP].id
+                cache, _leaf(sc.CACHE_LENGTHS), buf.lengths, sc.CACHE_LENGTHS.shape_for(self.dims),
+                fill=sc.CACHE_LENGTHS.fill)
             _new_attr(cache, sc.ATTR_HEAD_DIM, buf.heads[1])
             _new_attr(cache, sc.ATTR_N_KV_HEADS, buf.heads[0])
             return
@@ -990,11 +1051,8 @@ class Recorder:
         if dsid is not None:
             dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, smp.values)
             return
-        if (layer, sc.SAMPLED_GROUP) not in self._small:
-            g.create_group(sc.SAMPLED_GROUP)
-            self._small[(layer, sc.SAMPLED_GROUP)] = None
         shape = sc.SAMPLED.shape_for({**self.dims, "K": len(smp.channels)})
-        dsid = _new_dataset(g, sc.SAMPLED.rel(name), smp.values, shape, fill=sc.SAMPLED.fill)
+        dsid = _new_dataset(self._subgroup(g, layer, sc.SAMPLED_GROUP), name, smp.values, shape, fill=sc.SAMPLED.fill)
         _new_attr(dsid, sc.ATTR_CHANNELS, smp.channels)
         _new_attr(dsid, sc.ATTR_WIDTH, smp.width)
         _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, np.bytes_(smp.source_dtype.encode("utf-8")))  # as _text writes it
@@ -1009,12 +1067,12 @@ class Recorder:
         _want(f"final norm_last of sample {sample}", norm_last, (self.args["dim"],))
         _want(f"final logits of sample {sample}", logits, (self.args["vocab_size"],))
         h, z = to_numpy(norm_last), to_numpy(logits)
-        if self._final is None:
+        if self._final is None:  # kept in memory, written by close in one write per dataset (issue 18)
             self.dims["k"] = min(self.topk, z.shape[0])
             own = {"norm_last": h.dtype, "logits": z.dtype, "topk_logits": z.dtype}  # float elements: the tensor's
-            self._final = {key: el.create(self.f, self.dims, dtype=own.get(key)) for key, el in sc.FINAL.items()}
-            _text(self._final["logits"], sc.ATTR_SOURCE_DTYPE, source_dtype(logits))
-            _text(self._final["norm_last"], sc.ATTR_SOURCE_DTYPE, source_dtype(norm_last))
+            self._final = {key: np.full(el.shape_for(self.dims), 0 if el.fill is None else el.fill,
+                                        dtype=own.get(key, el.dtype)) for key, el in sc.FINAL.items()}
+            self._final_sources = {"logits": source_dtype(logits), "norm_last": source_dtype(norm_last)}
         fin = self._final
         order = top_ids(z, self.dims["k"])
         fin["norm_last"][sample] = h
@@ -1025,10 +1083,37 @@ class Recorder:
         fin["gather_token"][sample] = token_index
         fin["written"][sample] = 1
 
+    def flush(self) -> None:
+        """Write what the recorder keeps in memory until ``close`` (the inputs, and the final outputs so far): a
+        reader of the file while it is recorded (``run --fail-fast`` compares in-memory traces layer by layer)
+        calls it first. Each dataset is made with its data on the first call, written whole in place later."""
+        if self.n_samples is None:
+            return
+        for name, el in sc.INPUTS.items():
+            self._root_dataset(el, self._inputs[name])
+        for key, el in sc.FINAL.items() if self._final is not None else ():
+            self._root_dataset(el, self._final[key], self._final_sources.get(key))
+
+    def _root_dataset(self, el: sc.Element, data: np.ndarray, source_dtype: str | None = None) -> None:
+        """Root element ``el`` (inputs/NAME, final/NAME: contiguous, its declared fill) holds ``data``: made on
+        the first call (its group too, and its source_dtype attribute as _text writes it), in place later."""
+        dsid = self._small.get((None, el.path))
+        data = np.ascontiguousarray(data)
+        if dsid is not None:
+            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
+            return
+        group, _, leaf = el.path.rpartition("/")
+        gid = self._small.get((None, group))
+        if gid is None:
+            gid = self._small[(None, group)] = _new_group(self.f.id, group)
+        dsid = self._small[(None, el.path)] = _new_dataset(gid, leaf, data, el.shape_for(self.dims), fill=el.fill)
+        if source_dtype is not None:
+            _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, np.bytes_(source_dtype.encode("utf-8")))
+
     def final_top_ids(self) -> list[int]:
         """Every sample's top-k ids as recorded so far (what a caller needs for token text after the run);
         empty before the first ``final``."""
-        return [] if self._final is None else self._final["topk_ids"][:].ravel().tolist()
+        return [] if self._final is None else self._final["topk_ids"].ravel().tolist()
 
     def update_meta(self, **items) -> None:
         """Add or replace top-level keys of the trace's meta (written now, and again on close)."""
@@ -1048,6 +1133,7 @@ class Recorder:
             raise
         for layer in sorted(self._dirty):
             self.layer_done(layer)
+        self.flush()
         self._write_meta()
         self.f.attrs["complete"] = 1
         if self.in_memory:
@@ -1071,7 +1157,7 @@ class Recorder:
 
     def _check_complete(self) -> None:
         """Every sample has its final output; every layer its required states and its cache."""
-        written = self._final["written"][:] if self._final is not None else np.zeros(self.n_samples)
+        written = self._final["written"] if self._final is not None else np.zeros(self.n_samples)
         missing = [int(s) for s in np.flatnonzero(written == 0)]
         if missing:
             raise RecorderError(f"final() was never called for sample(s) {missing[:8]}"

@@ -201,6 +201,23 @@ def test_cache_statistics_over_head_rows_are_those_of_the_slots():
         assert got[6] == naive_checksum(bits)
 
 
+def test_cache_statistics_of_a_view_of_slots_are_the_slots_without_a_copy():
+    """A cache tensor that is a (H, T, D) view of a (T, H, D) array (how the engine's cache hands them) is reduced
+    as its slots, in place: every statistic exactly that of the slots, whatever D."""
+    rng = np.random.default_rng(3)
+    for H, T, D, dtype in [(4, 37, 64, torch.float32), (2, 5, 3, torch.float32), (3, 9, 4, torch.bfloat16),
+                           (2, 7, 6, torch.bfloat16), (4, 300, 128, torch.float16), (2, 6, 8, torch.float64)]:
+        slots_3d = torch.from_numpy(rng.standard_normal((T, H, D)).astype(np.float32)).to(dtype)
+        t = slots_3d.transpose(0, 1)  # (H, T, D), not contiguous
+        assert not t.is_contiguous()
+        rows = recorder._slot_rows(t, T, H, D)
+        as_np = rows.view(torch.int16).numpy() if torch.is_tensor(rows) else rows
+        assert np.shares_memory(as_np, slots_3d.view(torch.int16).numpy() if dtype == torch.bfloat16
+                                else slots_3d.numpy())
+        got, want = slab_stats(rows), slab_stats(slots_3d.reshape(T, H * D).clone())
+        assert got == want
+
+
 class _Spy:
     """slab_stats, counting the calls per slab identity."""
 

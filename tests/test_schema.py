@@ -181,3 +181,28 @@ def test_reader_refuses_a_missing_required_element(traces, tmp_path):
             del f[path]
         with pytest.raises(TraceError, match=f"missing required dataset /{path}"):
             Trace(bad)
+
+
+def test_inputs_and_final_reach_the_file_on_flush_and_close():
+    """The recorder keeps the inputs and the final outputs in memory (one write per dataset instead of one per
+    sample): ``flush`` writes them for a reader of the file being recorded (run --fail-fast), a later flush
+    rewrites them in place, and ``close`` writes them too; nothing is left out."""
+    a = ARGS
+    rec = Recorder(None, "stats")
+    rec.begin(SAMPLES, 3, {"model": {"args": a}, "engine": {"dtype": "float32"}})
+    assert "inputs" not in rec.f
+    rec.inputs(0, 0, np.array(SAMPLES[0]), np.ones(3, bool), np.arange(3), np.arange(3))
+    rec.flush()
+    assert rec.f["inputs/input_ids"][0].tolist() == SAMPLES[0] and rec.f["inputs/computed"][1].tolist() == [0, 0, 0]
+    assert rec.f["inputs/token_index"][1].tolist() == [-1, -1, -1] and "final" not in rec.f
+    rec.inputs(1, 0, np.array(SAMPLES[1]), np.ones(2, bool), np.arange(2) + 5, np.arange(2))
+    z = np.arange(a["vocab_size"], dtype=np.float32)
+    rec.final(1, np.ones(a["dim"], np.float32), z, 1, 1)
+    rec.flush()
+    assert rec.f["inputs/positions"][1, :2].tolist() == [5, 6] and rec.f["inputs/valid_mask"][1].tolist() == [1, 1, 0]
+    assert rec.f["final/written"][:].tolist() == [0, 1] and rec.f["final/gather_col"][:].tolist() == [-1, 1]
+    assert rec.f["final/topk_ids"][1, 0] == a["vocab_size"] - 1
+    assert rec.f["final/logits"].attrs["source_dtype"] == b"float32"
+    rec.final(0, np.zeros(a["dim"], np.float32), -z, 2, 2)
+    assert rec.final_top_ids()[0] == 0 and rec.f["final/written"][0] == 0  # in memory until the next flush
+    rec.abort()
