@@ -611,7 +611,7 @@ def _gather(x, rows: np.ndarray, channels: np.ndarray, heads: int | None = None)
     bf16 = _is_torch(x) and x.device.type == "cpu" and str(x.dtype) == "torch.bfloat16"
     a = x.detach().view(sys.modules["torch"].int16).numpy() if bf16 else to_numpy(x)
     if heads is None:
-        got = a[np.ix_(rows, channels)]
+        got = a[rows[:, None], channels]
     else:
         D = a.shape[2]
         got = a[channels // D, rows[:, None], channels % D]  # slot row r, channel c = head·D + d
@@ -711,6 +711,7 @@ class Recorder:
         self._dirty: set = set()  # layers with something not yet written
         self._final: dict | None = None  # FINAL element name -> its array, made on the first final()
         self._final_sources: dict = {}  # norm_last, logits -> the source dtype
+        self._cells: dict = {}  # sampled level: (sample, col, T) -> the rows and slots of its sampled tokens
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -819,6 +820,7 @@ class Recorder:
         inp["positions"][sl] = to_numpy(positions)
         inp["token_index"][sl] = to_numpy(token_index)
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
+        self._cells = {}
 
     def _where(self, sample, col, x, what) -> None:
         """sample in range, x has rows, and its T rows fit from column col."""
@@ -875,7 +877,8 @@ class Recorder:
             ds = self._state_ds(layer, name, x)
             self._write(ds, np.s_[sample, col:col + T], x)
         elif self.level == "sampled":
-            self._write_sampled(layer, name, sample, self.tok[sample, col:col + T], v, x)
+            cells = self._sampled_cells((sample, col, T), sample, self.tok[sample, col:col + T], v)
+            self._write_sampled(layer, name, sample, cells, x)
 
     def _slab(self, layer: int, name: str, x) -> tuple:
         """slab_stats(x), except that layer l's layer_output statistics serve layer l+1's layer_input when the
@@ -895,17 +898,23 @@ class Recorder:
         self._reuse[key] = (root, st)  # the reference keeps the root alive: its id and memory are not reused
         return st
 
-    def _write_sampled(self, layer, name, sample, toks, valid, x, heads: int | None = None):
-        """The declared (token, channel) subset of one sample's rows: x (T, width), or with ``heads`` a cache
-        tensor (heads, T, head_dim) whose rows are its slots (T, heads·head_dim)."""
-        m = self._slot_of_tok[sample]
-        ok = valid & (toks >= 0) & (toks < m.shape[0])
-        rows = np.flatnonzero(ok)
-        if rows.size == 0:
-            return
-        slots = m[toks[rows]]
-        keep = slots >= 0
-        rows, slots = rows[keep], slots[keep]
+    def _sampled_cells(self, key: tuple, sample: int, toks, valid) -> tuple:
+        """(rows, slots): which of T rows (token indices ``toks``, ``valid``) are sampled tokens of ``sample``, and
+        their slots; the same for every tensor of a prefill call, so kept under ``key`` until ``inputs``
+        changes the cells."""
+        got = self._cells.get(key)
+        if got is None:
+            m = self._slot_of_tok[sample]
+            rows = np.flatnonzero(valid & (toks >= 0) & (toks < m.shape[0]))
+            slots = m[toks[rows]]
+            keep = slots >= 0
+            got = self._cells[key] = (rows[keep], slots[keep])
+        return got
+
+    def _write_sampled(self, layer, name, sample, cells: tuple, x, heads: int | None = None):
+        """The declared (token, channel) subset of one sample's rows (``cells``: _sampled_cells): x (T, width), or
+        with ``heads`` a cache tensor (heads, T, head_dim) whose rows are its slots (T, heads·head_dim)."""
+        rows, slots = cells
         if rows.size == 0:
             return
         buf = self._sampled_buffer(layer, name, x, x.shape[1] if heads is None else heads * x.shape[2])
@@ -972,7 +981,8 @@ class Recorder:
                 if T:
                     self._write(ds, np.s_[sample, :, :T], t)
             elif self.level == "sampled":
-                self._write_sampled(layer, f"cache_{name}", sample, np.arange(T), np.ones(T, dtype=bool), t, heads=H)
+                cells = self._sampled_cells(("cache", sample, T), sample, np.arange(T), np.ones(T, dtype=bool))
+                self._write_sampled(layer, f"cache_{name}", sample, cells, t, heads=H)
 
     def layer_done(self, layer: int) -> None:
         """Write what a completed layer kept in memory: its statistics, cache positions and sampled values (a
