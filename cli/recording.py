@@ -203,6 +203,7 @@ def _record_rank(ctx, side: Side, tmp: str, level: str, compression, extra_meta:
     with rec:
         for _ in capture(prep, rec, {**extra_meta, "model": meta, "parallel": par}):
             pass
+        rec.flush()  # the layers' small datasets and the final outputs, which annotate marks
         annotate(rec.f, args, ctx.rank, ctx.world)
         t2 = time.time()  # seconds: preparing (load, shard), prefill + recording; spawn -> done
         rec.update_meta(parallel={**par, "prepare_s": t1 - t0, "prefill_record_s": t2 - t1,

@@ -677,6 +677,7 @@ class LiveTrace(Trace):
 
     def layer(self, i: int) -> LayerView:
         if i not in self._checked:
+            self._recorder.flush()  # the layers' small datasets, kept in memory until then
             if layer_group(i) not in self.f:
                 raise TraceError(f"{self.name}: layer {i} has not been recorded")
             self._check_layer(i)

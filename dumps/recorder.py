@@ -623,9 +623,9 @@ class TraceWriter(Protocol):
     ``Recorder`` implements, in a file or in memory, for a whole run or one tensor-parallel rank. (An engine
     reports in its own forward coordinates, (batch row, column); engine.runner.Placement maps those onto
     these calls.) The order: ``begin``; then ``inputs``, ``state``, ``cache`` and ``layer_done`` per layer;
-    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``. The inputs and the
-    final outputs are kept in memory until ``close``; ``flush`` writes them for a reader of the file being
-    recorded."""
+    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``. A layer's statistics,
+    cache positions and sampled values, the inputs and the final outputs are kept in memory until ``close``;
+    ``flush`` writes them for a reader of the file being recorded."""
 
     def begin(self, samples, n_cols: int, meta: dict) -> None: ...
     def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None: ...
@@ -651,7 +651,7 @@ class _Sampled:
 
 @dataclass
 class _LayerBuffers:
-    """What a layer accumulates in memory and ``layer_done`` writes, one dataset write each: creating a few
+    """What a layer accumulates in memory and ``flush`` writes, one dataset write each: creating a few
     hundred small datasets and writing them piecemeal (per sample, by fancy index) was most of what the
     stats and sampled levels cost (issue 18). Kept after the layer is written: a later prefill call that
     reaches the same layer adds to them and the layer is rewritten whole."""
@@ -985,9 +985,14 @@ class Recorder:
                 self._write_sampled(layer, f"cache_{name}", sample, cells, t, heads=H)
 
     def layer_done(self, layer: int) -> None:
-        """Write what a completed layer kept in memory: its statistics, cache positions and sampled values (a
-        reader streaming this file may then read the layer)."""
+        """A layer is complete. What it kept in memory (its statistics, cache positions and sampled values) is
+        written by ``flush`` or ``close``, all layers in one go: written here, between the prefill's layers,
+        the same HDF5 calls took twice as long (caches cold after the engine's work; issue 18)."""
         _check_interrupt()
+        self._dirty.add(layer)
+
+    def _write_layer(self, layer: int) -> None:
+        """Write what a layer kept in memory: made on its first write, rewritten in place on a later one."""
         g = self._group(layer)
         stats = self._stats.get(layer, {})
         if stats:
@@ -1094,11 +1099,14 @@ class Recorder:
         fin["written"][sample] = 1
 
     def flush(self) -> None:
-        """Write what the recorder keeps in memory until ``close`` (the inputs, and the final outputs so far): a
+        """Write what the recorder keeps in memory until ``close`` (completed layers' small datasets, the inputs,
+        the final outputs so far): a
         reader of the file while it is recorded (``run --fail-fast`` compares in-memory traces layer by layer)
         calls it first. Each dataset is made with its data on the first call, written whole in place later."""
         if self.n_samples is None:
             return
+        for layer in sorted(self._dirty):
+            self._write_layer(layer)
         for name, el in sc.INPUTS.items():
             self._root_dataset(el, self._inputs[name])
         for key, el in sc.FINAL.items() if self._final is not None else ():
@@ -1141,8 +1149,6 @@ class Recorder:
         except RecorderError:
             self.abort()  # nothing is left that looks like a trace
             raise
-        for layer in sorted(self._dirty):
-            self.layer_done(layer)
         self.flush()
         self._write_meta()
         self.f.attrs["complete"] = 1

@@ -205,4 +205,15 @@ def test_inputs_and_final_reach_the_file_on_flush_and_close():
     assert rec.f["final/logits"].attrs["source_dtype"] == b"float32"
     rec.final(0, np.zeros(a["dim"], np.float32), -z, 2, 2)
     assert rec.final_top_ids()[0] == 0 and rec.f["final/written"][0] == 0  # in memory until the next flush
+    for s, toks in enumerate(SAMPLES):  # a layer's small datasets too: written by flush, not by layer_done
+        x = np.full((len(toks), a["dim"]), s + 1.0, np.float32)
+        rec.state(0, "mid", s, 0, x)
+        kv = np.zeros((a["n_kv_heads"], len(toks), a["head_dim"]), np.float32)
+        rec.cache(0, s, kv, kv, np.arange(len(toks)))
+    rec.layer_done(0)
+    assert "layers" not in rec.f
+    rec.flush()
+    assert rec.f["final/written"][:].tolist() == [1, 1]
+    assert rec.f["layers/000/stats/mid"][:, 3].tolist() == [1.0, 2.0]  # max
+    assert rec.f["layers/000/cache/lengths"][:].tolist() == [3, 2]
     rec.abort()
