@@ -422,7 +422,7 @@ def _array_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     if k is not None and (bfloat16 or a.dtype in native.FLOAT_TYPES) and rows.strides[1] == rows.itemsize \
             and (k.unaligned_ok or rows.flags.aligned):
         lo, hi, s, ss, chk = k.stats(rows, bfloat16)
-        if np.isfinite(s) and np.isfinite(ss):
+        if math.isfinite(s) and math.isfinite(ss):
             return n, n, lo, hi, s, ss, chk
     return _numpy_stats(a, n, bfloat16)
 
@@ -551,20 +551,22 @@ class _Stats:
     """Running per-sample statistics of one tensor: valid cells and computed padding cells."""
 
     def __init__(self, n_samples: int):
-        self.valid = np.zeros((n_samples, 6))  # count, finite, min, max, sum, sumsq
-        self.valid[:, 2], self.valid[:, 3] = np.inf, -np.inf
-        self.pad = np.zeros((n_samples, 2))  # count, finite
+        # per sample, Python floats (a numpy row's element-wise updates cost several times more, per call)
+        self.valid = [[0.0, 0.0, math.inf, -math.inf, 0.0, 0.0] for _ in range(n_samples)]  # count, finite,
+        self.pad = [[0.0, 0.0] for _ in range(n_samples)]  # count, finite          min, max, sum, sumsq
         self.checksum = [0] * n_samples
 
     def add(self, s: int, st: tuple, padding: bool = False) -> None:
         if padding:
-            self.pad[s] += st[:2]
+            p = self.pad[s]
+            p[0] += st[0]
+            p[1] += st[1]
             return
         row = self.valid[s]
         row[0] += st[0]
         row[1] += st[1]
-        row[2] = min(row[2], st[2]) if not np.isnan(st[2]) else np.nan
-        row[3] = max(row[3], st[3]) if not np.isnan(st[3]) else np.nan
+        row[2] = min(row[2], float(st[2])) if st[2] == st[2] else math.nan  # a NaN minimum stays NaN
+        row[3] = max(row[3], float(st[3])) if st[3] == st[3] else math.nan
         row[4] += st[4]
         row[5] += st[5]
         self.checksum[s] = _signed64(self.checksum[s] + st[6])
@@ -577,13 +579,13 @@ class _Stats:
 def _stat_tables(stats: list) -> np.ndarray:
     """The rows of STAT_COLUMNS of several tensors' _Stats, (tensors, samples, columns), computed together (a
     table per tensor was a dozen small numpy calls, for 16 tensors a layer; issue 18)."""
-    v = np.stack([st.valid for st in stats])
+    v = np.array([st.valid for st in stats], dtype=np.float64)
     out = np.empty(v.shape[:2] + (len(STAT_COLUMNS),))
     out[..., :4] = v[..., :4]
     with np.errstate(invalid="ignore"):
         np.divide(v[..., 4], np.maximum(v[..., 0], 1), out=out[..., 4])
         np.sqrt(v[..., 5], out=out[..., 5])
-    out[..., 6:] = np.stack([st.pad for st in stats])
+    out[..., 6:] = np.array([st.pad for st in stats], dtype=np.float64)
     out[v[..., 0] == 0, 2:6] = np.nan  # no valid cell: no minimum, maximum, mean or norm
     return out
 
@@ -866,7 +868,7 @@ class Recorder:
         idx = None if T and v.all() else np.flatnonzero(v)  # every cell valid: no search for the first and last
         if idx is None or idx.size:
             a, b = (0, T) if idx is None else (int(idx[0]), int(idx[-1]) + 1)
-            st.add(sample, self._slab(layer, name, x[a:b]))
+            st.add(sample, self._slab(layer, name, x if a == 0 and b == T else x[a:b]))
             if a > 0:
                 st.add(sample, self._slab(layer, name, x[:a]), padding=True)
             if b < T:

@@ -293,3 +293,20 @@ def test_sampled_gather_of_states_and_cache_slots_is_plain_indexing(dtype):
         want = as_rows[np.ix_(rows, ch)]
         got = recorder._gather(x, rows, ch, heads)
         assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_a_nan_minimum_or_maximum_stays_nan_whatever_is_added_before_or_after():
+    """A tensor's running statistics over several slabs (prefill calls, chunks): one NaN value makes its minimum
+    and maximum NaN, as numpy's min and max over the whole tensor would be, in either order; without NaN they
+    are the extremes over every slab."""
+    nan_slab = np.array([[1.0, np.nan]], np.float32)
+    plain = np.array([[-5.0, 7.0]], np.float32)
+    for order in ((nan_slab, plain), (plain, nan_slab)):
+        st = recorder._Stats(2)
+        for x in order:
+            st.add(1, slab_stats(x))
+        st.add(0, slab_stats(plain))
+        st.add(0, slab_stats(plain * 2))
+        t = st.table()
+        assert np.isnan(t[1, 2]) and np.isnan(t[1, 3]) and t[1, 0] == 4 and t[1, 1] == 3
+        assert t[0, 2] == -10.0 and t[0, 3] == 14.0 and t[0, 4] == pytest.approx(1.5)
