@@ -1101,10 +1101,10 @@ class Recorder:
         fin["written"][sample] = 1
 
     def flush(self) -> None:
-        """Write what the recorder keeps in memory until ``close`` (completed layers' small datasets, the inputs,
-        the final outputs so far): a
-        reader of the file while it is recorded (``run --fail-fast`` compares in-memory traces layer by layer)
-        calls it first. Each dataset is made with its data on the first call, written whole in place later."""
+        """Write what the recorder keeps in memory until ``close`` (the layers' small datasets, the inputs, the
+        final outputs so far): a reader of the file while it is recorded (``run --fail-fast`` compares in-memory
+        traces layer by layer) calls it first. Each dataset is made with its data on the first call and written
+        whole in place later; a layer still being recorded is written as far as it goes and rewritten later."""
         if self.n_samples is None:
             return
         for layer in sorted(self._dirty):
