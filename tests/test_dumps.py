@@ -251,6 +251,16 @@ def test_wrong_shapes_are_refused_naming_the_expected_shape(tmp_path):
             rec.state(1, "mid", 0, 0, np.zeros((3, 4)))
         with pytest.raises(RecorderError, match="outside the 3 columns"):
             rec.state(0, "mid", 0, 1, np.zeros((3, 4)))
+        with pytest.raises(RecorderError, match="outside the 3 columns"):
+            rec.state(0, "mid", 0, -1, np.zeros((3, 4)))
+        with pytest.raises(RecorderError, match="layer -1 out of range"):
+            rec.state(-1, "mid", 0, 0, np.zeros((3, 4)))
+        with pytest.raises(RecorderError, match="sample 1 out of range"):
+            rec.state(0, "mid", 1, 0, np.zeros((3, 4)))
+        with pytest.raises(RecorderError, match="sample -1 out of range"):
+            rec.state(0, "mid", -1, 0, np.zeros((3, 4)))
+        with pytest.raises(RecorderError, match="expected an array with one row per column"):
+            rec.state(0, "mid", 0, 0, np.float32(1.0))
         with pytest.raises(RecorderError, match=r"final logits of sample 0 has shape \(7,\), expected \(8,\)"):
             rec.final(0, np.zeros(4), np.zeros(7), 2, 2)
         with pytest.raises(RecorderError, match="sample 1 out of range"):

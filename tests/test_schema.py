@@ -84,6 +84,22 @@ def test_every_dataset_the_recorder_writes_is_declared_and_matches(traces, level
 
 
 @pytest.mark.parametrize("level", sc.LEVELS)
+def test_every_dataset_carries_its_declared_fill_value(traces, level):
+    """A cell never written reads as the element's declared fill (dumps/schema.py): the recorder writes most
+    datasets whole, so only the file's own fill value says it."""
+    with Trace(traces[level]) as t:
+        checked = 0
+        for path, ds in datasets(t.f).items():
+            el = sc.element_of(path)[0]
+            if el.fill is not None:
+                want = el.fill
+                got = ds.fillvalue
+                assert (np.isnan(got) if np.isnan(want) else got == want), (path, got, want)
+                checked += 1
+        assert checked >= 8
+
+
+@pytest.mark.parametrize("level", sc.LEVELS)
 def test_every_element_required_at_a_level_is_written(traces, level):
     with Trace(traces[level]) as t:
         for el in sc.ELEMENTS:
