@@ -181,8 +181,9 @@ def _attr_kind(dtype: str, shape: tuple) -> _Kind:
 
 def _new_attr(oid, name: str, value) -> None:
     """Attribute ``name`` = ``value`` on a new object (low-level id) that has no such attribute yet: what
-    ``obj.attrs[name] = value`` writes, without its checks for an attribute to replace."""
-    data = np.asarray(value)
+    ``obj.attrs[name] = value`` writes, without its checks for an attribute to replace. A str is stored as
+    _text stores it (fixed-length UTF-8)."""
+    data = np.asarray(np.bytes_(value.encode("utf-8")) if isinstance(value, str) else value)
     kind = _attr_kind(data.dtype.str, data.shape)
     attr = h5py.h5a.create(oid, name.encode("ascii"), kind.file_type, kind.space)
     attr.write(data, mtype=kind.memory_type)
@@ -1021,8 +1022,8 @@ class Recorder:
                 gid = h5py.h5g.open(g.id, name.encode("ascii"))
             else:
                 gid = _new_group(g.id, name)
-                if name == sc.STATS_GROUP:  # as _text writes it
-                    _new_attr(gid, sc.ATTR_COLUMNS, np.bytes_(json.dumps(STAT_COLUMNS).encode("utf-8")))
+                if name == sc.STATS_GROUP:
+                    _new_attr(gid, sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
             self._small[key] = gid
         return gid
 
@@ -1072,7 +1073,7 @@ class Recorder:
         dsid = _new_dataset(self._subgroup(g, layer, sc.SAMPLED_GROUP), name, smp.values, shape, fill=sc.SAMPLED.fill)
         _new_attr(dsid, sc.ATTR_CHANNELS, smp.channels)
         _new_attr(dsid, sc.ATTR_WIDTH, smp.width)
-        _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, np.bytes_(smp.source_dtype.encode("utf-8")))  # as _text writes it
+        _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, smp.source_dtype)
         self._small[key] = dsid
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
@@ -1116,7 +1117,7 @@ class Recorder:
 
     def _root_dataset(self, el: sc.Element, data: np.ndarray, source_dtype: str | None = None) -> None:
         """Root element ``el`` (inputs/NAME, final/NAME: contiguous, its declared fill) holds ``data``: made on
-        the first call (its group too, and its source_dtype attribute as _text writes it), in place later."""
+        the first call (its group too, and its source_dtype attribute), in place later."""
         dsid = self._small.get((None, el.path))
         data = np.ascontiguousarray(data)
         if dsid is not None:
@@ -1128,7 +1129,7 @@ class Recorder:
             gid = self._small[(None, group)] = _new_group(self.f.id, group)
         dsid = self._small[(None, el.path)] = _new_dataset(gid, leaf, data, el.shape_for(self.dims), fill=el.fill)
         if source_dtype is not None:
-            _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, np.bytes_(source_dtype.encode("utf-8")))
+            _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, source_dtype)
 
     def final_top_ids(self) -> list[int]:
         """Every sample's top-k ids as recorded so far (what a caller needs for token text after the run);
