@@ -766,8 +766,9 @@ class Recorder:
                      "H": self.args["n_kv_heads"], "D": self.args["head_dim"], "stat": len(STAT_COLUMNS)}
         sc.TOKEN_IDS.create(self.f, self.dims, data=ids)
         sc.LENGTHS.create(self.f, self.dims, data=self.lengths)
-        self._inputs = {name: np.full(el.shape_for(self.dims), el.fill, dtype=el.dtype)  # written by close
+        self._inputs = {name: np.full(el.shape_for(self.dims), el.fill, dtype=el.dtype)  # written by flush
                         for name, el in sc.INPUTS.items()}
+        self._roots_dirty = True  # inputs or final outputs changed since the last flush
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
         self.meta = dict(meta)
@@ -824,6 +825,7 @@ class Recorder:
         inp["token_index"][sl] = to_numpy(token_index)
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
         self._cells = {}
+        self._roots_dirty = True
 
     def _where(self, sample, col, x, what) -> None:
         """sample in range, x has rows, and its T rows fit from column col."""
@@ -1092,6 +1094,7 @@ class Recorder:
                                         dtype=own.get(key, el.dtype)) for key, el in sc.FINAL.items()}
             self._final_sources = {"logits": source_dtype(logits), "norm_last": source_dtype(norm_last)}
         fin = self._final
+        self._roots_dirty = True
         order = top_ids(z, self.dims["k"])
         fin["norm_last"][sample] = h
         fin["logits"][sample] = z
@@ -1110,10 +1113,13 @@ class Recorder:
             return
         for layer in sorted(self._dirty):
             self._write_layer(layer)
+        if not self._roots_dirty:  # a live reader flushes per layer; the inputs are written once
+            return
         for name, el in sc.INPUTS.items():
             self._root_dataset(el, self._inputs[name])
         for key, el in sc.FINAL.items() if self._final is not None else ():
             self._root_dataset(el, self._final[key], self._final_sources.get(key))
+        self._roots_dirty = False
 
     def _root_dataset(self, el: sc.Element, data: np.ndarray, source_dtype: str | None = None) -> None:
         """Root element ``el`` (inputs/NAME, final/NAME: contiguous, its declared fill) holds ``data``: made on

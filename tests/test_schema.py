@@ -232,4 +232,10 @@ def test_inputs_and_final_reach_the_file_on_flush_and_close():
     assert rec.f["final/written"][:].tolist() == [1, 1]
     assert rec.f["layers/000/stats/mid"][:, 3].tolist() == [1.0, 2.0]  # max
     assert rec.f["layers/000/cache/lengths"][:].tolist() == [3, 2]
+    rec.f["inputs/input_ids"][0, 0] = 99  # nothing changed since: a flush (per layer, by a live reader) leaves it
+    rec.flush()
+    assert rec.f["inputs/input_ids"][0, 0] == 99
+    rec.inputs(0, 0, np.array(SAMPLES[0]), np.ones(3, bool), np.arange(3), np.arange(3))
+    rec.flush()
+    assert rec.f["inputs/input_ids"][0, 0] == SAMPLES[0][0]
     rec.abort()
