@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 
 import click
 
@@ -80,8 +81,10 @@ def check_out_dir(out_dir) -> None:
 def emit(report, out: dict, console, not_reached=()) -> int:
     """Write machine reports, print the human one on ``console``; returns the exit status of the verdict.
 
-    ``not_reached``: layers a --fail-fast run never compared (JUnit marks them skipped).
+    ``not_reached``: layers a --fail-fast run never compared (JUnit marks them skipped). Under ``--strict`` the
+    report itself holds an INCONCLUSIVE pass as a failure, so every format says the same verdict.
     """
+    report = replace(report, strict=bool(out["strict"]))
     if out["json"] == "-":
         click.echo(report.to_json())
     elif out["json"]:
@@ -94,13 +97,11 @@ def emit(report, out: dict, console, not_reached=()) -> int:
         plot_errors(report, out["plot"])
     if "-" not in (out["json"], out["junit"]):
         if out["quiet"]:
-            console.print(verdict_text(report, out["strict"]), soft_wrap=True)
+            console.print(verdict_text(report), soft_wrap=True)
         else:
-            print_report(console, report, which=out["layers"], verbose=out["verbose"], strict=out["strict"])
+            print_report(console, report, which=out["layers"], verbose=out["verbose"])
     if report.incomparable:
         return EXIT_BAD_INPUT  # incomparable traces (docs/report-format.md): reported, not a tolerance verdict
-    if out["strict"] and report.inconclusive:
-        return EXIT_FAIL  # --strict: a fault that cannot show here is not a pass for a gate
     return EXIT_PASS if report else EXIT_FAIL
 
 

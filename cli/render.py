@@ -77,9 +77,8 @@ def layer_max(lr) -> float | None:
     return max(vals) if vals else None
 
 
-def verdict_text(report, strict: bool = False) -> Text:
-    ok = bool(report) and not (strict and report.inconclusive)
-    return plain(report.verdict_line(), style="bold green" if ok else "bold red")
+def verdict_text(report) -> Text:
+    return plain(report.verdict_line(), style="bold green" if report else "bold red")
 
 
 def header_text(report) -> Text:
@@ -326,8 +325,7 @@ def first_break_panel(report):
     return Panel(Group(*body), title="first break", border_style="red")
 
 
-def report_parts(report, width: int = 120, which: str = "auto",
-                 verbose: bool = False, strict: bool = False):
+def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = False):
     """The human report as (renderable, unwrapped) pairs; unwrapped lines are printed whatever the width."""
     yield header_text(report), True
     if report.calibration:
@@ -356,12 +354,12 @@ def report_parts(report, width: int = 120, which: str = "auto",
         yield plain("note: " + n, style="yellow"), True
     for n in report.skipped:
         yield plain("not checked: " + n, style="dim"), True
-    yield verdict_text(report, strict), True
+    yield verdict_text(report), True
 
 
-def print_report(console, report, which: str = "auto", verbose: bool = False, strict: bool = False) -> None:
+def print_report(console, report, which: str = "auto", verbose: bool = False) -> None:
     """The whole human report. The header and the verdict are printed unwrapped, whatever the width."""
-    for part, unwrapped in report_parts(report, console.width, which, verbose, strict):
+    for part, unwrapped in report_parts(report, console.width, which, verbose):
         console.print(part, soft_wrap=unwrapped)
 
 

@@ -220,11 +220,21 @@ def test_junit_marks_layers_not_reached_by_fail_fast_as_skipped(run_cli, tmp_pat
     assert not any(isinstance(r, Skipped) for r in cases["layer 000"].result)
 
 
-def test_strict_fails_an_inconclusive_pass(run_cli):
+def test_strict_fails_an_inconclusive_pass(run_cli, tmp_path):
+    from junitparser import Failure, JUnitXml
     args = ("run", "reference", "fault:gqa-mapping", "--model", "seed-2.8", "-q")
     res = run_cli(*args)
-    assert res.exit_code == 0 and "INCONCLUSIVE" in res.output
-    assert run_cli(*args, "--strict").exit_code == 1
+    assert res.exit_code == 0 and "INCONCLUSIVE" in res.output and res.output.startswith("PASSED")
+    strict = run_cli(*args, "--strict", "--json", tmp_path / "r.json", "--junit", tmp_path / "r.xml")
+    assert strict.exit_code == 1
+    # every format says the same verdict: the line, the JSON and a failing JUnit case named for it
+    assert strict.output.startswith("FAILED (strict) | ") and "| INCONCLUSIVE: " in strict.output
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["verdict"] == "fail" and rep["verdict_line"].startswith("FAILED (strict)")
+    suites = JUnitXml.fromfile(str(tmp_path / "r.xml"))
+    failing = [c.name for s in suites for c in s if any(isinstance(r, Failure) for r in c.result)]
+    assert failing == ["inconclusive (strict)"]
+    assert all(int(s.failures) == 1 for s in suites)
 
 
 # -- inspect ---------------------------------------------------------------------------------------

@@ -28,6 +28,9 @@ def to_junit(report: Report, suite: str = "prefill-diff", not_reached=()) -> str
             cases.append((f"final {name}", None if fb is None else ("failure", visible(report.line(fb)), visible(fb.message) + hint)))
     elif report.stopped_early:
         cases.append(("final", ("skipped", "not reached: --fail-fast stopped at the first break", "")))
+    if report.failed_strict:  # --strict: a fault that cannot show here fails the gate, as the verdict says
+        cases.append(("inconclusive (strict)", ("failure", visible(report.verdict_line()),
+                                                "\n".join(visible(n) for n in report.inconclusive))))
     count = {k: sum(1 for _, c in cases if c and c[0] == k) for k in ("failure", "error", "skipped")}
     root = ET.Element("testsuites", name=suite, tests=str(len(cases)), failures=str(count["failure"]),
                       errors=str(count["error"]), skipped=str(count["skipped"]))
@@ -35,7 +38,8 @@ def to_junit(report: Report, suite: str = "prefill-diff", not_reached=()) -> str
                        tests=str(len(cases)), failures=str(count["failure"]), errors=str(count["error"]),
                        skipped=str(count["skipped"]))
     props = ET.SubElement(ts, "properties")
-    verdict = report.verdict + (" (INCONCLUSIVE)" if report.inconclusive else "")
+    verdict = report.verdict + (" (strict: INCONCLUSIVE)" if report.failed_strict else
+                                " (INCONCLUSIVE)" if report.inconclusive else "")
     for k, v in (("verdict", verdict), ("verdict_line", report.verdict_line()), ("policy", report.policy.name),
                  ("rule", report.calibration),
                  ("reference", report.ref.get("file") or "trace not kept"),

@@ -42,6 +42,7 @@ class Report:
     token_text: dict | None = None  # str(token id) -> text, when the model has a tokenizer
     sample_tokens: tuple = ()  # the reference's token ids per sample
     calibration: str | None = None  # how values were judged, in words (the header's "rule")
+    strict: bool = False  # --strict: an INCONCLUSIVE pass is a failure (verdict, exit status, JUnit, JSON)
 
     def token_at(self, sample: int | None, position: int | None) -> tuple[int, str | None] | None:
         """(id, text or None) of the reference's token at (sample, logical position), if known."""
@@ -62,7 +63,12 @@ class Report:
         return break_line(b, None if tok is None or tok[1] is None else tok[1])
 
     def __bool__(self) -> bool:
-        return self.first_break is None
+        return self.first_break is None and not self.failed_strict
+
+    @property
+    def failed_strict(self) -> bool:
+        """No break, but --strict holds an INCONCLUSIVE pass (a fault that cannot show here) as a failure."""
+        return self.strict and self.first_break is None and bool(self.inconclusive)
 
     @property
     def incomparable(self) -> bool:
@@ -74,9 +80,10 @@ class Report:
         return "pass" if self else "fail"
 
     def verdict_line(self) -> str:
-        if self:
+        if self.first_break is None:
             return wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
-                                  identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes))
+                                  identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes),
+                                  strict=self.strict)
         return wording.failed(self.line(self.first_break))
 
     def as_dict(self) -> dict:

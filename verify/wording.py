@@ -207,8 +207,11 @@ def levels_differ(ref_level: str, cand_level: str) -> str:
     return f"levels differ: reference {ref_level}, candidate {cand_level}; checks use what both traces have"
 
 
-def passed(n_compared: int, n_layers: int, *, inconclusive: bool, identity_differs: bool) -> str:
-    line = f"PASSED | {n_compared}/{n_layers} layers, logits and cache within tolerance"
+def passed(n_compared: int, n_layers: int, *, inconclusive: bool, identity_differs: bool,
+           strict: bool = False) -> str:
+    """The verdict line of a comparison with no break; under --strict an INCONCLUSIVE one is a failure."""
+    head = "FAILED (strict)" if strict and inconclusive else "PASSED"
+    line = f"{head} | {n_compared}/{n_layers} layers, logits and cache within tolerance"
     if inconclusive:
         line += " | INCONCLUSIVE: the injected fault cannot show here"
     if identity_differs:
