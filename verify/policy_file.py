@@ -75,17 +75,31 @@ def spec_sources(policy: str | None = None, tolerance_file=None, **fields) -> di
                 out[k] = f"file {tolerance_file}"
         if "base" in raw:
             out["base"] = f"file {tolerance_file}"
+        out["table"] = f"file {tolerance_file}"  # where the per-kind tables come from
     if policy:
         out["base"] = "flag"
     out.update({k: "flag" for k, v in fields.items() if v is not None})
     return out
 
 
-def _exact_rule(tols: dict) -> dict:
-    """torch.testing.assert_close's rule: explicit atol/rtol switch off the ntol and row_rtol terms not given."""
-    if "atol" in tols or "rtol" in tols:
-        return {"ntol": 0.0, "row_rtol": 0.0, **tols}
-    return tols
+def _kind_terms(spec: dict, kind: str, flags: set) -> tuple[dict, dict]:
+    """One kind's declared terms and where each came from ('top': the top level, 'table': the kind's own table,
+    'exact': switched off by explicit atol/rtol). A kind's table refines the file's top level; a flag wins over
+    both. Explicit atol/rtol define torch.testing.assert_close's rule: ntol and row_rtol are off unless given
+    too (at the top level or in the kind's table)."""
+    table = spec.get(kind) or {}
+    terms, where = {}, {}
+    for k in TOL_FIELDS:
+        top = spec.get(k)
+        if k in table and not (top is not None and k in flags):
+            terms[k], where[k] = table[k], "table"
+        elif top is not None:
+            terms[k], where[k] = top, "top"
+    if "atol" in terms or "rtol" in terms:
+        for k in ("ntol", "row_rtol"):
+            if k not in terms:
+                terms[k], where[k] = 0.0, "exact"
+    return terms, where
 
 
 def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: dict | None = None,
@@ -94,7 +108,7 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
 
     Explicit atol/rtol (top level or per kind) define the element rule exactly as torch.testing.assert_close
     does: the ntol and row_rtol terms are off unless given too. ``sources`` says where the declared terms
-    came from (default: 'declared').
+    came from ('flag', 'file PATH'; default: 'declared'); flags win over a file's per-kind tables.
     """
     spec = dict(spec or {})
     base = spec.get("base")
@@ -109,7 +123,12 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
     for k in KINDS:
         if k in spec and not isinstance(spec[k], dict):
             raise ConfigError(f"tolerance [{k}] must be a table with atol, rtol, ntol or row_rtol (got {spec[k]!r})")
-    kinds = {k: _exact_rule(dict(spec[k])) for k in KINDS if k in spec}
+    flags = {k for k, v in given.items() if v == "flag"}
+    kinds, shown = {}, {}
+    for k in KINDS:
+        kinds[k], where = _kind_terms(spec, k, flags)
+        if k == "residual":  # the header shows the residual kind's terms: say where each came from
+            shown = where
     extra = {}
     if "equal_nan" in spec:
         if not isinstance(spec["equal_nan"], bool):
@@ -119,17 +138,13 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
         if not isinstance(spec["topk"], int) or isinstance(spec["topk"], bool) or spec["topk"] < 1:
             raise ConfigError(f"topk must be a positive integer (got {spec['topk']!r})")
         extra["topk"] = spec["topk"]
+    kinds = {k: v for k, v in kinds.items() if v}
     if kinds or extra:
         p = p.with_overrides(kinds=kinds, **extra)
-    top = _exact_rule({k: spec[k] for k in TOL_FIELDS if spec.get(k) is not None})
-    if top:
-        p = p.with_overrides(**top)
-    for k in TOL_FIELDS:
-        if spec.get(k) is not None or any(k in spec.get(kind, {}) for kind in KINDS if isinstance(spec.get(kind),
-                                                                                                   dict)):
-            src[k] = given.get(k, "declared")
-        elif k in top or any(k in v for v in kinds.values()):
-            src[k] = "explicit atol/rtol"
+    table_src = given.get("table", "declared")
+    for k, w in shown.items():
+        src[k] = {"top": given.get(k, "declared"), "table": f"{table_src} [residual]",
+                  "exact": "explicit atol/rtol"}[w]
     if spec.get("name"):
         p = replace(p, name=str(spec["name"]))
     return replace(p, sources=src)
@@ -139,4 +154,4 @@ def default_policy_for(ref_meta: dict, cand_meta: dict) -> Policy:
     """The policy when none is given: the tolerance the reference (a baseline) declares, else the dtype defaults."""
     declared = ref_meta.get("tolerance")
     return resolve_policy(declared, ref_meta, cand_meta,
-                          {k: "baseline trace" for k in ("base", *TOL_FIELDS)} if declared else None)
+                          {k: "baseline trace" for k in ("base", "table", *TOL_FIELDS)} if declared else None)

@@ -98,7 +98,7 @@ class Policy:
             if k not in KINDS:
                 raise ConfigError(f"tolerance kind must be one of {', '.join(KINDS)} (got {k!r})")
             new[k] = replace(new[k], **v)
-        changed = bool(every or kinds)
+        changed = bool(every or kinds) and not self.name.endswith("+overrides")
         return replace(self, kinds=new, name=self.name + "+overrides" if changed else self.name, **kw)
 
 
