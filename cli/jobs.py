@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..dumps.ranks import is_rank_set, open_any
@@ -22,8 +22,9 @@ from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
 from ..dumps.schema import LEVELS
 from ..engine.errors import ConfigError, PrefillDiffError
-from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, precision_key, precision_label, precisions,
-                                same_precisions, sibling_paths, unit_roundoff)
+from ..engine.registry import ENGINES, OURS, twin_maker
+from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, precision_key, precision_label,
+                                precisions, same_precisions, sibling_paths, unit_roundoff)
 from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
 from ..verify.report import Report, Session, compare_traces
 from ..verify.tolerance import Policy
@@ -85,22 +86,28 @@ def _explicit(declared: dict | None) -> bool:
 
 @dataclass(frozen=True)
 class CalibPlan:
-    """Whether a comparison is calibrated (verify/calibrate.py); ``note`` says why not, when it matters."""
+    """Whether a comparison is calibrated (verify/calibrate.py), and how.
+
+    ``maker``: the engine that runs the golden and the twin (the reference's own when it can run float64 and
+    the candidate's precisions, else ours: engine/registry.py). ``note``: why the comparison is not
+    calibrated although it would be, for the report's rule.
+    """
     use: bool
     factor: float = DEFAULT_FACTOR
     cand_prec: dict | None = None
     twin_is_ref: bool = False  # same precisions: the reference is its own twin
     twin_is_cand: bool = False  # the candidate is the reference's own path at its precisions
     note: str | None = None
+    maker: str = OURS
 
     @property
     def label(self) -> str:
         return precision_label(self.cand_prec)
 
     def rule_note(self) -> str | None:
-        """The header's rule when the comparison is not calibrated against a recorded twin."""
-        if self.note or not (self.use and self.twin_is_cand):
-            return self.note
+        """The header's rule when the candidate is its own twin (no golden is recorded)."""
+        if not (self.use and self.twin_is_cand):
+            return None
         return (f"calibrated: the candidate is the reference's own path in {self.label} (its twin), so it adds no "
                 "error beyond its numerics; numerics: candidate vs reference within the fixed envelope")
 
@@ -108,22 +115,38 @@ class CalibPlan:
         return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label)
 
 
-def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None, explicit: bool, level: str,
-                     factor: float = DEFAULT_FACTOR, twin_is_cand: bool = False) -> CalibPlan:
-    """calibrate None: automatic (on when the precisions differ); True: forced; False: off."""
+def check_calibration(*, calibrate: bool | None, explicit: bool, level: str, factor: float = DEFAULT_FACTOR) -> None:
+    """A contradictory calibration request is refused before anything runs."""
     if not factor > 0:
         raise ConfigError(f"--noise-factor must be positive (got {factor})")
-    differ = not same_precisions(ref_prec, cand_prec)
     if calibrate and explicit:
         raise ConfigError("--calibrate measures the tolerance; explicit --atol/--rtol/--ntol/--row-rtol/--policy/"
                           "--tolerance declare it: give one or the other")
-    if not (bool(calibrate) or (calibrate is None and differ and not explicit)):
+    if calibrate and level != "full":
+        raise ConfigError(f"a calibrated comparison needs full traces (got --level {level})")
+
+
+def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None, explicit: bool, level: str,
+                     factor: float = DEFAULT_FACTOR, twin_is_cand: bool = False, ref_engine: str = OURS,
+                     cand_engine: str = OURS) -> CalibPlan:
+    """calibrate None: automatic, on whenever either side computes below float32 or the precisions differ (and
+    nothing is declared); True: forced; False: off. The precisions are the ones the traces record."""
+    check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
+    differ = not same_precisions(ref_prec, cand_prec)
+    wanted = differ or below_float32(ref_prec) or below_float32(cand_prec)
+    if not (bool(calibrate) or (calibrate is None and wanted and not explicit)):
         return CalibPlan(False, factor, cand_prec)
     if level != "full":
-        if calibrate:
-            raise ConfigError(f"a calibrated comparison needs full traces (got --level {level})")
-        return CalibPlan(False, factor, cand_prec, note=f"uncalibrated (--level {level} keeps no full rows)")
-    return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, twin_is_cand=differ and twin_is_cand)
+        return CalibPlan(False, factor, cand_prec, note=f"--level {level} keeps no full rows")
+    if differ and twin_is_cand:
+        return CalibPlan(True, factor, cand_prec, twin_is_cand=True)
+    maker = twin_maker(ref_engine, cand_prec)
+    if maker is None:
+        why = ENGINES[cand_engine].why_not if cand_engine in ENGINES else ""
+        return CalibPlan(False, factor, cand_prec, note=f"our engine cannot run the candidate's precisions "
+                         f"({precision_label(cand_prec)})" + (f"; {why}" if why else ""))
+    # the reference is its own twin when it made its own trace at the candidate's precisions
+    return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, maker=maker)
 
 
 def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
@@ -141,9 +164,9 @@ def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
 
 def record_calibration(ref_side, plan: CalibPlan, golden_path: str, twin_path: str, *, force: bool = False,
                        progress: SideProgress | None = None, snapshot=None) -> tuple[str, str | None]:
-    """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions."""
+    """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions, by the plan's maker."""
     rec = _sides()
-    sides = rec.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label)
+    sides = rec.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
     golden = rec.record_side(rec.prepare(sides.golden, snapshot), golden_path, "full", force,
                              progress=_on(progress, "golden (float64)"))
     if sides.twin is None:
@@ -157,6 +180,19 @@ def _on(progress: SideProgress | None, label: str):
     return None if progress is None else progress(label)
 
 
+def _engine(meta: dict) -> str:
+    eng = meta.get("engine")
+    return str(eng.get("name") or OURS) if isinstance(eng, dict) else OURS
+
+
+def _plan_for(ref: Trace, cand: Trace, *, calibrate: bool | None, explicit: bool, level: str, factor: float,
+              twin_is_cand: bool = False) -> CalibPlan:
+    """The calibration plan from what the two traces record: their precisions and engines."""
+    return plan_calibration(precisions(ref.meta), precisions(cand.meta), calibrate=calibrate, explicit=explicit,
+                            level=level, factor=factor, twin_is_cand=twin_is_cand, ref_engine=_engine(ref.meta),
+                            cand_engine=_engine(cand.meta))
+
+
 def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
     """(golden path, twin path or None) recorded beside REF for the plan's precisions, or None if absent."""
     golden, twin = sibling_paths(ref_path)
@@ -166,28 +202,22 @@ def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
     return None
 
 
-def _judge(ref_path: str, cand_path: str, declared: dict | None, plan: CalibPlan, siblings, *, kept=(True, True),
-           fail_fast: bool = False, allow_subset: bool = False) -> Report:
-    """Open the traces and compare them (``_judge_open``)."""
-    with open_any(ref_path) as ref, open_any(cand_path) as cand:
-        return _judge_open(ref, cand, declared, plan, siblings, kept=kept, fail_fast=fail_fast,
-                           allow_subset=allow_subset)
-
-
 def _judge_open(ref: Trace, cand: Trace, declared: dict | None, plan: CalibPlan, siblings, *, kept=(True, True),
-                fail_fast: bool = False, allow_subset: bool = False) -> Report:
+                fail_fast: bool = False, allow_subset: bool = False, allow_identity: bool = False) -> Report:
     """Compare two open traces, opening the golden and twin of a calibrated plan.
 
     ``kept``: (REF, CAND), False for a temporary trace (the report names no file for it)."""
     with ExitStack() as stack:
-        calib, note = None, plan.rule_note()
+        calib = None
         if plan.use and siblings is not None:
             golden = stack.enter_context(open_any(siblings[0]))
             twin = stack.enter_context(open_any(siblings[1])) if siblings[1] else None
-            calib, note = plan.calibration(golden, twin), None
+            calib = plan.calibration(golden, twin)
         files = (ref.name if kept[0] else None, cand.name if kept[1] else None)
         return compare_traces(ref, cand, resolve(None if calib else declared, ref, cand), fail_fast=fail_fast,
-                              calib=calib, allow_subset=allow_subset, rule_note=note, files=files)
+                              calib=calib, allow_subset=allow_subset, allow_identity=allow_identity,
+                              rule_note=None if calib else plan.rule_note(),
+                              uncalibrated=None if calib else plan.note, files=files)
 
 
 # -- the three jobs ----------------------------------------------------------------------------------------
@@ -195,38 +225,42 @@ def _judge_open(ref: Trace, cand: Trace, declared: dict | None, plan: CalibPlan,
 def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = None, level: str = "full",
         force: bool = False, tolerance: dict | None = None, progress: SideProgress | None = None,
         calibrate: bool | None = None, factor: float = DEFAULT_FACTOR, allow_subset: bool = False,
-        fail_fast: bool = False) -> Outcome:
+        fail_fast: bool = False, allow_identity: bool = False) -> Outcome:
     """Prefill REF and CAND (presets or config files), record both traces, compare them.
 
-    Traces go into ``out_dir`` (kept) or a temporary directory (removed). When the two sides' precisions
-    differ (or ``calibrate`` is True) the reference's path is also recorded in float64 (the golden) and at
-    the candidate's precisions (the twin), and the verdict is calibrated; ``tolerance`` (the tolerance
-    options: policy, tolerance_file, atol, rtol, ntol, row_rtol) declares a fixed rule instead.
-    ``fail_fast`` runs the sides in lockstep in memory and stops at the first break (no trace files).
+    Traces go into ``out_dir`` (kept) or a temporary directory (removed). When either side computes below
+    float32, or their precisions differ (or ``calibrate`` is True), the reference's path is also recorded in
+    float64 (the golden) and at the candidate's precisions (the twin), and the verdict is calibrated;
+    ``tolerance`` (the tolerance options: policy, tolerance_file, atol, rtol, ntol, row_rtol) declares a fixed
+    rule instead. ``fail_fast`` runs the sides in lockstep in memory and stops at the first break (no trace
+    files). ``allow_identity``: two different models are compared on purpose (a note, not a failure).
     """
     if fail_fast:
         if out_dir:
             raise ConfigError("--fail-fast keeps no traces; drop --out")
         return run_lockstep(ref, cand, model, inputs, level=level, tolerance=tolerance, calibrate=calibrate,
-                            factor=factor, allow_subset=allow_subset)
+                            factor=factor, allow_subset=allow_subset, allow_identity=allow_identity)
+    explicit = _explicit(tolerance)
+    check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
     rec = _sides()
     ref_prep, cand_prep = rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)
     check_coverage(ref_prep.tokens, cand_prep.tokens, allow_subset)
-    plan = plan_calibration(rec.precision_of(ref_prep.side.run), rec.precision_of(cand_prep.side.run),
-                            calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor,
-                            twin_is_cand=rec.twin_is_cand(ref_prep, cand_prep))
     keep = out_dir is not None
     work = out_dir if keep else tempfile.mkdtemp(prefix="prefill-diff-")
     os.makedirs(work, exist_ok=True)
     try:
         paths = [rec.record_side(p, os.path.join(work, name), level, force, progress=_on(progress, label))
                  for p, name, label in ((ref_prep, "ref.h5", "reference"), (cand_prep, "cand.h5", "candidate"))]
-        siblings = None
-        if plan.use and not plan.twin_is_cand:
-            siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
-                                          os.path.join(work, "twin.h5"), force=force, progress=progress,
-                                          snapshot=ref_prep.snapshot)
-        report = _judge(*paths, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset)
+        with open_any(paths[0]) as r, open_any(paths[1]) as c:
+            plan = _plan_for(r, c, calibrate=calibrate, explicit=explicit, level=level, factor=factor,
+                             twin_is_cand=rec.twin_is_cand(ref_prep, cand_prep))
+            siblings = None
+            if plan.use and not plan.twin_is_cand:
+                siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
+                                              os.path.join(work, "twin.h5"), force=force, progress=progress,
+                                              snapshot=ref_prep.snapshot)
+            report = _judge_open(r, c, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset,
+                                 allow_identity=allow_identity)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -263,7 +297,13 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     if twin_of is None:
         return done
     prec = rec.precisions_of(twin_of, model, inputs)
-    plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, rec.precision_of(prep.side.run)))
+    with open_any(done.path) as t:
+        own, engine = precisions(t.meta), _engine(t.meta)
+    maker = twin_maker(engine, prec)
+    if maker is None:
+        raise ConfigError(f"--twin-of {twin_of}: no engine of ours runs {precision_label(prec)} (a golden in float64 "
+                          "and a twin at those precisions), so a comparison against it cannot be calibrated")
+    plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, own), maker=maker)
     golden, twin = sibling_paths(done.path)  # beside what was written (a tensor-parallel side: its directory)
     got = record_calibration(prep.side, plan, golden, twin.format(key=precision_key(prec)), force=force,
                              snapshot=prep.snapshot)
@@ -277,41 +317,46 @@ def is_trace(path: str) -> bool:
 
 def compare(baseline: str, candidate: str, model=None, inputs=None, *, tolerance: dict | None = None,
             fail_fast: bool = False, level: str | None = None, calibrate: bool | None = None,
-            factor: float = DEFAULT_FACTOR, allow_subset: bool = False) -> Outcome:
+            factor: float = DEFAULT_FACTOR, allow_subset: bool = False, allow_identity: bool = False) -> Outcome:
     """BASELINE (a trace) against CANDIDATE: a trace, or a preset/config recorded now with the baseline's
     model and prompts (unless ``model``/``inputs`` are given). A golden and twin recorded beside BASELINE
     (`record --twin-of`) make the verdict calibrated; for a candidate recorded now they are recorded too."""
+    kw = dict(fail_fast=fail_fast, calibrate=calibrate, factor=factor, allow_subset=allow_subset,
+              allow_identity=allow_identity)
     if is_trace(candidate):
-        return compare_files(baseline, candidate, tolerance, fail_fast=fail_fast, calibrate=calibrate,
-                             factor=factor, allow_subset=allow_subset)
-    return _compare_recorded(baseline, candidate, model, inputs, tolerance=tolerance, fail_fast=fail_fast,
-                             level=level, calibrate=calibrate, factor=factor, allow_subset=allow_subset)
+        return compare_files(baseline, candidate, tolerance, **kw)
+    return _compare_recorded(baseline, candidate, model, inputs, tolerance=tolerance, level=level, **kw)
+
+
+def _declared_by(ref: Trace, tolerance: dict | None, calibrate: bool | None) -> bool:
+    """A declared rule: the flags', or the baseline's own unless --calibrate asks otherwise."""
+    return _explicit(tolerance) or (calibrate is None and ref.meta.get("tolerance") is not None)
 
 
 def compare_files(ref_path, cand_path, tolerance: dict | None = None, *, fail_fast: bool = False,
-                  calibrate: bool | None = None, factor: float = DEFAULT_FACTOR,
-                  allow_subset: bool = False) -> Outcome:
+                  calibrate: bool | None = None, factor: float = DEFAULT_FACTOR, allow_subset: bool = False,
+                  allow_identity: bool = False) -> Outcome:
     """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
     with open_any(ref_path) as ref, open_any(cand_path) as cand:
-        cand_prec = precisions(cand.meta)
-        plan = plan_calibration(precisions(ref.meta), cand_prec, calibrate=calibrate, explicit=_explicit(tolerance),
-                                level=max(ref.level, cand.level, key=LEVELS.index), factor=factor)
-        if calibrate is None and ref.meta.get("tolerance") is not None:
-            plan = CalibPlan(False, factor, cand_prec)  # the baseline declares its tolerance
+        plan = _plan_for(ref, cand, calibrate=calibrate, explicit=_declared_by(ref, tolerance, calibrate),
+                         level=max(ref.level, cand.level, key=LEVELS.index), factor=factor)
         siblings = _siblings(str(ref_path), plan) if plan.use else None
         if plan.use and siblings is None:
+            g, t = sibling_paths(str(ref_path))
+            key = precision_key(plan.cand_prec)
             if calibrate:
-                g, t = sibling_paths(str(ref_path))
                 raise ConfigError(f"--calibrate needs the golden and twin recorded beside {ref_path} "
-                                  f"({g}, {t.format(key=precision_key(cand_prec))}): record them with "
+                                  f"({g}, {t.format(key=key)}): record them with "
                                   "`prefill-diff record CONFIG -o REF.h5 --twin-of PRECISION`")
-            plan = CalibPlan(False, factor, cand_prec)
-        report = _judge_open(ref, cand, tolerance, plan, siblings, fail_fast=fail_fast, allow_subset=allow_subset)
+            plan = replace(plan, use=False, note=f"no golden and twin beside {ref_path}: record it with "
+                                                 f"--twin-of {key} to calibrate")
+        report = _judge_open(ref, cand, tolerance, plan, siblings, fail_fast=fail_fast, allow_subset=allow_subset,
+                             allow_identity=allow_identity)
     return Outcome(report, str(ref_path), str(cand_path))
 
 
 def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance, fail_fast, level, calibrate,
-                      factor, allow_subset) -> Outcome:
+                      factor, allow_subset, allow_identity) -> Outcome:
     """``compare BASELINE PRESET``: record the candidate (and, calibrated, the baseline's golden and twin)
     into a temporary directory, with the baseline's model and prompts, and compare."""
     rec = _sides()
@@ -323,26 +368,26 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance
             why_not = str(e)
         spec = model or rec.baseline_spec(base.meta)
         ins = inputs or rec.Inputs(token_ids=tuple(base.samples))
-        level, base_prec = level or base.level, precisions(base.meta)
-        declared = base.meta.get("tolerance") is not None
+        level = level or base.level
+    check_calibration(calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor)
+    if calibrate and side is None:
+        raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
     prep = rec.prepare_side(candidate, spec, ins)
-    # the baseline's declared tolerance wins unless --calibrate asks otherwise
-    plan = plan_calibration(base_prec, rec.precision_of(prep.side.run), explicit=_explicit(tolerance), level=level,
-                            calibrate=False if calibrate is None and declared else calibrate, factor=factor)
-    if plan.use and side is None:
-        if calibrate:
-            raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
-    if not plan.use or side is None:  # judged as two files with the fixed envelope; the header says which
-        plan = CalibPlan(False, factor, plan.cand_prec)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-")
     try:
         path = rec.record_side(prep, os.path.join(tmp, "cand.h5"), level)
-        siblings = _siblings(baseline, plan) if plan.use else None
-        if plan.use and siblings is None:
-            siblings = record_calibration(side, plan, os.path.join(tmp, "golden.h5"), os.path.join(tmp, "twin.h5"),
-                                          snapshot=prep.snapshot if prep.side.model == spec else None)
-        report = _judge(baseline, path, tolerance, plan, siblings, kept=(True, False), fail_fast=fail_fast,
-                        allow_subset=allow_subset)
+        with open_any(baseline) as ref, open_any(path) as cand:
+            plan = _plan_for(ref, cand, calibrate=calibrate, explicit=_declared_by(ref, tolerance, calibrate),
+                             level=level, factor=factor)
+            siblings = _siblings(baseline, plan) if plan.use else None
+            if plan.use and siblings is None and side is None:  # judged with the fixed envelope; the rule says why
+                plan = replace(plan, use=False, note=f"the baseline's own run cannot be rebuilt: {why_not}")
+            elif plan.use and siblings is None:
+                siblings = record_calibration(side, plan, os.path.join(tmp, "golden.h5"),
+                                              os.path.join(tmp, "twin.h5"),
+                                              snapshot=prep.snapshot if prep.side.model == spec else None)
+            report = _judge_open(ref, cand, tolerance, plan, siblings, kept=(True, False), fail_fast=fail_fast,
+                                 allow_subset=allow_subset, allow_identity=allow_identity)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Outcome(report, baseline, None)
@@ -350,33 +395,38 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance
 
 def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "full",
                  tolerance: dict | None = None, calibrate: bool | None = None, factor: float = DEFAULT_FACTOR,
-                 allow_subset: bool = False) -> Outcome:
+                 allow_subset: bool = False, allow_identity: bool = False) -> Outcome:
     """run --fail-fast: both sides advance one layer at a time into in-memory traces; stop at the first break.
 
     Nothing is written to disk, and the work after the breaking layer is never done. A calibrated comparison
-    runs its golden and twin in the same lockstep.
+    runs its golden and twin in the same lockstep, planned once both sides have recorded their first layer
+    (by then each engine has said what precisions it ran).
     """
+    explicit = _explicit(tolerance)
+    check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
     rec = _sides()
     preps = [rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)]
     if any(p.side.run.tp > 1 for p in preps):
         raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
                           "(tp > 1) runs in its own processes: drop --fail-fast")
     check_coverage(preps[0].tokens, preps[1].tokens, allow_subset)
-    plan = plan_calibration(rec.precision_of(preps[0].side.run), rec.precision_of(preps[1].side.run),
-                            calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor,
-                            twin_is_cand=rec.twin_is_cand(*preps))
+    twin_is_cand = rec.twin_is_cand(*preps)
     names = [f"{ref} (in memory)", f"{cand} (in memory)"]
-    calibrated = plan.use and not plan.twin_is_cand
-    if calibrated:
-        sides = rec.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label)
-        for side in (sides.golden, sides.twin):
-            if side is not None:
-                preps.append(rec.prepare(side, preps[0].snapshot))
-                names.append(f"{side.origin} (in memory)")
-    recs = [Recorder(None, level) for _ in preps]
-    gens = [rec.capture(p, r) for p, r in zip(preps, recs)]
+    recs, gens = [], []
     try:
-        return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset))
+        for p in preps:
+            _start(rec, p, level, recs, gens)
+        plan = plan_calibration(precisions(recs[0].meta), precisions(recs[1].meta), calibrate=calibrate,
+                                explicit=explicit, level=level, factor=factor, twin_is_cand=twin_is_cand,
+                                ref_engine=_engine(recs[0].meta), cand_engine=_engine(recs[1].meta))
+        calibrated = plan.use and not plan.twin_is_cand
+        if calibrated:
+            sides = rec.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
+            for side in (sides.golden, sides.twin):
+                if side is not None:
+                    _start(rec, rec.prepare(side, preps[0].snapshot), level, recs, gens)
+                    names.append(f"{side.origin} (in memory)")
+        return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset, allow_identity))
     finally:
         for g in gens:
             g.close()
@@ -384,14 +434,22 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
             r.abort()
 
 
-def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, tolerance, allow_subset) -> Report:
-    """Advance every side one layer, compare that layer; stop at the first break."""
-    for g in gens:
-        next(g)
+def _start(rec, prep, level: str, recs: list, gens: list) -> None:
+    """A side's in-memory recorder and generator, advanced through its first layer."""
+    recs.append(Recorder(None, level))
+    gens.append(rec.capture(prep, recs[-1]))
+    next(gens[-1])
+
+
+def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, tolerance, allow_subset,
+              allow_identity) -> Report:
+    """Every side has recorded layer 0: compare it, then advance every side one layer at a time; stop at the
+    first break."""
     traces = [LiveTrace(r, n) for r, n in zip(recs, names)]
     calib = plan.calibration(traces[2], traces[3] if len(traces) > 3 else None) if calibrated else None
     policy = resolve(None if calib else tolerance, *traces[:2])
-    session = Session(traces[0], traces[1], policy, calib, allow_subset, None if calib else plan.rule_note())
+    session = Session(traces[0], traces[1], policy, calib, allow_subset, None if calib else plan.rule_note(),
+                      uncalibrated=None if calib else plan.note, allow_identity=allow_identity, in_memory=True)
     if session.metadata_failed:
         return session.finish(stopped_early=True)
     n_layers = traces[0].n_layers

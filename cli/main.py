@@ -189,7 +189,7 @@ def cli():
               help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
 @calibration_options
 def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail_fast, calibrate, factor,
-        allow_subset):
+        allow_subset, allow_identity):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -214,7 +214,8 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
                   else "loading the model and preparing both sides")
         outcome = jobs.run(ref, cand, spec, inputs, out_dir=out_dir, level=level, force=force, tolerance=tol,
                            progress=None if fail_fast else prog.sides(RUN_STEPS), calibrate=calibrate,
-                           factor=factor, allow_subset=allow_subset, fail_fast=fail_fast)
+                           factor=factor, allow_subset=allow_subset, fail_fast=fail_fast,
+                           allow_identity=allow_identity)
     if outcome.ref_path and not out["quiet"] and "-" not in (out["json"], out["junit"]):
         console().print(plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"), soft_wrap=True)
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
@@ -283,7 +284,8 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
 @model_options
 @click.option("--fail-fast", is_flag=True, help="Stop at the first layer that breaks.")
 @calibration_options
-def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, calibrate, factor, allow_subset):
+def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, calibrate, factor, allow_subset,
+            allow_identity):
     """Compare BASELINE.h5 with CANDIDATE (a trace, or a preset/config that is recorded first).
 
     --model, --prompt and --tokens apply only when CANDIDATE is recorded now; with two traces
@@ -307,7 +309,8 @@ def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, ca
         prog.step("comparing" if two_traces
                   else f"recording {candidate} with the baseline's model and prompts, then comparing")
         outcome = jobs.compare(baseline, candidate, spec, inputs, tolerance=tol, fail_fast=fail_fast,
-                               calibrate=calibrate, factor=factor, allow_subset=allow_subset)
+                               calibrate=calibrate, factor=factor, allow_subset=allow_subset,
+                               allow_identity=allow_identity)
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 
 

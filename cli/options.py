@@ -108,19 +108,24 @@ def report_options(f):
 
 
 def calibration_options(f):
-    """--calibrate/--no-calibrate, --noise-factor, --allow-subset: how a candidate is held to the reference."""
+    """--calibrate/--no-calibrate, --noise-factor, --allow-subset, --allow-identity-difference: how a candidate is
+    held to the reference."""
     return _compose(
         click.option("--calibrate/--no-calibrate", "calibrate", default=None,
                      help="Judge values against measured noise: also record the reference's path in float64 (the "
                           "golden) and at the candidate's precisions (the twin); each row of the candidate may "
-                          "carry at most K times the twin's error. Default: on when the two sides' precisions "
-                          "differ and no tolerance is given; --no-calibrate uses the fixed per-dtype envelope.",
+                          "carry at most K times the twin's error. Default: on when either side computes below "
+                          "float32 or their precisions differ, and no tolerance is given; --no-calibrate uses the "
+                          "fixed per-dtype envelope.",
                      show_default=False),
         click.option("--noise-factor", "factor", type=float, default=4.0, show_default=True, metavar="K",
                      help="Calibrated comparisons: the candidate's row error may be at most K x the twin's."),
         click.option("--allow-subset", is_flag=True,
                      help="Compare only the reference samples the candidate has (the report says how many were "
                           "skipped); without it a reference sample with no counterpart is a failure."),
+        click.option("--allow-identity-difference", "allow_identity", is_flag=True,
+                     help="Compare two different models on purpose: a difference of weights, RoPE, norm, "
+                          "activation, biases, tied embeddings or adapter is a note, not a failure."),
     )(f)
 
 

@@ -18,11 +18,13 @@ from typing import Callable, Iterator
 from ..dumps.ranks import annotate, rank_dir
 from ..dumps.recorder import Recorder, TraceExistsError
 from ..engine import parallel
-from ..engine.config import Inputs, Side, at_precision, in_float64, load_side, precision_of, run_from_dict
+from ..engine.config import (Inputs, Side, at_precision, in_float64, load_side, on_engine, precision_of,
+                             run_from_dict)
 from ..engine.engines import execute, token_texts, trace_meta
 from ..engine.errors import ConfigError, PrefillDiffError
 from ..engine.runner import Prepared, prepare
 from ..engine.spec import ModelSpec
+from ..verify.calibrate import parse_precision_key
 
 OnLayer = Callable[[int], None]  # a progress callback, called with each finished layer's index
 
@@ -100,15 +102,18 @@ class CalibrationSides:
     twin: Side | None  # the reference's path at the candidate's precisions; None: the reference is its own twin
 
 
-def calibration_sides(ref_side: Side, cand_prec: dict, twin_is_ref: bool, label: str) -> CalibrationSides:
-    """The golden and twin of a calibrated comparison, from the reference's own side."""
-    run = ref_side.run
+def calibration_sides(ref_side: Side, cand_prec: dict, twin_is_ref: bool, label: str,
+                      maker: str = "native") -> CalibrationSides:
+    """The golden and twin of a calibrated comparison: the reference's own execution path, run by ``maker``
+    (the reference's engine, or ours when the reference's cannot run float64 or the candidate's precisions)."""
+    run = ref_side.run if maker == ref_side.run.engine else on_engine(ref_side.run, maker)
+    by = "" if maker == ref_side.run.engine else f", by the {maker} engine"
     golden = replace(ref_side, run=in_float64(run, f"{ref_side.origin}, float64 golden"),
-                     origin=f"{ref_side.origin} (float64 golden)")
+                     origin=f"{ref_side.origin} (float64 golden{by})")
     if twin_is_ref:
         return CalibrationSides(golden, None)
     twin = replace(ref_side, run=at_precision(run, cand_prec, f"{ref_side.origin} in {label}"),
-                   origin=f"{ref_side.origin} (twin in {label})")
+                   origin=f"{ref_side.origin} (twin in {label}{by})")
     return CalibrationSides(golden, twin)
 
 
@@ -120,8 +125,19 @@ def twin_is_cand(ref: Prepared, cand: Prepared) -> bool:
 
 
 def precisions_of(source: str, model: ModelSpec | None = None, inputs: Inputs | None = None) -> dict:
-    """The precisions a preset or config runs at, without loading its model."""
-    return precision_of(load_side(source, model, inputs).run)
+    """The precisions ``record --twin-of`` names: a precision key (bfloat16, float16, float32-kvint8, …: what
+    the golden and twin files are named by) or a preset or config of an engine whose precisions its
+    configuration sets, read without loading its model."""
+    prec = parse_precision_key(source)
+    if prec is not None:
+        return prec
+    run = load_side(source, model, inputs).run
+    if run.engine not in ("native", "transformers"):
+        raise ConfigError(f"--twin-of {source}: the {run.engine} engine's precisions are known only once it has run "
+                          "(its model file's weight types, its kernels); give them as a precision instead, e.g. "
+                          "float16 (llama.cpp with flash attention or F16 weights) or float32-kvfloat16 (an f16 "
+                          "KV cache)")
+    return precision_of(run)
 
 
 def baseline_side(meta: dict, name: str, samples, model: ModelSpec | None = None,

@@ -83,7 +83,8 @@ def verdict_text(report) -> Text:
 
 def header_text(report) -> Text:
     def side(d):
-        return f"{d.get('origin')} ({d.get('file') or 'trace not kept'}, {d.get('level')} level)"
+        where = d.get("file") or ("in memory" if d.get("in_memory") else "trace not kept")
+        return f"{d.get('origin')} ({where}, {d.get('level')} level)"
     return plain(f"reference: {side(report.ref)}  candidate: {side(report.cand)}  policy: {report.policy.name}",
                  style="dim")
 

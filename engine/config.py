@@ -195,6 +195,12 @@ def at_precision(run: RunConfig, prec: dict, name: str) -> RunConfig:
                    cache=replace(run.cache, layout=layout))
 
 
+def on_engine(run: RunConfig, engine: str) -> RunConfig:
+    """``run``'s execution path (batching, kernel, cache, chunks) on another engine, that engine's own options at
+    their defaults (a calibrated verdict's golden and twin, when the reference's engine cannot run them)."""
+    return replace(run, engine=engine, llamacpp=None, attn_implementation="eager")
+
+
 def in_float64(run: RunConfig, name: str) -> RunConfig:
     """``run``'s execution path in float64, nothing quantised (the golden of a calibrated comparison)."""
     return at_precision(run, {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}, name)

@@ -79,14 +79,15 @@ def test_clean_low_precision_paths_pass_calibrated(run_cli, tmp_path, cand):
 def test_bf16_with_a_wrong_rope_theta_fails_at_layer_0_cache_keys(run_cli, tmp_path):
     cand = _config(tmp_path, "c.toml", '[model]\nrope_theta = 20000.0\n[run]\ndtype = "bfloat16"\n')
     out = tmp_path / "r.json"
-    res = run_cli("run", "reference", cand, "--json", out)
+    # a wrong rope_theta is a model identity difference (a failure by itself); judged as values on purpose:
+    res = run_cli("run", "reference", cand, "--json", out, "--allow-identity-difference")
     fb = json.loads(out.read_text())["first_break"]
     assert res.exit_code == 1
     assert (fb["layer"], fb["tensor"], fb["kind"], fb["check"]) == (0, "cache_keys", "value", "change")
     assert fb["noise_ratio"] > 10 and fb["noise_factor"] == 4
     assert "the measured bfloat16 noise (allowed 4x)" in fb["message"] and "would pass with" in fb["message"]
     # the same bug passes today's fixed envelope: that is why the envelope is no longer the default
-    assert run_cli("run", "reference", cand, "--no-calibrate", "-q").exit_code == 0
+    assert run_cli("run", "reference", cand, "--no-calibrate", "-q", "--allow-identity-difference").exit_code == 0
 
 
 def test_bf16_vs_bf16_with_one_perturbed_projection_fails(tmp_path):
@@ -194,20 +195,26 @@ def test_record_twin_of_makes_compare_of_two_files_calibrated(run_cli, tmp_path)
     assert run_cli("record", rope, "-o", bug).exit_code == 0
     assert run_cli("record", "reference", "-o", base).exit_code == 0
     out = tmp_path / "r.json"
-    res = run_cli("compare", base, bug, "--json", out)  # no golden or twin yet: the fixed envelope, said
+    allow = "--allow-identity-difference"  # the wrong rope_theta, judged as values
+    res = run_cli("compare", base, bug, "--json", out, allow)  # no golden or twin yet: the fixed envelope, said
     rep = json.loads(out.read_text())
-    assert res.exit_code == 0 and rep["rule"].startswith("uncalibrated: fixed bfloat16 envelope")
-    assert "uncalibrated: fixed bfloat16 envelope" in " ".join(run_cli("compare", base, bug).output.split())
+    assert res.exit_code == 0 and rep["rule"].startswith(f"uncalibrated (no golden and twin beside {base}: record "
+                                                         "it with --twin-of bfloat16 to calibrate): fixed bfloat16 "
+                                                         "envelope"), rep["rule"]
+    assert "fixed bfloat16 envelope" in " ".join(run_cli("compare", base, bug, allow).output.split())
     res = run_cli("record", "reference", "-o", base, "--force", "--twin-of", "bf16")
     assert res.exit_code == 0 and (tmp_path / "base.golden.h5").exists() and (tmp_path / "base.twin-bfloat16.h5").exists()
     assert run_cli("compare", base, cand, "-q").exit_code == 0
-    res = run_cli("compare", base, bug, "--json", out)
+    res = run_cli("compare", base, bug, "--json", out, allow)
     rep = json.loads(out.read_text())
     assert res.exit_code == 1 and rep["first_break"]["check"] == "change" and rep["first_break"]["layer"] == 0
     stats = tmp_path / "bug-stats.h5"  # a lower level has no rows to calibrate: the envelope, and it says so
     assert run_cli("record", rope, "-o", stats, "--level", "stats").exit_code == 0
-    run_cli("compare", base, stats, "--json", out)
-    assert json.loads(out.read_text())["rule"].startswith("uncalibrated (--level stats")
+    run_cli("compare", base, stats, "--json", out, allow)
+    assert json.loads(out.read_text())["rule"].startswith("uncalibrated (--level stats keeps no full rows): fixed")
+    # a dtype name is a precision too: the same siblings
+    res = run_cli("record", "reference", "-o", tmp_path / "b2.h5", "--twin-of", "bfloat16")
+    assert res.exit_code == 0 and (tmp_path / "b2.twin-bfloat16.h5").exists()
 
 
 def test_compare_baseline_against_a_preset_records_golden_and_twin(run_cli, tmp_path):

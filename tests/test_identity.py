@@ -1,60 +1,112 @@
-"""The model's whole identity: differences beyond the shapes are named, and the hint uses them."""
+"""The model's whole identity: a difference beyond the shapes is a failure (an ``identity`` break), the layers are
+still compared, and --allow-identity-difference turns it back into a note."""
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+
+ALLOW = "--allow-identity-difference"
 
 
-def _run(run_cli, tmp_path, cand_toml: str, ref: str = "reference"):
+def _run(run_cli, tmp_path, cand_toml: str, ref: str = "reference", *flags):
     cfg = tmp_path / "cand.toml"
     cfg.write_text(cand_toml)
     out = tmp_path / "r.json"
-    res = run_cli("run", ref, cfg, "--json", out)
+    res = run_cli("run", ref, cfg, "--json", out, *flags)
     return res, json.loads(out.read_text())
 
 
-def test_rope_theta_difference_is_a_note_and_the_hint_cites_it(run_cli, tmp_path):
+def test_rope_theta_difference_is_an_identity_failure_and_the_layers_are_still_compared(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nrope_theta = 20000.0\n')
     assert res.exit_code == 1
     fb = rep["first_break"]
-    assert (fb["layer"], fb["tensor"]) == (0, "cache_keys")
-    assert any("rope_theta" in n and "10000.0" in n and "20000.0" in n for n in rep["notes"]), rep["notes"]
+    assert (fb["stage"], fb["kind"], fb["layer"]) == ("metadata", "identity", None), rep["verdict_line"]
+    assert "rope_theta (RoPE base) 10000.0 in the reference, 20000.0 in the candidate" in fb["message"]
+    assert rep["verdict_line"].startswith("FAILED | identity | ")
+    assert [d["key"] for d in rep["identity_differences"]] == ["rope_theta"]
+    # the layers are compared and shown as for coverage: layer 0's own break is where the difference shows
+    assert len(rep["layers"]) == 4
+    lb = rep["layers"][0]["first_break"]
+    assert (lb["layer"], lb["tensor"]) == (0, "cache_keys")
+    assert "rope_theta differs (reference 10000.0 vs candidate 20000.0): consistent with the layer-0 cache_keys " \
+           "break" in rep["diagnosis"], rep["diagnosis"]
+    assert ALLOW in rep["diagnosis"] and "numeric drift" not in rep["diagnosis"]
+    assert "per-layer max abs error" in res.output  # the table is shown
+
+
+def test_allowing_the_difference_restores_the_note(run_cli, tmp_path):
+    res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nrope_theta = 20000.0\n', "reference", ALLOW)
+    assert res.exit_code == 1
+    fb = rep["first_break"]
+    assert (fb["layer"], fb["tensor"], fb["kind"]) == (0, "cache_keys", "value")
     assert rep["notes"][0].startswith("MODEL IDENTITY DIFFERS: rope_theta")
-    assert "rope_theta differs (reference 10000.0 vs candidate 20000.0): consistent with the layer-0 cache_keys break" \
-        in rep["diagnosis"], rep["diagnosis"]
-    assert "numeric drift" not in rep["diagnosis"]
+    assert "consistent with the layer-0 cache_keys break" in rep["diagnosis"] and ALLOW not in rep["diagnosis"]
     assert "MODEL IDENTITY DIFFERS: rope_theta" in res.output
 
 
-def test_adapter_difference_is_a_note_and_the_hint_does_not_blame_numerics(run_cli, tmp_path):
-    """Before: notes were empty and the hint blamed 'numeric drift of the candidate's precision or kernel'."""
+def test_adapter_difference_fails_and_the_hint_does_not_blame_numerics(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model.adapter]\nid = "customer-7"\nrank = 4\n')
     assert res.exit_code == 1
-    notes = [n for n in rep["notes"] if n.startswith("MODEL IDENTITY DIFFERS: adapter")]
-    assert notes and "'customer-7'" in notes[0] and "none in the reference" in notes[0], rep["notes"]
+    assert rep["first_break"]["kind"] == "identity"
+    adapter = next(d for d in rep["identity_differences"] if d["key"] == "adapter")
+    assert adapter["reference"] == "none" and "'customer-7'" in adapter["candidate"]
     assert "adapter differs (reference none vs candidate 'customer-7'" in rep["diagnosis"], rep["diagnosis"]
     assert "numeric drift" not in rep["diagnosis"]
-    assert rep["first_break"]["layer"] == 0
+    assert rep["layers"][0]["first_break"]["layer"] == 0
 
 
 def test_two_adapters_with_the_same_id_but_other_weights_differ_by_digest(run_cli, tmp_path):
     ref = tmp_path / "ref.toml"
     ref.write_text('preset = "reference"\n[model.adapter]\nid = "a"\nseed = 1\n')
-    res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model.adapter]\nid = "a"\nseed = 2\n', ref=str(ref))
+    res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model.adapter]\nid = "a"\nseed = 2\n', str(ref), ALLOW)
     assert res.exit_code == 1
     assert any(n.startswith("MODEL IDENTITY DIFFERS: adapter") and "digest" in n for n in rep["notes"])
 
 
-def test_a_difference_too_small_to_break_still_shows_in_the_verdict_line(run_cli, tmp_path):
+def test_other_weights_are_an_identity_failure(run_cli, tmp_path):
+    """Another seed: the same shapes and settings, other weights (the weights digest differs)."""
+    res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nseed = 1\n')
+    assert res.exit_code == 1
+    fb = rep["first_break"]
+    assert fb["kind"] == "identity" and "weights_digest (weights) sha256:" in fb["message"], fb["message"]
+
+
+def test_a_difference_too_small_to_break_tolerance_still_fails(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nnorm_eps = 1.0000001e-5\n')
+    assert res.exit_code == 1 and rep["verdict"] == "fail"
+    assert all(lr["passed"] for lr in rep["layers"]) and rep["final"]["passed"]
+    assert "no layer or final check broke tolerance" in rep["diagnosis"]
+    res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nnorm_eps = 1.0000001e-5\n', "reference", ALLOW)
     assert rep["verdict"] == "pass" and res.exit_code == 0
     assert "norm_eps" in rep["notes"][0] and "the model identity differs" in rep["verdict_line"]
 
 
-def test_identical_models_have_no_identity_note(run_cli, tmp_path):
+def test_identical_models_have_no_identity_difference(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "sdpa"\n')
-    assert res.exit_code == 0 and not any("IDENTITY" in n for n in rep["notes"])
+    assert res.exit_code == 0 and not rep["identity_differences"]
+    assert not any("IDENTITY" in n for n in rep["notes"])
+
+
+def _meta(source: str, **args) -> dict:
+    return {"model": {"source": source, "spec": {"source": source}, "args": args}}
+
+
+def test_values_are_compared_at_the_precision_their_source_stores_them():
+    """A GGUF stores norm_eps (and rope_theta) as float32: 1e-5 from a config.json and the 9.999999747e-06 a
+    GGUF holds are one value; between two float64 sources they are not."""
+    from prefill_diff.verify.identity import differences
+    gguf = float(__import__("numpy").float32(1e-5))
+    assert gguf != 1e-5
+    assert differences(_meta("gguf:/m.gguf", norm_eps=gguf, rope_theta=100000.0),
+                       _meta("hf:/m", norm_eps=1e-5, rope_theta=100000.0)) == []
+    assert differences(_meta("smollm2", norm_eps=gguf), _meta("hf:/m", norm_eps=1e-5)) == []
+    assert [d["key"] for d in differences(_meta("hf:/a", norm_eps=1.00000001e-5), _meta("hf:/b", norm_eps=1e-5))] \
+        == ["norm_eps"]
+    # a real difference still shows at float32
+    assert [d["key"] for d in differences(_meta("gguf:/m.gguf", rope_theta=100000.0),
+                                          _meta("hf:/m", rope_theta=50000.0))] == ["rope_theta"]
 
 
 @pytest.mark.parametrize("key,first", [("hidden_act", "mlp_update"), ("lm_head_bias", "final")])
@@ -81,3 +133,40 @@ def test_the_activation_is_recorded_and_only_silu_is_accepted(run_cli, tmp_path)
     cfg.write_text('preset = "reference"\n[model]\nhidden_act = "gelu"\n')
     res = run_cli("run", "reference", cfg)
     assert res.exit_code == 2 and "hidden_act must be 'silu'" in res.output and "'gelu'" in res.output
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    """A Llama checkpoint and a copy whose layer-3 o_proj is scaled by 1.3."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg)
+    d = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(d / "ref", safe_serialization=True)
+    with torch.no_grad():
+        model.model.layers[3].self_attn.o_proj.weight.mul_(1.3)
+    model.save_pretrained(d / "cand", safe_serialization=True)
+    return d
+
+
+def test_bf16_like_with_like_is_calibrated_and_a_scaled_projection_fails(run_cli, llama_pair, tmp_path):
+    """Both sides bfloat16: the fixed bf16 envelope passed a 30% change of one projection. Now the weights
+    digest fails the identity check, and compared on purpose the calibrated verdict breaks at layer 3."""
+    sides = {}
+    for name in ("ref", "cand"):
+        sides[name] = tmp_path / f"{name}.toml"
+        sides[name].write_text(f'[model]\nsource = "hf:{llama_pair / name}"\n[run]\ndtype = "bfloat16"\n'
+                               '[inputs]\ntoken_ids = [[5, 9, 17, 33, 2, 8, 71, 4], [3, 1, 4, 1, 5]]\n')
+    out = tmp_path / "r.json"
+    res = run_cli("run", sides["ref"], sides["cand"], "--json", out)
+    rep = json.loads(out.read_text())
+    assert res.exit_code == 1 and rep["first_break"]["kind"] == "identity", rep["verdict_line"]
+    assert rep["rule"].startswith("calibrated:"), rep["rule"]
+    res = run_cli("run", sides["ref"], sides["cand"], "--json", out, ALLOW)
+    rep = json.loads(out.read_text())
+    fb = rep["first_break"]
+    assert res.exit_code == 1, rep["verdict_line"]
+    assert (fb["layer"], fb["tensor"], fb["check"]) == (3, "attn_update", "change"), rep["verdict_line"]
+    assert all(lr["passed"] for lr in rep["layers"][:3])

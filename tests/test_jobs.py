@@ -61,7 +61,7 @@ def test_compare_records_a_preset_with_the_baselines_model_and_prompts(traces):
     (dict(calibrate=None, explicit=False, level="full"), True, None),
     (dict(calibrate=None, explicit=True, level="full"), False, None),  # a declared tolerance wins
     (dict(calibrate=False, explicit=False, level="full"), False, None),
-    (dict(calibrate=None, explicit=False, level="stats"), False, "uncalibrated (--level stats keeps no full rows)"),
+    (dict(calibrate=None, explicit=False, level="stats"), False, "--level stats keeps no full rows"),
 ])
 def test_calibration_is_on_when_precisions_differ_and_nothing_is_declared(kw, use, note):
     plan = jobs.plan_calibration(F32, BF16, **kw)
@@ -72,6 +72,40 @@ def test_same_precisions_calibrate_only_when_asked_and_the_reference_is_its_own_
     assert not jobs.plan_calibration(F32, F32, calibrate=None, explicit=False, level="full").use
     plan = jobs.plan_calibration(F32, F32, calibrate=True, explicit=False, level="full")
     assert plan.use and plan.twin_is_ref
+
+
+@pytest.mark.parametrize("prec", [BF16, {**F32, "cache_dtype": "float16"}, {**F32, "weight_quant": "int8"},
+                                  {**F32, "cache_dtype": "int8", "int8_scales": "per-token"}])
+def test_like_with_like_below_float32_is_calibrated_with_the_reference_as_twin(prec):
+    """Two runs of the same precision below float32 (bf16 vs bf16): a fixed envelope would let a 30% weight
+    change through, so the verdict is calibrated against a float64 golden with the reference as its own twin."""
+    plan = jobs.plan_calibration(prec, prec, calibrate=None, explicit=False, level="full")
+    assert plan.use and plan.twin_is_ref and plan.maker == "native"
+    assert not jobs.plan_calibration(prec, prec, calibrate=None, explicit=True, level="full").use
+    assert not jobs.plan_calibration(prec, prec, calibrate=False, explicit=False, level="full").use
+
+
+def test_golden_and_twin_come_from_our_engine_when_the_reference_engine_cannot_run_them():
+    """What each engine can compute is data (engine/registry.py): llama.cpp runs no float64 and no precision on
+    request, transformers no int8 weights; our engine runs both."""
+    f16 = {"dtype": "float16", "weight_quant": "none", "cache_dtype": "float16"}
+    assert jobs.plan_calibration(F32, f16, calibrate=None, explicit=False, level="full",
+                                 ref_engine="llama.cpp").maker == "native"
+    assert jobs.plan_calibration(f16, f16, calibrate=None, explicit=False, level="full",
+                                 ref_engine="llama.cpp", cand_engine="llama.cpp").maker == "native"
+    assert jobs.plan_calibration(F32, BF16, calibrate=None, explicit=False, level="full",
+                                 ref_engine="transformers").maker == "transformers"
+    w8 = {**F32, "weight_quant": "int8"}
+    assert jobs.plan_calibration(F32, w8, calibrate=None, explicit=False, level="full",
+                                 ref_engine="transformers").maker == "native"
+
+
+def test_precisions_no_engine_of_ours_runs_keep_the_envelope_and_say_why():
+    q4 = {**F32, "weight_quant": "Q4_1"}
+    plan = jobs.plan_calibration(F32, q4, calibrate=None, explicit=False, level="full", cand_engine="llama.cpp")
+    assert not plan.use
+    assert plan.note.startswith("our engine cannot run the candidate's precisions (float32 with Q4_1 weights)")
+    assert "quantizes activations to Q8" in plan.note
 
 
 @pytest.mark.parametrize("kw, says", [

@@ -56,6 +56,14 @@ def precisions(meta: dict) -> dict:
             "int8_scales": lay.get("int8_scales", "per-token") if cache == "int8" else None}
 
 
+def below_float32(p: dict) -> bool:
+    """A side that computes below float32 anywhere: 16-bit weights or activations, quantised weights, or a KV
+    cache stored below float32 (its verdict is calibrated by default, even against a side of its own precisions)."""
+    return (UNIT_ROUNDOFF.get(p.get("dtype"), 1.0) > UNIT_ROUNDOFF["float32"]
+            or p.get("weight_quant") not in (None, "none")
+            or UNIT_ROUNDOFF.get(p.get("cache_dtype") or p.get("dtype"), 1.0) > UNIT_ROUNDOFF["float32"])
+
+
 def same_precisions(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in PRECISION_KEYS)
 
@@ -80,6 +88,26 @@ def precision_key(p: dict) -> str:
         if p.get("int8_scales") == "per-head":
             key += "-perhead"
     return key
+
+
+def parse_precision_key(key: str) -> dict | None:
+    """The precisions a ``precision_key`` names ('bfloat16', 'float32-wint8', 'float32-kvint8-perhead'), or None
+    when ``key`` is not one."""
+    dtype, *rest = key.split("-")
+    if dtype not in UNIT_ROUNDOFF or dtype == "int8":
+        return None
+    prec = {"dtype": dtype, "weight_quant": "none", "cache_dtype": dtype, "int8_scales": None}
+    for part in rest:
+        if part.startswith("w") and part[1:] == "int8":
+            prec["weight_quant"] = "int8"
+        elif part.startswith("kv") and part[2:] in UNIT_ROUNDOFF:
+            prec["cache_dtype"] = part[2:]
+            prec["int8_scales"] = "per-token" if part[2:] == "int8" else None
+        elif part == "perhead" and prec["cache_dtype"] == "int8":
+            prec["int8_scales"] = "per-head"
+        else:
+            return None
+    return prec
 
 
 def unit_roundoff(p: dict) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .calibrate import UNIT_ROUNDOFF, precision_key, precision_label, precisions, unit_roundoff
 from .identity import differences, hint
 from .ranks import heads_note
 
@@ -37,9 +38,9 @@ def _reuse(cand, key: str) -> list:
     return [o for o in (cand.meta.get("record") or {}).get("reuse") or () if o.get(key)]
 
 
-def diagnose(fb, pairs, final, ref, cand) -> str | None:
+def diagnose(fb, pairs, final, ref, cand, policy=None) -> str | None:
     """The hint for first break fb of a comparison of ref and cand (pairs: matched samples; final: the final
-    stage's result or None)."""
+    stage's result or None; policy: the rule the values were judged by)."""
     if fb is None:
         return None
     if fb.kind == "coverage":
@@ -54,6 +55,9 @@ def diagnose(fb, pairs, final, ref, cand) -> str | None:
     identity = hint(differences(ref.meta, cand.meta), fb)  # a different model explains a value break before numerics
     if identity:
         return identity
+    too_fine = _declared_too_fine(policy, cand)
+    if too_fine:
+        return too_fine
     if fb.kind == "top_ids":
         return ("Logits agree within tolerance but the top-ranked ids differ beyond it: check the logits' "
                 "tolerance; a top-k difference alone changes greedy decoding.")
@@ -105,6 +109,24 @@ def _rank_divergence(fb, pairs, cand) -> str:
     return (f"Tensor-parallel ranks hold different values of {fb.tensor} at layer {fb.layer}, which every rank "
             f"must hold identically: consistent with the {sub}'s row-parallel partial sums not being "
             "all-reduced (or reduced over the wrong group), or a rank-dependent computation.")
+
+
+def _declared_too_fine(policy, cand) -> str | None:
+    """A declared fixed rule finer than the candidate's precision (a float32 baseline rule against a bf16
+    candidate): the break may be rounding alone, and the fix is a calibrated baseline."""
+    if policy is None or policy.calibration is not None:
+        return None
+    declared = sorted({str(v) for v in policy.sources.values() if not str(v).endswith("default")})
+    base = policy.name.split("+")[0].split(" ")[0]
+    prec = precisions(cand.meta)
+    if not declared or base not in UNIT_ROUNDOFF or UNIT_ROUNDOFF[base] >= unit_roundoff(prec):
+        return None
+    label = precision_label(prec)
+    return (f"The rule was declared ({', '.join(declared)}): a fixed {base} rule, but the candidate computes in "
+            f"{label}, so this break may be that precision's own rounding. To judge a {label} candidate against "
+            f"measured noise, record the baseline without --policy and with --twin-of {precision_key(prec)} "
+            "(its float64 golden and twin beside it) and compare without a declared tolerance: the verdict is "
+            "then calibrated.")
 
 
 # breaks that say what is wrong by their kind alone, hinted before any model-identity difference

@@ -1,11 +1,17 @@
 """The model's whole identity beyond its shapes, compared between two traces.
 
 Shapes (``align.ARCH_KEYS``) decide whether two traces can be compared at all. The keys here do not
-change a tensor's shape but do change what the model computes: two traces that differ in one of them
-compare, and the difference is the first thing a report says (a note and the diagnosis hint), because it
-explains a break better than any numeric cause.
+change a tensor's shape but do change what the model computes: two traces that differ in one of them do
+not run the same model, so the comparison fails with an ``identity`` break (the layers are still compared
+and shown), unless the user compares different models on purpose (``--allow-identity-difference``: a note).
+
+Values are compared at the precision their source stores them: a GGUF file stores its float metadata
+(``norm_eps``, ``rope_theta``, RoPE scaling factors) as float32, so 1e-5 from a config.json and the
+9.999999747e-06 a GGUF holds are one value.
 """
 from __future__ import annotations
+
+import numpy as np
 
 # key -> (what it is, where a difference first shows: (layer 0 tensors) or "final")
 IDENTITY_KEYS = {
@@ -19,6 +25,27 @@ IDENTITY_KEYS = {
     "tie_embeddings": ("tied embeddings", "final"),
 }
 ADAPTER_FIRST = ("cache_keys", "cache_values", "attn_update", "attn_heads")  # LoRA on wq, wk, wv, wo
+ANYWHERE = "anywhere"  # a weights difference shows at the first layer whose weights differ
+
+
+def stores_float32(meta: dict) -> bool:
+    """The model's float metadata came from a GGUF file, which stores it as float32."""
+    model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+    spec = model.get("spec") if isinstance(model.get("spec"), dict) else {}
+    source = str(spec.get("source") or model.get("source") or "")
+    return source.startswith("gguf:") or source == "smollm2"
+
+
+def same(r, c, float32: bool) -> bool:
+    """r == c, floats compared as float32 when either side's source stores them so."""
+    if isinstance(r, dict) and isinstance(c, dict):
+        return r.keys() == c.keys() and all(same(r[k], c[k], float32) for k in r)
+    numbers = (int, float)
+    if float32 and isinstance(r, numbers) and isinstance(c, numbers) and not isinstance(r, bool) \
+            and not isinstance(c, bool) and (isinstance(r, float) or isinstance(c, float)):
+        with np.errstate(over="ignore"):
+            return bool(np.float32(r) == np.float32(c))
+    return r == c
 
 
 def _shown(v) -> str:
@@ -41,6 +68,7 @@ def differences(ref_meta: dict, cand_meta: dict) -> list[dict]:
     a trace from another writer may not record them)."""
     rm, cm = ref_meta.get("model") or {}, cand_meta.get("model") or {}
     ra, ca = rm.get("args") or {}, cm.get("args") or {}
+    f32 = stores_float32(ref_meta) or stores_float32(cand_meta)
     out = []
     for key, (what, first) in IDENTITY_KEYS.items():
         if key not in ra or key not in ca:
@@ -48,8 +76,12 @@ def differences(ref_meta: dict, cand_meta: dict) -> list[dict]:
         r, c = ra[key], ca[key]
         if key == "rope_scaling":
             r, c = dict(r or {}), dict(c or {})
-        if r != c:
+        if not same(r, c, f32):
             out.append({"key": key, "what": what, "reference": _shown(r), "candidate": _shown(c), "first": first})
+    r, c = rm.get("weights_digest"), cm.get("weights_digest")
+    if r and c and r != c:
+        out.append({"key": "weights_digest", "what": "weights", "reference": f"{str(r)[:19]}…",
+                    "candidate": f"{str(c)[:19]}…", "first": ANYWHERE})
     r, c = rm.get("adapter"), cm.get("adapter")
     if ("adapter" in rm or "adapter" in cm) and (
             (r or {}).get("id"), (r or {}).get("digest")) != ((c or {}).get("id"), (c or {}).get("digest")):
@@ -63,21 +95,30 @@ def note(d: dict) -> str:
             f"{d['candidate']} in the candidate: the two sides do not run the same model")
 
 
-def hint(diffs: list[dict], fb) -> str | None:
-    """The diagnosis for a break when the identities differ: the difference, and whether the break sits where
-    that difference first shows."""
-    if not diffs or fb is None or fb.stage == "metadata":
+ALLOW = "pass --allow-identity-difference to compare different models on purpose"
+
+
+def hint(diffs: list[dict], fb, allowed: bool = True) -> str | None:
+    """The diagnosis when the identities differ: the difference, and whether ``fb`` (the first break of a
+    layer or of the final stage, or None) sits where that difference first shows."""
+    if not diffs:
         return None
+    if fb is None or fb.stage == "metadata":
+        text = ("The two sides do not run the same model (" + "; ".join(
+            f"{d['key']} {d['reference']} vs {d['candidate']}" for d in diffs) + "), although no layer or final "
+                "check broke tolerance: the difference does not show on these inputs at this tolerance")
+        return text + ("." if allowed else f"; {ALLOW}.")
     where = (f"layer-{fb.layer} {fb.tensor}" if fb.stage == "layer" else f"final {fb.tensor}") + " break"
     parts = []
     for d in diffs:
         first = d["first"]
-        fits = (fb.stage == "final") if first == "final" else (fb.stage == "layer" and fb.layer == 0 and
-                                                                fb.tensor in first)
+        fits = first == ANYWHERE or ((fb.stage == "final") if first == "final" else
+                                     (fb.stage == "layer" and fb.layer == 0 and fb.tensor in first))
         says = f"{d['key']} differs (reference {d['reference']} vs candidate {d['candidate']})"
         parts.append(f"{says}: consistent with the {where}" if fits else
                      f"{says}: it would first show at " +
                      ("the final logits" if first == "final" else f"layer 0 {'/'.join(first)}") +
                      f", the first break is the {where}")
     return ("The two sides do not run the same model: " + "; ".join(parts) +
-            ". Make the configurations agree before reading the break as a numeric or kernel difference.")
+            ". Make the configurations agree before reading the break as a numeric or kernel difference"
+            + ("." if allowed else f", or {ALLOW}."))

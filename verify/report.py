@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 from ..dumps.reader import Trace
 from .breaks import Break
-from .calibrate import precisions, same_precisions
+from .calibrate import below_float32, precisions, same_precisions
 from .comparator import Comparator, LayerResult
 from .diagnose import diagnose
 from .final import FinalResult
-from .identity import differences, note
+from .identity import differences, hint as identity_hint, note
 from .policy_file import default_policy_for
 from .tolerance import Policy
 from . import wording
@@ -43,6 +43,7 @@ class Report:
     sample_tokens: tuple = ()  # the reference's token ids per sample
     calibration: str | None = None  # how values were judged, in words (the header's "rule")
     strict: bool = False  # --strict: an INCONCLUSIVE pass is a failure (verdict, exit status, JUnit, JSON)
+    identity: tuple = ()  # the model identity differences (verify/identity.py), each a dict
 
     def token_at(self, sample: int | None, position: int | None) -> tuple[int, str | None] | None:
         """(id, text or None) of the reference's token at (sample, logical position), if known."""
@@ -109,6 +110,8 @@ class Report:
             "notes": list(self.notes),
             "checks_not_done": list(self.skipped),
             "inconclusive": list(self.inconclusive),
+            "identity_differences": [{k: d[k] for k in ("key", "what", "reference", "candidate")}
+                                     for d in self.identity],
             "stopped_early": self.stopped_early,
             "samples": [{"reference": r, "candidate": c} for r, c in self.pairs],
             "reference": self.ref,
@@ -130,10 +133,11 @@ def _jsonable(x):
         return str(x)
 
 
-def trace_summary(t: Trace, file: str | None) -> dict:
-    """A side of the report: ``file`` is the name the report shows (None: the trace is gone)."""
+def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
+    """A side of the report: ``file`` is the name the report shows (None: the trace is gone, or was never
+    written: ``in_memory``)."""
     m = t.meta
-    return {"file": file, "level": t.level, "format_version": t.version,
+    return {"file": file, "in_memory": in_memory, "level": t.level, "format_version": t.version,
             "origin": m.get("side", {}).get("origin"), "engine": m.get("engine"),
             "weights_digest": m.get("model", {}).get("weights_digest"),
             "adapter": m.get("model", {}).get("adapter"),
@@ -165,79 +169,106 @@ class Session:
     """Builds a Report incrementally, so a caller may stop after any layer (--fail-fast).
 
     policy: a resolved Policy; None takes ``default_policy_for(ref.meta, cand.meta)`` (the baseline's declared
-    tolerance, else the dtype defaults). files: the names the report shows; None: the traces' own names.
+    tolerance, else the dtype defaults). files: the names the report shows; None: the traces' own names
+    (``in_memory``: traces that were never written). rule_note: the rule in words when the caller knows it
+    better (a candidate that is its own twin); uncalibrated: why a comparison that calls for calibration is not.
+    allow_identity: two different models compared on purpose (the difference is a note, not a failure).
     """
 
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
-                 allow_subset: bool = False, rule_note: str | None = None, *, files: Files | tuple | None = None):
+                 allow_subset: bool = False, rule_note: str | None = None, *, files: Files | tuple | None = None,
+                 uncalibrated: str | None = None, allow_identity: bool = False, in_memory: bool = False):
         self.ref, self.cand = ref, cand
-        self.files = Files(ref.name, cand.name) if files is None else Files(*files)
+        self.in_memory = in_memory
+        self.files = Files(None, None) if in_memory else Files(ref.name, cand.name) if files is None else Files(*files)
         self.cmp = Comparator(ref, cand, default_policy_for(ref.meta, cand.meta) if policy is None else policy,
                               calib, allow_subset)
         self.layers: list[LayerResult] = []
         self.first_break = self.cmp.metadata_break()
+        self.first_checked = None  # the first break of a layer or of the final stage
         # a coverage break is a failure but the matched samples are still compared
         self.metadata_failed = self.first_break is not None and self.first_break.kind == "metadata"
-        self.rule = rule_note or describe_rule(self.cmp)
+        self.identity = () if self.metadata_failed else tuple(differences(ref.meta, cand.meta))
+        self.allow_identity = allow_identity
+        self.extra_notes = []
+        if self.identity and not allow_identity:  # a different model: a failure; the layers are still compared
+            if self.first_break is not None:  # coverage: said as a note, the identity break comes first
+                self.extra_notes.append(self.first_break.message)
+            self.first_break = Break(stage="metadata", kind="identity",
+                                     message=wording.identity_differs(self.identity))
+        self.rule = rule_note or describe_rule(self.cmp, uncalibrated)
+
+    def _checked(self, b: Break | None) -> None:
+        if self.first_checked is None and b is not None:
+            self.first_checked = b
+            if self.first_break is None:
+                self.first_break = b
 
     def add_layer(self, i: int) -> LayerResult:
         lr = self.cmp.layer(self.ref.layer(i), self.cand.layer(i))
         self.layers.append(lr)
-        if self.first_break is None and lr.first_break is not None:
-            self.first_break = lr.first_break
+        self._checked(lr.first_break)
         return lr
 
     def finish(self, stopped_early: bool = False) -> Report:
         final = None
         if not self.metadata_failed and not stopped_early:
             final = self.cmp.final()
-            if self.first_break is None and final.first_break is not None:
-                self.first_break = final.first_break
+            self._checked(final.first_break)
+        if stopped_early and self.layers:
+            self.cmp.skipped.add(wording.stopped_at(self.layers[-1].layer, self.ref.n_layers))
         notes, inconclusive = self._notes()
-        hint = diagnose(self.first_break, self.cmp.pairs, final, self.ref, self.cand)  # the traces are still open
-        return Report(first_break=self.first_break, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
+        fb = self.first_break
+        if fb is not None and fb.kind == "identity":
+            hint = identity_hint(list(self.identity), self.first_checked, allowed=False)
+        else:  # the traces are still open: some hints read them
+            hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy)
+        return Report(first_break=fb, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
                       n_layers=self.ref.n_layers, notes=tuple(notes), skipped=tuple(sorted(self.cmp.skipped)),
-                      inconclusive=tuple(inconclusive), ref=trace_summary(self.ref, self.files.ref),
-                      cand=trace_summary(self.cand, self.files.cand), pairs=tuple(self.cmp.pairs),
+                      inconclusive=tuple(inconclusive),
+                      ref=trace_summary(self.ref, self.files.ref, self.in_memory),
+                      cand=trace_summary(self.cand, self.files.cand, self.in_memory), pairs=tuple(self.cmp.pairs),
                       stopped_early=stopped_early, diagnosis=hint,
                       token_text={**(self.cand.meta.get("token_text") or {}),
                                   **(self.ref.meta.get("token_text") or {})} or None,
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
-                      calibration=self.rule)
+                      calibration=self.rule, identity=self.identity)
 
     def _notes(self) -> tuple[list, list]:
-        """(notes, faults that cannot show): model identity, the comparison's own notes, what each side recorded."""
-        notes = [note(d) for d in differences(self.ref.meta, self.cand.meta)] + list(self.cmp.notes)
+        """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,
+        what each side recorded."""
+        notes = [note(d) for d in self.identity] if self.allow_identity else []
+        notes += self.extra_notes + list(self.cmp.notes)
         inconclusive = []
         for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
             n, i = record_notes(t, side)
             notes += n
             inconclusive += i
-        rd, cd = self.ref.meta.get("model", {}), self.cand.meta.get("model", {})
-        if rd.get("weights_digest") != cd.get("weights_digest"):
-            notes.append(wording.weights_differ(rd.get("weights_digest"), cd.get("weights_digest")))
         if self.ref.level != self.cand.level:
             notes.append(wording.levels_differ(self.ref.level, self.cand.level))
         return notes, inconclusive
 
 
-def describe_rule(cmp: Comparator) -> str:
-    """How values are judged, in words: the calibrated rule, or the fixed rule and where its terms came from."""
+def describe_rule(cmp: Comparator, uncalibrated: str | None = None) -> str:
+    """How values are judged, in words: the calibrated rule, the declared rule and where its terms came from, or
+    the fixed envelope and why it is not calibrated (``uncalibrated``) where either side is below float32."""
     p = cmp.policy
     if cmp.calib is not None:
         return wording.calibrated_rule(cmp.calib, p.name)
     if any(not str(v).endswith("default") for v in p.sources.values()):
         return wording.declared_rule(p.rule())
-    if not same_precisions(precisions(cmp.ref.meta), precisions(cmp.cand.meta)):
-        return wording.envelope_rule(p.name, p.rule())
+    rp, cp = precisions(cmp.ref.meta), precisions(cmp.cand.meta)
+    if uncalibrated or below_float32(rp) or below_float32(cp) or not same_precisions(rp, cp):
+        return wording.envelope_rule(p.name, p.rule(), uncalibrated)
     return wording.same_precisions_rule(p.name, p.rule())
 
 
 def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, *, fail_fast: bool = False, calib=None,
-                   allow_subset: bool = False, rule_note: str | None = None,
-                   files: Files | tuple | None = None) -> Report:
+                   allow_subset: bool = False, rule_note: str | None = None, files: Files | tuple | None = None,
+                   uncalibrated: str | None = None, allow_identity: bool = False) -> Report:
     """Compare two traces; with fail_fast, stop at the first layer that breaks (see Session for the rest)."""
-    s = Session(ref, cand, policy, calib, allow_subset, rule_note, files=files)
+    s = Session(ref, cand, policy, calib, allow_subset, rule_note, files=files, uncalibrated=uncalibrated,
+                allow_identity=allow_identity)
     if s.metadata_failed:
         return s.finish()
     for i in range(ref.n_layers):

@@ -158,6 +158,14 @@ def stats_for_lack_of_values(name: str, ref_level: str, cand_level: str) -> str:
             "max_abs is the largest statistic error")
 
 
+def stopped_at(layer: int, n_layers: int) -> str:
+    """What a --fail-fast comparison that stopped at ``layer`` never compared."""
+    rest = "" if layer + 1 >= n_layers else (f"layer {layer + 1}" if layer + 2 == n_layers
+                                             else f"layers {layer + 1}..{n_layers - 1}") + " and "
+    return (f"--fail-fast stopped at layer {layer} of {n_layers} (layers 0..{n_layers - 1}): {rest}the final logits "
+            "and top ids not compared")
+
+
 def not_recorded(name: str) -> str:
     return f"{name}: not recorded in one trace"
 
@@ -179,9 +187,9 @@ def declared_rule(rule: str) -> str:
     return f"declared rule, not calibrated: {rule}"
 
 
-def envelope_rule(policy_name: str, rule: str) -> str:
-    """The fixed envelope between different precisions, where no golden and twin were recorded."""
-    return f"uncalibrated: fixed {policy_name} envelope ({rule})"
+def envelope_rule(policy_name: str, rule: str, why: str | None = None) -> str:
+    """The fixed envelope where a comparison below float32 (or across precisions) is not calibrated, and why."""
+    return f"uncalibrated{f' ({why})' if why else ''}: fixed {policy_name} envelope ({rule})"
 
 
 def same_precisions_rule(policy_name: str, rule: str) -> str:
@@ -198,9 +206,10 @@ def invariant_broken(side: str, violation) -> str:
     return f"{side} cache invariant broken after prefill: {violation}"
 
 
-def weights_differ(ref_digest, cand_digest) -> str:
-    return (f"weights differ: reference {str(ref_digest or '?')[:19]}…, "
-            f"candidate {str(cand_digest or '?')[:19]}…")
+def identity_differs(diffs) -> str:
+    """An identity break's message: every field that differs, with both values."""
+    return "model identity differs: " + "; ".join(
+        f"{d['key']} ({d['what']}) {d['reference']} in the reference, {d['candidate']} in the candidate" for d in diffs)
 
 
 def levels_differ(ref_level: str, cand_level: str) -> str:
@@ -233,6 +242,8 @@ def break_line(b, token_text: str | None = None) -> str:
     """
     if b.kind == "coverage":
         return f"coverage | {b.message.split(': samples ', 1)[0]}: samples {list(b.samples)}"
+    if b.kind == "identity":
+        return "identity | " + b.message.split(": ", 1)[-1]
     if b.stage == "metadata":
         return f"metadata | {b.message}"
     parts = [_where(b)]
