@@ -220,6 +220,20 @@ def test_junit_marks_layers_not_reached_by_fail_fast_as_skipped(run_cli, tmp_pat
     assert not any(isinstance(r, Skipped) for r in cases["layer 000"].result)
 
 
+def test_fail_fast_says_what_it_did_not_compare_and_that_its_sides_were_in_memory(run_cli, tmp_path):
+    out = tmp_path / "r.json"
+    res = run_cli("run", "reference", "fault:skip-kv", "--fail-fast", "--json", out)
+    rep = json.loads(out.read_text())
+    assert res.exit_code == 1 and rep["stopped_early"]
+    assert rep["checks_not_done"] == ["--fail-fast stopped at layer 2 of 4 (layers 0..3): layer 3 and the final "
+                                      "logits and top ids not compared"]
+    assert rep["reference"]["in_memory"] and rep["reference"]["file"] is None
+    res = run_cli("run", "reference", "fault:skip-kv", "--fail-fast")
+    text = " ".join(res.output.split())
+    assert "reference: reference (in memory, full level) candidate: fault:skip-kv (in memory, full level)" in text
+    assert "not checked: --fail-fast stopped at layer 2 of 4" in text
+
+
 def test_strict_fails_an_inconclusive_pass(run_cli, tmp_path):
     from junitparser import Failure, JUnitXml
     args = ("run", "reference", "fault:gqa-mapping", "--model", "seed-2.8", "-q")

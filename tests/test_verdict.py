@@ -132,6 +132,16 @@ def test_tolerance_file_and_flags(run_cli, tmp_path):
     assert rep["policy"]["topk"] == 3
     res = run_cli("run", "reference", "fault:gqa-mapping", "--tolerance", pol, "--atol", "1e-4", "-q")
     assert res.exit_code == 1  # flags win over the file
+    # the header names each shown term's source once: a flag over the file's [residual] table, the file's own ntol
+    pol2 = tmp_path / "p2.toml"
+    pol2.write_text('base = "float32"\n[residual]\natol = 1e-4\nntol = 1e-3\n')
+    res = run_cli("run", "reference", "batched-left", "--tolerance", pol2, "--atol", "1e-3", "--json", out)
+    rep = json.loads(out.read_text())
+    assert rep["policy"]["name"] == "float32+overrides"
+    assert rep["policy"]["kinds"]["residual"] == {"atol": 1e-3, "rtol": 1e-5, "ntol": 1e-3, "row_rtol": 0.0}
+    assert rep["policy"]["kinds"]["mlp_update"]["ntol"] == 0.0  # no table: the exact rule of the flag's atol
+    assert f"atol 0.001 (flag), rtol 1e-05 (float32 default, base from file {pol2}), ntol 0.001 (file {pol2} " \
+           "[residual]), row_rtol off (explicit atol/rtol)" in rep["rule"], rep["rule"]
     bad = tmp_path / "bad.toml"
     bad.write_text('[attn]\natol = 1\n')
     res = run_cli("run", "reference", "sdpa", "--tolerance", bad)
