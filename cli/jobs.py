@@ -99,6 +99,7 @@ class CalibPlan:
     twin_is_cand: bool = False  # the candidate is the reference's own path at its precisions
     note: str | None = None
     maker: str = OURS
+    by_other: bool = False  # the maker is not the reference's own engine (the rule says so)
 
     @property
     def label(self) -> str:
@@ -112,7 +113,8 @@ class CalibPlan:
                 "error beyond its numerics; numerics: candidate vs reference within the fixed envelope")
 
     def calibration(self, golden: Trace, twin: Trace | None) -> Calibration:
-        return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label)
+        return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label,
+                           self.maker if self.by_other else None)
 
 
 def check_calibration(*, calibrate: bool | None, explicit: bool, level: str, factor: float = DEFAULT_FACTOR) -> None:
@@ -146,7 +148,7 @@ def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None,
         return CalibPlan(False, factor, cand_prec, note=f"our engine cannot run the candidate's precisions "
                          f"({precision_label(cand_prec)})" + (f"; {why}" if why else ""))
     # the reference is its own twin when it made its own trace at the candidate's precisions
-    return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, maker=maker)
+    return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, maker=maker, by_other=maker != ref_engine)
 
 
 def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
@@ -303,7 +305,8 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     if maker is None:
         raise ConfigError(f"--twin-of {twin_of}: no engine of ours runs {precision_label(prec)} (a golden in float64 "
                           "and a twin at those precisions), so a comparison against it cannot be calibrated")
-    plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, own), maker=maker)
+    plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, own), maker=maker,
+                     by_other=maker != engine)
     golden, twin = sibling_paths(done.path)  # beside what was written (a tensor-parallel side: its directory)
     got = record_calibration(prep.side, plan, golden, twin.format(key=precision_key(prec)), force=force,
                              snapshot=prep.snapshot)

@@ -130,9 +130,10 @@ class Calibration:
     factor: float = DEFAULT_FACTOR
     floor: float = UNIT_ROUNDOFF["float32"]
     label: str = "float32"  # the twin's precisions, in words
+    maker: str | None = None  # the engine that ran the golden and twin when it is not the reference's own
 
     def describe(self) -> dict:
-        return {"factor": self.factor, "floor": self.floor, "golden": "float64",
+        return {"factor": self.factor, "floor": self.floor, "golden": "float64", "maker": self.maker,
                 "twin": "the reference itself" if self.twin is None else f"reference path in {self.label}",
                 "precision": self.label,
                 "golden_file": getattr(self.golden, "name", None),

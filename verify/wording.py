@@ -177,8 +177,11 @@ def stats_cover_other_cells(name: str) -> str:
 # -- the report's header, notes and verdict ---------------------------------------------------------
 
 def calibrated_rule(calib, policy_name: str) -> str:
-    twin = "the reference itself" if calib.twin is None else f"the reference's path in {calib.label}"
-    return (f"calibrated: each row within {calib.factor:g}x the noise of {twin} against a float64 golden "
+    by = "" if not calib.maker else " (run by our engine)" if calib.maker == "native" else \
+        f" (run by the {calib.maker} engine)"
+    twin = "the reference itself" if calib.twin is None else f"the reference's path in {calib.label}{by}"
+    golden = "a float64 golden" + (by if calib.twin is None else "")
+    return (f"calibrated: each row within {calib.factor:g}x the noise of {twin} against {golden} "
             f"(+ floor {calib.floor:.2g})" + ("" if calib.twin is None else f"; numerics: twin vs reference within "
                                                                             f"the fixed {policy_name} envelope"))
 
