@@ -79,8 +79,11 @@ def test_smollm2_q4_1_all_30_layers_and_both_rank_paris_first(run_cli, tmp_path)
     assert top["reference_text"][0] == " Paris" and top["candidate_text"][0] == " Paris"
     # quantized weights: judged with the int8-class policy, and the trace says why
     assert rep["policy"]["name"] == "int8"
-    # no twin can run llama.cpp's Q8_1 activations: the header says the envelope is uncalibrated
-    assert rep["rule"].startswith("uncalibrated: fixed int8 envelope"), rep["rule"]
+    # no twin can run llama.cpp's Q8_1 activations: the header says the envelope is uncalibrated, and why
+    assert rep["rule"].startswith("uncalibrated (our engine cannot run the candidate's precisions (float32 with "
+                                  "Q4_1 weights); llama.cpp also quantizes activations to Q8 inside its matmuls"), \
+        rep["rule"]
+    assert "): fixed int8 envelope (" in rep["rule"]
     assert rep["candidate"]["quantized_weights_digest"].startswith("sha256:")
     assert rep["reference"]["quantized_weights_digest"] is None
     assert res.exit_code == 0, rep["verdict_line"]
@@ -136,17 +139,46 @@ def test_f32_gguf_passes_under_the_float32_policy(run_cli, ggufs):
 def test_edited_freq_base_breaks_at_layer_0_on_cache_keys(run_cli, ggufs):
     cand = ggufs["dir"] / "edited.toml"
     cand.write_text(f'preset = "llama.cpp"\n[model]\nsource = "gguf:{ggufs["edited"]}"\n')
-    res = run_cli("run", "reference", cand, "--model", f"gguf:{ggufs['f32']}", "--prompt", FRANCE, "--json", "-")
-    rep = _json(res)
+    args = ("run", "reference", cand, "--model", f"gguf:{ggufs['f32']}", "--prompt", FRANCE, "--json", "-")
+    rep = _json(res := run_cli(*args))
     assert res.exit_code == 1, rep["verdict_line"]
-    fb = rep["first_break"]
-    assert (fb["layer"], fb["tensor"], fb["kind"]) == (0, "cache_keys", "value"), rep["verdict_line"]
-    assert fb["position"] > 0  # position 0 is not rotated, whatever the base
-    assert any(n.startswith("MODEL IDENTITY DIFFERS: rope_theta") and "100000.0 in the reference, 10000.0 in the "
-               "candidate" in n for n in rep["notes"])
+    assert rep["first_break"]["kind"] == "identity"  # another model: a failure by itself
+    assert rep["verdict_line"] == "FAILED | identity | rope_theta (RoPE base) 100000.0 in the reference, " \
+                                  "10000.0 in the candidate"
+    lb = rep["layers"][0]["first_break"]  # the layers are still compared: where the difference shows
+    assert (lb["tensor"], lb["kind"]) == ("cache_keys", "value") and lb["position"] > 0  # position 0 is not rotated
     assert "rope_theta differs (reference 100000.0 vs candidate 10000.0)" in rep["diagnosis"]
     # the same weights: the digests agree, only the metadata differs
     assert rep["reference"]["weights_digest"] == rep["candidate"]["weights_digest"]
+    rep = _json(res := run_cli(*args, "--allow-identity-difference"))
+    fb = rep["first_break"]
+    assert (fb["layer"], fb["tensor"], fb["kind"]) == (0, "cache_keys", "value"), rep["verdict_line"]
+    assert any(n.startswith("MODEL IDENTITY DIFFERS: rope_theta") for n in rep["notes"])
+
+
+def test_flash_with_an_f16_cache_is_calibrated_and_catches_an_edited_freq_base(run_cli, ggufs):
+    """llama.cpp's defaults (flash attention, f16 KV cache) on an F32 GGUF: its precisions are ones our engine can
+    run, so it gets a float64 golden and a twin like ours. The honest run passes; a freq_base of 50000 instead
+    of 100000 moves layer 0's keys far beyond the twin's noise (the fixed float16 envelope passed it)."""
+    honest = _json(run_cli("run", "reference", "llama.cpp-flash", "--model", f"gguf:{ggufs['f32']}", "--prompt",
+                           FRANCE, "--json", "-"))
+    assert honest["verdict"] == "pass", honest["verdict_line"]
+    assert honest["rule"].startswith("calibrated: each row within 4x the noise of the reference's path in float16")
+    ratios = [t["calibrated"]["max_ratio"] for lr in honest["layers"] for t in lr["tensors"].values()]
+    assert len(ratios) == 30 * 8 and max(ratios) < 2  # llama.cpp's error stays below our fp16 twin's noise
+    half = ggufs["dir"] / "smol-f32-50k.gguf"
+    shutil.copy(ggufs["f32"], half)
+    assert _edit_freq_base(str(half), 50000.0) == 100000.0
+    cand = ggufs["dir"] / "flash-50k.toml"
+    cand.write_text(f'preset = "llama.cpp-flash"\n[model]\nsource = "gguf:{half}"\n')
+    args = ("run", "reference", cand, "--model", f"gguf:{ggufs['f32']}", "--prompt", FRANCE, "--json", "-")
+    rep = _json(run_cli(*args))
+    assert rep["first_break"]["kind"] == "identity", rep["verdict_line"]
+    rep = _json(run_cli(*args, "--allow-identity-difference"))
+    fb = rep["first_break"]
+    assert (fb["layer"], fb["tensor"], fb["check"]) == (0, "cache_keys", "change"), rep["verdict_line"]
+    assert fb["noise_ratio"] > 20
+    assert _json(run_cli(*args, "--allow-identity-difference", "--no-calibrate"))["verdict"] == "pass"
 
 
 # -- converted models: every tensor against our engine, float32 -----------------------------------------

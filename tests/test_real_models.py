@@ -173,7 +173,10 @@ def test_gguf_loads_the_same_weights_as_the_checkpoint_it_was_converted_from(arc
     ref = record_side(prepare_side("reference", ModelSpec(f"hf:{tmp_path / 'hf'}"), inputs), tmp_path / "a.h5")
     cand = record_side(prepare_side("reference", ModelSpec(f"gguf:{tmp_path / 'm.gguf'}"), inputs), tmp_path / "b.h5")
     with Trace(ref) as a, Trace(cand) as b:
-        assert compare_traces(a, b), "same weights, same engine: must agree"
+        rep = compare_traces(a, b)
+        assert rep, "same weights, same engine: must agree"
+        # the GGUF stores rms_norm_eps 1e-6 as float32 (9.99999997e-07): the same value as the config's
+        assert a.args["norm_eps"] != b.args["norm_eps"] and not rep.identity
 
 
 def test_smollm2_bf16_error_growth_over_30_layers(run_cli, tmp_path):
