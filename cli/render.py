@@ -54,9 +54,7 @@ def token_repr(text) -> str:
 
 def sparkline(values) -> str:
     """Max abs error per layer on a log scale; · for exact agreement."""
-    logs = [math.log10(v) for v in values if v and v > 0 and math.isfinite(v)]
-    if not logs:
-        return "·" * len(values)
+    logs = [math.log10(v) for v in values if v and v > 0 and math.isfinite(v)] or [0.0]
     lo, hi = min(logs), max(logs)
     out = []
     for v in values:
@@ -71,8 +69,9 @@ def sparkline(values) -> str:
 
 
 def layer_max(lr) -> float | None:
+    """The layer's largest max abs error over its valid cells; NaN when a valid cell is non-finite on one side."""
     vals = [t.max_abs for t in lr.tensors if t.level != "none"]
-    if any(not t.finite_ok for t in lr.tensors):
+    if any(not t.finite.valid_ok for t in lr.tensors):
         return float("nan")
     return max(vals) if vals else None
 
@@ -130,10 +129,13 @@ def fitted_table(columns, rows, width: int, **table_kw):
 
 # -- the run/compare report ---------------------------------------------------------------------
 
+PAD = "pad"  # a cell whose only non-finite values are in padding rows: the number is the valid rows' error
+
+
 def _cell(tr) -> Text:
     if tr is None or tr.level == "none":
         return Text("- ")
-    value = _fmt(tr.max_abs) if tr.finite_ok else "NaN"
+    value = _fmt(tr.max_abs) if tr.finite_ok else f"{_fmt(tr.max_abs)} {PAD}" if tr.finite.valid_ok else "NaN"
     if tr.shape_detail is not None:
         value = "shape"
     return Text(value + BAD, style="red") if not tr else Text(value + " ")
@@ -193,6 +195,9 @@ def layer_table(report, width: int = 120, which: str = "auto"):
         prev = i
     t, dropped = fitted_table(cols, rows, width, title=title)
     below = []
+    if any(not tr.finite_ok and tr.finite.valid_ok for i in idx for tr in report.layers[i].tensors):
+        below.append(Text(f"{PAD}{BAD}: NaN/Inf in padding rows only; the number is the error on valid rows",
+                          style="dim"))
     if dropped:
         below.append(Text(f"columns not shown at width {width}: {', '.join(dropped)} (see --json)", style="dim"))
     hidden = len(report.layers) - len(idx)
@@ -234,7 +239,7 @@ def calibration_table(report) -> Table:
 def final_table(report, width: int = 120):
     token_text = report.token_text
     logits = report.final.tensor("logits")
-    bad = set(logits.bad_samples) if logits is not None else set()
+    bad = set(logits.failing_samples) if logits is not None else set()
 
     def show(ids):
         ids = ids[:5]
@@ -272,12 +277,15 @@ def _metrics_lines(tr) -> Text:
         return Text(head + extra + ("" if tr else f"  {BAD}"), style="" if tr else "red")
     s = (f"{tr.tensor} ({tr.level} level, {tr.compared} values): max abs {_g(tr.max_abs)}, max rel "
          f"{_g(tr.max_rel)}, mean abs {_g(tr.mean_abs)}, cosine {_g(tr.cosine)}, largest row error "
-         f"{_g(tr.max_row_rel)} of the row norm, {tr.n_bad} out of tolerance")
+         f"{_g(tr.max_row_rel)} of the row norm, " +
+         (f"{tr.calib.bad_rows} of {tr.calib.rows} rows beyond {tr.calib.factor:g}x the twin's noise (largest "
+          f"ratio {_g(tr.calib.max_ratio)})" if tr.calib is not None else f"{tr.n_bad} out of tolerance"))
     if tr.worst:
         s += (f", worst at sample {tr.worst[0]} pos {tr.worst[1]} channel {tr.worst[2]}"
               f" (tolerance there {_g(tr.worst_bound)})")
     n = tr.needed
-    s += (f"; would pass with atol >= {_g(n.atol)}, rtol >= {_g(n.rtol)}, ntol >= {_g(n.ntol)} "
+    s += (f"; would pass with --noise-factor {_g(tr.calib.min_factor)}" if tr.calib is not None else
+          f"; would pass with atol >= {_g(n.atol)}, rtol >= {_g(n.rtol)}, ntol >= {_g(n.ntol)} "
           f"or row_rtol >= {_g(n.row_rtol)}")
     if not tr.finite_ok:
         f = tr.finite

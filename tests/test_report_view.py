@@ -462,3 +462,64 @@ def test_refused_reuse_reason_is_words_not_a_dict_repr(run_cli, tmp_path):
     out = " ".join(res.output.split())
     assert "{'" not in out and "None" not in out
     assert "adapter differs (cached: id other-adapter, digest sha256:" in out and "request: none)" in out
+
+
+# -- calibrated failures and padding-only non-finite values, said the same everywhere ----------------
+
+@pytest.fixture(scope="module")
+def calibrated_failure(tmp_path_factory):
+    """A bf16 candidate with another rope_theta, judged as values: fails the calibrated rule everywhere."""
+    from prefill_diff.cli.jobs import run as run_pair
+    cand = tmp_path_factory.mktemp("cal") / "rope.toml"
+    cand.write_text('[model]\nrope_theta = 20000.0\n[run]\ndtype = "bfloat16"\n')
+    rep = run_pair("reference", str(cand), allow_identity=True).report
+    assert rep.policy.calibration is not None and not rep
+    return rep
+
+
+def test_calibrated_failures_are_marked_in_the_final_table_and_counted_in_the_json(calibrated_failure):
+    rep = calibrated_failure
+    logits = rep.final.tensor("logits")
+    assert not logits and logits.n_bad == 0 and logits.calib.bad_rows > 0  # no element rule: rows are judged
+    js = json.loads(rep.to_json())["final"]["tensors"]["logits"]
+    assert js["passed"] is False and js["n_bad"] == logits.calib.bad_rows and js["n_bad_unit"] == "rows"
+    assert js["bad_samples"] == list(logits.calib.bad_samples) and js["bad_samples"]
+    text = render(rep, 120)
+    table = text[text.index("final logits and top ids"):]
+    marked = [int(line.split()[0]) for line in table.splitlines()[3:] if line.strip() and BAD in line]
+    assert marked == list(logits.calib.bad_samples), table
+
+
+def test_the_plot_of_a_calibrated_verdict_draws_the_calibrated_allowance(calibrated_failure, tmp_path,
+                                                                          monkeypatch):
+    from matplotlib.figure import Figure
+    from prefill_diff.verify.plot import plot_data, plot_errors
+    d = plot_data(calibrated_failure)
+    k = calibrated_failure.layers[0].tensor("cache_keys").calib
+    assert d["cache_keys"]["allowed"] == [None] * 4  # no element bound applies
+    assert d["cache_keys"]["allowed_row"][0] == pytest.approx(k.allowed)
+    assert d["cache_keys"]["max_row_rel"][0] == pytest.approx(k.max_cand_error)
+    seen = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: seen.setdefault("fig", fig))
+    plot_errors(calibrated_failure, str(tmp_path / "p.png"))
+    top, low = seen["fig"].axes[:2]
+    labels = top.get_legend_handles_labels()[1]
+    assert any(lab.startswith("allowed row error") for lab in labels)
+    assert not any(lab.startswith("allowed error floor") for lab in labels)  # never drawn here: not named
+    assert "calibrated" in top.get_title() and "atol" not in top.get_title()
+    assert any(line.get_linestyle() == "--" for line in low.get_lines())
+
+
+def test_padding_only_non_finite_cells_show_the_valid_error_and_the_break_names_every_sample(run_cli, tmp_path):
+    out = tmp_path / "r.json"
+    res = run_cli("run", "reference", "fault:masked-row-softmax", "--json", out)
+    rep = json.loads(out.read_text())
+    fb = rep["first_break"]
+    assert res.exit_code == 1 and fb["padding"] and fb["samples"] == [1, 2]
+    assert "| samples 1,2 | NaN/Inf in padding rows" in rep["verdict_line"]
+    assert "(samples 1: " in fb["message"] and ", 2: " in fb["message"] and "the valid rows agree" in fb["message"]
+    row0 = next(line for line in res.output.splitlines() if line.strip().startswith("0 "))
+    assert "pad" + BAD in row0 and "NaN" not in row0, row0  # valid rows: error 0, padding rows: NaN
+    assert "pad" + BAD + ": NaN/Inf in padding rows only" in res.output
+    spark = next(line for line in res.output.splitlines() if line.startswith("error growth"))
+    assert spark.rstrip().endswith("!!!")  # layers 1..3 carry NaN into valid rows

@@ -113,11 +113,12 @@ def finite_break(stage: str, layer: int | None, t: TensorResult) -> Break | None
     if f.ok:
         return None
     s = t.bad_samples[0] if t.bad_samples else None
-    if f.ref_only or f.cand_only or (f.both and not f.equal_nan):
+    if not f.valid_ok:
         return Break(stage=stage, kind="finite_mask", message=wording.nonfinite_valid(t), layer=layer,
                      tensor=t.tensor, sample=s, position=t.bad_positions.get(s), samples=t.bad_samples)
+    samples = tuple(x[0] for x in f.pad_by_sample) or t.bad_samples
     return Break(stage=stage, kind="finite_mask", message=wording.nonfinite_padding(t), layer=layer,
-                 tensor=t.tensor, padding=True, sample=s, samples=t.bad_samples)
+                 tensor=t.tensor, padding=True, sample=samples[0] if samples else s, samples=samples)
 
 
 def value_break(stage: str, layer: int | None, t: TensorResult, heads=None, kv_read=None,

@@ -27,6 +27,7 @@ def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol:
     cal = ctx.calib_acc(heads)
     gd, td = ctx.calib_datasets(r.layer, name)
     pad_r = pad_c = 0
+    pad_by = []
     for rs, cs, rrow, crow, grow, trow in ctx.rows(rd, cd, gd, td):
         cells = ctx.align.cells[rs]
         a, b = rrow[cells.ref_cols], crow[cells.cand_cols]
@@ -37,5 +38,7 @@ def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol:
         nc = int((~np.isfinite(crow[cells.cand_pad])).sum()) if cells.cand_pad.size else 0
         if nc != nr:
             acc.p.bad_samples.setdefault(rs, None)
+            pad_by.append((rs, nr, nc))
         pad_r, pad_c = pad_r + nr, pad_c + nc
-    return acc.result(name, "full", pad_ref=pad_r, pad_cand=pad_c, calib=None if cal is None else cal.result())
+    return acc.result(name, "full", pad_ref=pad_r, pad_cand=pad_c, pad_by_sample=pad_by,
+                      calib=None if cal is None else cal.result())

@@ -1,11 +1,15 @@
 """--plot: error per layer and sub-layer, log scale, with the allowed error and every out-of-tolerance point.
 
-Top panel: max abs error per layer for each series and, dashed in the same colour, the allowed error floor
-``atol + ntol·rms`` of the reference row with the smallest RMS (``bound_floor`` in the JSON): every element
-of that tensor may differ at least this much, so a point below its dashed line surely passes. Elements of
-larger rows, or large elements (rtol·|ref|), are allowed more, so a point above the line may still pass:
-every point that broke tolerance is circled in red, so the picture agrees with the verdict. Bottom panel:
-the largest relative row error ||c - r|| / ||r||, with the row rule's threshold when the policy sets one.
+The dashed lines are the allowed error of the rule the verdict used. Fixed rule — top panel: max abs error
+per layer for each series and, dashed in the same colour, the allowed error floor ``atol + ntol·rms`` of the
+reference row with the smallest RMS (``bound_floor`` in the JSON): every element of that tensor may differ
+at least this much, so a point below its dashed line surely passes. Elements of larger rows, or large
+elements (rtol·|ref|), are allowed more, so a point above the line may still pass. Bottom panel: the largest
+relative row error ||c - r|| / ||r||, with the row rule's threshold when the policy sets one. Calibrated rule
+— the top panel shows max abs error only (no absolute bound applies); the bottom panel shows each series'
+largest row error against the float64 golden ||c - g|| / ||g|| and, dashed, what was allowed at its worst
+row (K x the twin's noise + floor). Every point that broke the rule is circled in red, so the picture
+agrees with the verdict.
 
 Exact zeros are not values on a log scale: they are drawn on a marked baseline ("exact 0") below the
 lowest decade shown, never at an arbitrary tiny number. The first break is labelled; a cache length or
@@ -23,23 +27,27 @@ SERIES = (("attn_update", "attention update"), ("mlp_update", "MLP update"), ("l
 
 
 def allowed_max_abs(t) -> float | None:
-    """The smallest allowed error of any element, atol + ntol·rms(smallest reference row) (None: stats level)."""
-    return None if t.level in ("none", "stats") else t.bound_floor
+    """The smallest allowed error of any element, atol + ntol·rms(smallest reference row) (None: stats level, or
+    a calibrated comparison, which bounds rows, not elements)."""
+    return None if t.level in ("none", "stats") or t.calib is not None else t.bound_floor
 
 
 def plot_data(report: Report) -> dict:
-    """What the plot draws, as plain numbers: per series (label, layers, max abs, allowed, max row rel,
-    layers out of tolerance); exact zeros stay 0 here (drawn on the baseline)."""
+    """What the plot draws, as plain numbers: per series (label, layers, max abs, allowed, row error, the
+    allowed row error, layers out of tolerance); exact zeros stay 0 here (drawn on the baseline). In a
+    calibrated comparison the row error is against the float64 golden and its allowance K x noise + floor."""
     out = {}
     for name, label in SERIES:
         rows = [(lr.layer, lr.tensor(name)) for lr in report.layers
                 if lr.tensor(name) is not None and lr.tensor(name).level != "none"]
         if not rows:
             continue
+        cal = all(t.calib is not None for _, t in rows)
         out[name] = {"label": label, "layers": [i for i, _ in rows],
                      "max_abs": [float(t.max_abs) for _, t in rows],
                      "allowed": [allowed_max_abs(t) for _, t in rows],
-                     "max_row_rel": [float(t.max_row_rel) for _, t in rows],
+                     "max_row_rel": [float(t.calib.max_cand_error if cal else t.max_row_rel) for _, t in rows],
+                     "allowed_row": [float(t.calib.allowed) if cal else None for _, t in rows],
                      "stats": any(t.level == "stats" for _, t in rows),
                      "broken": [i for i, t in rows if not t]}
     return out
@@ -69,11 +77,11 @@ def plot_errors(report: Report, path: str) -> None:
     floors = {}
     for a, key in panels:
         vals = [v for s in data.values() for v in s[key]]
-        if key == "max_abs":
-            vals += [v for s in data.values() for v in s["allowed"]]
+        vals += [v for s in data.values() for v in s["allowed" if key == "max_abs" else "allowed_row"]]
         floors[key] = baseline(vals)
     _series(ax, panels, data, floors, plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    row_rtol = report.policy.kinds["residual"].row_rtol
+    # the row rule is the fixed rule's; a calibrated verdict bounds rows by the twin's noise instead
+    row_rtol = 0.0 if report.policy.calibration else report.policy.kinds["residual"].row_rtol
     if row_rtol > 0:
         ax2.axhline(row_rtol, color="red", linestyle="--", label=f"row_rtol {row_rtol:g} (residual)")
     for a, key in panels:
@@ -91,7 +99,9 @@ def plot_errors(report: Report, path: str) -> None:
 
 
 def _series(ax, panels, data: dict, floors: dict, colours) -> None:
-    """Each series on both panels (zeros on the baseline, broken points circled) and its dashed allowed floor."""
+    """Each series on both panels (zeros on the baseline, broken points circled) and its dashed allowed error;
+    the legend names only the dashed lines that were drawn."""
+    drawn = set()
     for k, s in enumerate(data.values()):
         colour = colours[k % len(colours)]
         for a, key in panels:
@@ -104,10 +114,16 @@ def _series(ax, panels, data: dict, floors: dict, colours) -> None:
             bad = [(i, y) for i, y in zip(s["layers"], ys) if i in s["broken"]]
             if bad:
                 a.scatter(*zip(*bad), s=160, facecolors="none", edgecolors="red", linewidths=2, zorder=4)
-        allowed = [(i, v) for i, v in zip(s["layers"], s["allowed"]) if v is not None and v > 0]
-        if allowed:
-            ax.plot(*zip(*allowed), linestyle="--", linewidth=1, color=colour, alpha=0.8)
-    ax.plot([], [], linestyle="--", color="grey", label="allowed error floor\natol + ntol·rms (dashed)")
+        for (a, _), key in zip(panels, ("allowed", "allowed_row")):
+            allowed = [(i, v) for i, v in zip(s["layers"], s[key]) if v is not None and v > 0 and math.isfinite(v)]
+            if allowed:
+                a.plot(*zip(*allowed), linestyle="--", linewidth=1, color=colour, alpha=0.8)
+                drawn.add(key)
+    if "allowed" in drawn:
+        ax.plot([], [], linestyle="--", color="grey", label="allowed error floor\natol + ntol·rms (dashed)")
+    if "allowed_row" in drawn:
+        ax.plot([], [], linestyle="--", color="grey", label="allowed row error at the\nworst row: K x twin noise\n"
+                                                            "+ floor (dashed, lower panel)")
     ax.scatter([], [], s=160, facecolors="none", edgecolors="red", linewidths=2, label="out of tolerance")
 
 
@@ -157,12 +173,14 @@ def _labels(report: Report, data: dict, ax, ax2, row_rtol: float) -> None:
     fb = report.first_break
     res = report.policy.kinds["residual"]
     stats = any(s["stats"] for s in data.values())
-    origins = visible(f"{report.ref.get('origin')} vs {report.cand.get('origin')}").replace("$", r"\$")  # no mathtext
-    ax.set_title(f"{origins}: {report.verdict} "
-                 f"({report.policy.name}: atol {res.atol:g} + rtol {res.rtol:g}·|ref| + ntol {res.ntol:g}·rms)",
+    cal = report.policy.calibration
+    origins = f"{report.ref.get('origin')} vs {report.cand.get('origin')}"
+    rule = (f"calibrated: row error vs float64 golden <= {cal['factor']:g}x the {cal['precision']} twin's noise"
+            if cal else f"{report.policy.name}: atol {res.atol:g} + rtol {res.rtol:g}·|ref| + ntol {res.ntol:g}·rms")
+    ax.set_title(visible(f"{origins}: {report.verdict} ({rule})").replace("$", r"\$"),  # no mathtext
                  fontsize="medium", pad=22 if fb is not None and fb.layer is not None else 6)
     ax.set_ylabel("max abs error" + (" (of statistics)" if stats else ""))
-    ax2.set_ylabel("max ||c - r|| / ||r|| per row")
+    ax2.set_ylabel("max ||c - g|| / ||g|| per row\n(g: float64 golden)" if cal else "max ||c - r|| / ||r|| per row")
     ax2.set_xlabel("layer")
     ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)

@@ -31,7 +31,13 @@ class Finite:
     both: int = 0  # valid cells non-finite on both sides
     pad_ref: int = 0  # non-finite padding cells of the reference
     pad_cand: int = 0
+    pad_by_sample: tuple = ()  # (reference sample, reference count, candidate count) where the two differ
     equal_nan: bool = False  # non-finite on both sides at the same place counts as agreement
+
+    @property
+    def valid_ok(self) -> bool:
+        """The valid cells agree (a break, if any, is in padding rows only)."""
+        return not (self.ref_only or self.cand_only or (self.both and not self.equal_nan))
 
     @property
     def ok(self) -> bool:
@@ -88,6 +94,16 @@ class TensorResult:
         return self.finite.ok
 
     @property
+    def failing_samples(self) -> tuple:
+        """The reference samples whose values break the rule used (calibrated: check (1)'s rows)."""
+        return self.calib.bad_samples if self.calib is not None else self.bad_samples
+
+    @property
+    def n_failing(self) -> int:
+        """What broke the rule used: elements out of tolerance, or in a calibrated comparison rows out of it."""
+        return self.calib.bad_rows if self.calib is not None else self.n_bad
+
+    @property
     def atol(self) -> float:
         return self.tol.atol
 
@@ -109,13 +125,14 @@ class TensorResult:
     def as_dict(self) -> dict:
         f, n = self.finite, self.needed
         d = {"tensor": self.tensor, "level": self.level, "compared": self.compared, "max_abs": num(self.max_abs),
-             "max_rel": num(self.max_rel), "mean_abs": num(self.mean_abs), "cosine": self.cosine, "n_bad": self.n_bad,
+             "max_rel": num(self.max_rel), "mean_abs": num(self.mean_abs), "cosine": self.cosine,
+             "n_bad": self.n_failing, "n_bad_unit": "rows" if self.calib is not None else "elements",
              "worst": list(self.worst) if self.worst else None, "min_atol": num(n.atol), "min_rtol": num(n.rtol),
              "min_ntol": num(n.ntol), "min_row_rtol": num(n.row_rtol), "max_row_rel": num(self.max_row_rel),
              "rows_by_row_rule": self.rows_by_row_rule, "worst_bound": num(self.worst_bound),
              "bound_floor": num(self.bound_floor), "finite_ref_only": f.ref_only, "finite_cand_only": f.cand_only,
              "nonfinite_both": f.both, "pad_nonfinite_ref": f.pad_ref, "pad_nonfinite_cand": f.pad_cand,
-             "shape_detail": self.shape_detail, "bad_samples": list(self.bad_samples),
+             "shape_detail": self.shape_detail, "bad_samples": list(self.failing_samples),
              "heads": list(self.heads) if self.heads is not None else None,
              "kv_heads": list(self.kv_heads) if self.kv_heads is not None else None,
              "bit_identical": self.bit_identical, "note": self.note, "equal_nan": f.equal_nan}
@@ -150,7 +167,8 @@ class Accumulator:
         """r, c: (T, W) aligned rows of one sample (one row per position); toks: their token indices."""
         self.p.merge(slab(r, c, self.tol, self.equal_nan, sample, toks, heads))
 
-    def result(self, tensor: str, level: str, *, pad_ref: int = 0, pad_cand: int = 0, **kw) -> TensorResult:
+    def result(self, tensor: str, level: str, *, pad_ref: int = 0, pad_cand: int = 0, pad_by_sample: tuple = (),
+               **kw) -> TensorResult:
         p = self.p
         cos = float(p.rc / np.sqrt(p.rr * p.cc)) if p.rr > 0 and p.cc > 0 else (1.0 if p.rr == p.cc == 0 and p.n
                                                                                    else None)
@@ -162,6 +180,6 @@ class Accumulator:
             bound_floor=p.bound_floor if np.isfinite(p.bound_floor) else None,
             needed=Needed(atol=p.min_atol, rtol=p.min_rtol, ntol=p.min_ntol, row_rtol=p.min_row_rtol),
             finite=Finite(ref_only=p.fin[0], cand_only=p.fin[1], both=p.fin[2], pad_ref=pad_ref, pad_cand=pad_cand,
-                          equal_nan=self.equal_nan),
+                          pad_by_sample=tuple(pad_by_sample), equal_nan=self.equal_nan),
             bad_samples=tuple(sorted(p.bad_samples)), bad_positions=dict(p.bad_samples),
             heads=None if p.head_bad is None else tuple(int(h) for h in np.flatnonzero(p.head_bad)), **kw)

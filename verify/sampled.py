@@ -60,8 +60,7 @@ def compare_sampled(ctx: Context, r: LayerView, c: LayerView, name: str, tol: To
             a = np.stack([rows[0][int(t)] for t in common])
             b = np.stack([rows[1][int(t)] for t in common])
             acc.add(a, b, rs, np.asarray(common))
-    pad_ref, pad_cand = pad_counts(ctx, r, c, name)
-    return acc.result(name, "sampled", pad_ref=pad_ref, pad_cand=pad_cand)
+    return acc.result(name, "sampled", **pad_counts(ctx, r, c, name))
 
 
 def compare_sampled_or_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:

@@ -27,14 +27,17 @@ class StatErrors(NamedTuple):
     min_atol: float  # the smallest atol under which its four statistics pass
 
 
-def pad_counts(ctx: Context, r: LayerView, c: LayerView, name: str) -> tuple[int, int]:
-    """Non-finite counts in padding rows (reference, candidate), from the statistics every level records."""
+def pad_counts(ctx: Context, r: LayerView, c: LayerView, name: str) -> dict:
+    """Non-finite counts in padding rows, from the statistics every level records: ``pad_ref``, ``pad_cand``
+    and ``pad_by_sample`` ((reference sample, reference count, candidate count) where they differ), as keywords
+    of ``Accumulator.result``."""
     rs_t, cs_t = r.stats(name), c.stats(name)
     if rs_t is None or cs_t is None:
-        return 0, 0
+        return {}
     cnt, fin = COL["pad_count"], COL["pad_finite"]
-    return (int(sum(rs_t[a][cnt] - rs_t[a][fin] for a, _ in ctx.pairs)),
-            int(sum(cs_t[b][cnt] - cs_t[b][fin] for _, b in ctx.pairs)))
+    each = [(a, int(rs_t[a][cnt] - rs_t[a][fin]), int(cs_t[b][cnt] - cs_t[b][fin])) for a, b in ctx.pairs]
+    return {"pad_ref": sum(x[1] for x in each), "pad_cand": sum(x[2] for x in each),
+            "pad_by_sample": tuple(x for x in each if x[1] != x[2])}
 
 
 def _four(row) -> np.ndarray:
@@ -89,10 +92,10 @@ def compare_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tole
         ctx.skipped.add(wording.STATS_ONLY)
     else:  # e.g. full vs sampled cache: the sampled subset exists on one side only
         ctx.skipped.add(wording.stats_for_lack_of_values(name, ctx.ref.level, ctx.cand.level))
-    pad_ref, pad_cand = pad_counts(ctx, r, c, name)
+    pads = pad_counts(ctx, r, c, name)
     # ref_only: cells finite in the reference only, i.e. the candidate's excess of non-finite values
-    finite = Finite(ref_only=int(more_nonfinite[0]), cand_only=int(more_nonfinite[1]), pad_ref=pad_ref,
-                    pad_cand=pad_cand, equal_nan=ctx.equal_nan)
+    finite = Finite(ref_only=int(more_nonfinite[0]), cand_only=int(more_nonfinite[1]), equal_nan=ctx.equal_nan,
+                    **pads)
     return TensorResult(tensor=name, level="stats", tol=tol, compared=n, max_abs=max_abs, n_bad=n_bad, worst=worst,
                         needed=Needed(atol=max(min_atol, 0.0)), finite=finite, bad_samples=tuple(sorted(bad)),
                         bad_positions=dict(bad), bit_identical=identical if rchk is not None else None)

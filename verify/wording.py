@@ -107,8 +107,10 @@ def nonfinite_valid(t) -> str:
 def nonfinite_padding(t) -> str:
     f = t.finite
     side = "candidate" if f.pad_cand > f.pad_ref else "reference"
-    return (f"{max(f.pad_cand, f.pad_ref)} non-finite values in padding rows of {t.tensor} in the {side} only "
-            "(a padding row entered a softmax with no finite score?)")
+    each = ", ".join(f"{s}: {max(r, c)}" for s, r, c in f.pad_by_sample)
+    where = f" (sample{'s' if len(f.pad_by_sample) > 1 else ''} {each})" if each else ""
+    return (f"{max(f.pad_cand, f.pad_ref)} non-finite values in padding rows of {t.tensor} in the {side} only{where}; "
+            "the valid rows agree (a padding row entered a softmax with no finite score?)")
 
 
 # -- values ------------------------------------------------------------------------------------------
@@ -250,7 +252,9 @@ def break_line(b, token_text: str | None = None) -> str:
     if b.stage == "metadata":
         return f"metadata | {b.message}"
     parts = [_where(b)]
-    loc = " ".join(x for x in (f"sample {b.sample}" if b.sample is not None else "",
+    who = (f"samples {','.join(map(str, b.samples))}" if b.kind == "finite_mask" and b.padding and len(b.samples) > 1
+           else f"sample {b.sample}" if b.sample is not None else "")
+    loc = " ".join(x for x in (who,
                                f"pos {b.position}" if b.position is not None else "",
                                repr(token_text) if token_text is not None and b.position is not None else "") if x)
     if loc:
