@@ -1,6 +1,7 @@
 """The README's examples stay true: the Commands block runs, in order, with the exit statuses it states."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -66,3 +67,41 @@ def test_readme_python_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(code, "README.md (From Python)", "exec"), {})
     assert (tmp_path / "ref.h5").exists() and (tmp_path / "traces" / "cand.h5").exists()
     assert "PASSED" in capsys.readouterr().out
+
+
+def _ci_gate() -> tuple[list[str], str, list[str]]:
+    """The CI gate's baseline command, the serving config it gates, and the workflow's compare command."""
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## CI gate\n(.*?)(?=^## )", text, re.M | re.S).group(1)
+    record = re.search(r"```sh\n(prefill-diff record [^\n]*)\n```", section).group(1)
+    compare = re.search(r"- run: (prefill-diff compare [^\n#]*)", section).group(1)
+    serving = re.search(r"```toml\n(# configs/serving.toml\n.*?)```", text, re.S).group(1)
+    return shlex.split(record)[1:], serving, shlex.split(compare)[1:]
+
+
+def test_readme_ci_recipe_runs_as_written_with_its_bf16_config(run_cli, tmp_path, monkeypatch):
+    """The baseline with its golden and twin, then the workflow's compare of the bf16 serving config: a pass,
+    judged against measured bf16 noise. The old recipe (a declared float32 rule) fails it on rounding alone,
+    and its hint names the fix."""
+    from junitparser import JUnitXml
+    monkeypatch.chdir(tmp_path)
+    record, serving, compare = _ci_gate()
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "serving.toml").write_text(serving)
+    (tmp_path / "tests").mkdir()
+    assert "bfloat16" in serving
+    res = run_cli(*record)
+    assert res.exit_code == 0, res.output
+    assert {p.name for p in (tmp_path / "tests").iterdir()} == {"baseline.h5", "baseline.golden.h5",
+                                                                "baseline.twin-bfloat16.h5"}
+    res = run_cli(*compare)
+    rep = json.loads((tmp_path / "prefill.json").read_text())
+    assert res.exit_code == 0, rep["verdict_line"]
+    assert rep["rule"].startswith("calibrated:"), rep["rule"]
+    assert sum(int(s.failures) for s in JUnitXml.fromfile("prefill.xml")) == 0
+    # the recipe as it was: a float32 rule declared in the baseline fails the bf16 candidate
+    assert run_cli("record", "reference", "-o", "old.h5", "--policy", "float32").exit_code == 0
+    res = run_cli("compare", "old.h5", "configs/serving.toml", "--json", "old.json")
+    old = json.loads((tmp_path / "old.json").read_text())
+    assert res.exit_code == 1 and old["rule"].startswith("declared rule")
+    assert "--twin-of bfloat16" in old["diagnosis"] and "numeric drift" not in old["diagnosis"], old["diagnosis"]
