@@ -411,6 +411,59 @@ def test_quiet_silences_transformers_loading_bars_on_a_terminal():
         "PASSED | 1/" in out or "PASSED | 30/30" in out
 
 
+# -- piped output: no trailing spaces; an ASCII stream: stand-ins, the same verdict and exit status --------
+
+def test_piped_output_has_no_trailing_spaces(run_cli, traces):
+    for args in (("run", "reference", "fault:gqa-mapping"), ("compare", traces["stats"], traces["gqa_stats"]),
+                 ("inspect", traces["full"]), ("ledger",), ("presets",)):
+        res = run_cli(*args)
+        assert res.exit_code in (0, 1) and res.output.count("\n") > 3, (args, res.output)
+        assert [line for line in res.output.splitlines() if line != line.rstrip()] == [], args
+
+
+def ascii_run(*args):
+    return subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", *map(str, args)], capture_output=True,
+                          env=dict(ENV, PYTHONIOENCODING="ascii"))
+
+
+def test_an_ascii_stdout_gets_stand_ins_and_the_same_verdict(traces):
+    out = ascii_run("run", "reference", "fault:gqa-mapping")
+    text, err = out.stdout.decode("ascii"), out.stderr.decode("ascii")  # every byte ASCII
+    assert out.returncode == 1 and err == "", err
+    assert "FAILED | layer 0 attn_update" in text and "(x: out of tolerance)" in text
+    assert "2.7e+00x" in text and "[h.H_kv/H_q]" in text  # ✗, and the hint's ⌊h·H_kv/H_q⌋
+    spark = re.search(r"log scale\): (\S+)$", text, re.M).group(1)
+    assert len(spark) == 4 and set(spark) <= set("_-~=+*#@")
+    out = ascii_run("inspect", traces["full"], "--layer", "1", "--tensor", "mid", "--sample", "0")
+    assert out.returncode == 0 and out.stderr == b"" and "weights sha256:" in out.stdout.decode("ascii")
+
+
+def test_machine_reports_and_error_lines_on_ascii_streams(traces):
+    out = ascii_run("run", "reference", "fault:gqa-mapping", "--json", "-")
+    assert out.returncode == 1 and json.loads(out.stdout.decode("ascii"))["verdict"] == "fail"
+    out = ascii_run("run", "reference", "fault:gqa-mapping", "--junit", "-")
+    root = ET.fromstring(out.stdout.decode("ascii"))  # characters ASCII cannot hold as character references
+    assert out.returncode == 1 and "⌊h·H_kv/H_q⌋" in root.find(".//failure").text
+    out = ascii_run("inspect", traces["full"], "--json", "-")
+    assert out.returncode == 0 and json.loads(out.stdout.decode("ascii"))["level"] == "full"
+    out = ascii_run("run", "reference", "é")
+    err = out.stderr.decode("ascii")
+    assert out.returncode == 2 and err.startswith("Error: '?' is neither a preset nor a config file")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_internal_error_line_on_an_ascii_stderr(monkeypatch):
+    from click.testing import CliRunner
+    from prefill_diff.cli import jobs
+    from prefill_diff.cli.main import cli
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug near ✗ and é")
+    monkeypatch.setattr(jobs, "run", broken)
+    res = CliRunner(charset="ascii").invoke(cli, ["run", "reference", "batched-left"])
+    assert res.exit_code == 3 and "internal error: RuntimeError: a bug near x and ?" in res.stderr
+
+
 # -- the plot's data ------------------------------------------------------------------------------
 
 def test_plot_data_keeps_zeros_and_draws_them_below_the_scale(reports):
