@@ -25,7 +25,7 @@ from . import jobs
 from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options, shared_inputs,
                       tolerance_options)
 from .outputs import EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit, write_text
-from .render import ledger_renderable, plain, print_inspect
+from .render import ledger_renderable, plain, print_inspect, print_line
 from .terminal import text_streams
 
 
@@ -226,7 +226,7 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
                            factor=factor, allow_subset=allow_subset, fail_fast=fail_fast,
                            allow_identity=allow_identity)
     if outcome.ref_path and not out["quiet"] and "-" not in (out["json"], out["junit"]):
-        console().print(plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"), soft_wrap=True)
+        print_line(console(), plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 
 
@@ -272,17 +272,15 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     con = console()
 
     def wrote(done: jobs.Recorded) -> None:  # the trace is complete: said before any golden and twin run
-        con.print(plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"),
-                  soft_wrap=True)
+        print_line(con, plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"))
     with Progress() as prog:
         prog.step("loading the model")
         done = jobs.record(config, output, spec, inputs, level=level, compression=compression, force=force,
                            tolerance=tol, twin_of=twin_of, progress=prog.sides({"recording": "writing"}),
                            on_written=wrote)
     if done.golden is not None:
-        con.print(plain(f"wrote {done.golden} (float64 golden)" + ("" if done.twin is None else
-                                                                   f" and {done.twin} (twin in {done.twin_label})")),
-                  soft_wrap=True)
+        print_line(con, plain(f"wrote {done.golden} (float64 golden)" + ("" if done.twin is None else
+                                                                     f" and {done.twin} (twin in {done.twin_label})")))
 
 
 @cli.command()

@@ -11,7 +11,7 @@ from ..dumps.recorder import TraceExistsError
 from ..engine.errors import PrefillDiffError
 from ..verify.junit import to_junit
 from ..verify.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
-from .render import print_report, verdict_text
+from .render import print_line, print_report, verdict_text
 from .terminal import xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -98,7 +98,7 @@ def emit(report, out: dict, console, not_reached=()) -> int:
         plot_errors(report, out["plot"])
     if "-" not in (out["json"], out["junit"]):
         if out["quiet"]:
-            console.print(verdict_text(report), soft_wrap=True)
+            print_line(console, verdict_text(report), (" | ",))
         else:
             print_report(console, report, which=out["layers"], verbose=out["verbose"])
     if report.incomparable:
