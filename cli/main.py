@@ -25,7 +25,8 @@ from . import jobs
 from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options, shared_inputs,
                       tolerance_options)
 from .outputs import EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit, write_text
-from .render import ledger_renderable, plain, print_inspect
+from .render import ledger_renderable, plain, print_inspect, print_line
+from .terminal import text_streams
 
 
 class BadInput(click.ClickException):
@@ -33,7 +34,12 @@ class BadInput(click.ClickException):
 
 
 class Cli(click.Group):
-    """Turns library errors into one clear line and exit status 2, in one place."""
+    """Turns library errors into one clear line and exit status 2, in one place; every command's text (reports,
+    machine output, error lines) goes through ``terminal.TextOut``."""
+
+    def main(self, *args, **kwargs):
+        with text_streams():
+            return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
         done_before = n_completed()
@@ -81,11 +87,13 @@ class Cli(click.Group):
 GENEROUS_WIDTH = 120  # columns of the report when stdout is not a terminal and COLUMNS is unset (CI logs, pipes)
 
 
-def console(stderr: bool = False):
-    """Rich console: the terminal's width; not a terminal: COLUMNS, else a fixed generous width."""
-    c = Console(stderr=stderr, highlight=False)
-    if not c.is_terminal and not os.environ.get("COLUMNS"):
-        c = Console(stderr=stderr, highlight=False, width=GENEROUS_WIDTH)
+def console(stderr: bool = False, terminal: bool | None = None, width: int | None = None):
+    """Rich console: the terminal's width; not a terminal: COLUMNS, else a fixed generous width.
+
+    ``terminal`` and ``width`` override what is detected (tests draw an 80-column terminal with them)."""
+    c = Console(stderr=stderr, highlight=False, force_terminal=terminal, width=width)
+    if width is None and not c.is_terminal and not os.environ.get("COLUMNS"):
+        c = Console(stderr=stderr, highlight=False, force_terminal=terminal, width=GENEROUS_WIDTH)
     return c
 
 
@@ -113,7 +121,8 @@ class Progress:
         self.console = console(stderr=True)
         self.prog = None
         if not quiet and self.console.is_terminal:
-            self.prog = RichProgress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+            spinner = "dots" if getattr(sys.stderr, "unicode", True) else "line"  # dots: braille characters
+            self.prog = RichProgress(SpinnerColumn(spinner), TextColumn("{task.description}"), BarColumn(),
                                      MofNCompleteColumn(), transient=True, console=self.console)
         self._task = None
 
@@ -217,7 +226,7 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
                            factor=factor, allow_subset=allow_subset, fail_fast=fail_fast,
                            allow_identity=allow_identity)
     if outcome.ref_path and not out["quiet"] and "-" not in (out["json"], out["junit"]):
-        console().print(plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"), soft_wrap=True)
+        print_line(console(), plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 
 
@@ -263,17 +272,15 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     con = console()
 
     def wrote(done: jobs.Recorded) -> None:  # the trace is complete: said before any golden and twin run
-        con.print(plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"),
-                  soft_wrap=True)
+        print_line(con, plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"))
     with Progress() as prog:
         prog.step("loading the model")
         done = jobs.record(config, output, spec, inputs, level=level, compression=compression, force=force,
                            tolerance=tol, twin_of=twin_of, progress=prog.sides({"recording": "writing"}),
                            on_written=wrote)
     if done.golden is not None:
-        con.print(plain(f"wrote {done.golden} (float64 golden)" + ("" if done.twin is None else
-                                                                   f" and {done.twin} (twin in {done.twin_label})")),
-                  soft_wrap=True)
+        print_line(con, plain(f"wrote {done.golden} (float64 golden)" + ("" if done.twin is None else
+                                                                     f" and {done.twin} (twin in {done.twin_label})")))
 
 
 @cli.command()

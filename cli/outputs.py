@@ -11,7 +11,8 @@ from ..dumps.recorder import TraceExistsError
 from ..engine.errors import PrefillDiffError
 from ..verify.junit import to_junit
 from ..verify.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
-from .render import print_report, verdict_text
+from .render import print_line, print_report, verdict_text
+from .terminal import xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -90,14 +91,14 @@ def emit(report, out: dict, console, not_reached=()) -> int:
     elif out["json"]:
         write_text(out["json"], report.to_json())
     if out["junit"] == "-":
-        click.echo(to_junit(report, not_reached=not_reached), nl=False)
+        click.echo(xml_for_stdout(to_junit(report, not_reached=not_reached)), nl=False)
     elif out["junit"]:
         write_text(out["junit"], to_junit(report, not_reached=not_reached))
     if out["plot"]:
         plot_errors(report, out["plot"])
     if "-" not in (out["json"], out["junit"]):
         if out["quiet"]:
-            console.print(verdict_text(report), soft_wrap=True)
+            print_line(console, verdict_text(report), (" | ",))
         else:
             print_report(console, report, which=out["layers"], verbose=out["verbose"])
     if report.incomparable:

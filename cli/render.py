@@ -1,16 +1,21 @@
 """Rich renderables for people. Functions return renderables or print through a given console.
 
-Rules (issue 17): the header, the verdict and every line a machine may grep are printed unwrapped
-(``soft_wrap=True``); tables are fitted to the console's width by dropping low-priority columns, never by
-cutting a number; an out-of-tolerance cell carries a symbol as well as a colour, so CI logs (no colour)
-show it too. Text that comes from a trace or a prompt is built with ``rich.text.Text``, never as markup.
+Rules (issue 17): the header, the verdict and every line a machine may grep are ``Fields``: one unwrapped
+line where the output is not a terminal (pipes, CI logs), folded on a terminal at its fields' boundaries
+(else at spaces) onto indented continuation lines, never inside a word or a number; tables are fitted to
+the console's width by dropping low-priority columns, never by cutting a number; an out-of-tolerance cell
+carries a symbol as well as a colour, so CI logs (no colour) show it too. Text that comes from a trace or a
+prompt is built with ``rich.text.Text``, never as markup. Glyphs (✗, the sparkline, box drawing) are
+written as they are: where the stream cannot encode them, ``cli/terminal.py`` stands in ASCII for them.
 """
 from __future__ import annotations
 
 import io
 import math
+import re
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -33,6 +38,46 @@ def plain(text, style: str = "") -> Text:
     """Foreign text (trace metadata, prompts, token text, notes, file names) as a renderable: never parsed as
     rich markup, control characters and bidirectional overrides shown as escapes (\\x1b, \\u202e)."""
     return Text(visible(text), style=style)
+
+
+class Fields:
+    """One line of fields (separated by ``seps``, strongest first): printed whole where the output is not a
+    terminal, one line to grep; on a terminal folded to its width (``fold``)."""
+
+    def __init__(self, text: Text, seps: tuple = (), indent: int = 2):
+        self.text, self.seps, self.indent = text, tuple(seps), indent
+
+    def __rich_console__(self, console, options):
+        yield fold(self.text, options.max_width, self.seps, self.indent) if options.is_terminal else self.text
+
+
+def fold(text: Text, width: int, seps: tuple = (), indent: int = 2) -> Text:
+    """``text`` in lines of at most ``width`` cells, continuation lines indented by ``indent``: each broken
+    after the last separator of the strongest kind that fits (``seps``, then a space); a word longer than the
+    line is kept whole."""
+    lines = text.split("\n", allow_blank=True)
+    if len(lines) > 1:
+        return Text("\n").join(fold(line, width, seps, indent) for line in lines)
+    s = text.plain
+    kinds = [sorted({m.end() for m in re.finditer(re.escape(sep) + " *", s)}) for sep in (*seps, " ")]
+    cuts, start, room = [], 0, max(width, 1)
+    while cell_len(s[start:].rstrip()) > room:
+        fits = [[b for b in bs if start < b < len(s) and cell_len(s[start:b].rstrip()) <= room] for bs in kinds]
+        later = [b for bs in kinds for b in bs if start < b < len(s)]
+        cut = next((max(f) for f in fits if f), min(later, default=None))  # else past the over-long word
+        if cut is None:
+            break
+        cuts.append(cut)
+        start, room = cut, max(width - indent, 1)
+    pieces = text.divide(cuts)
+    for piece in pieces:
+        piece.rstrip()
+    return Text("\n" + " " * indent).join(pieces)
+
+
+def print_line(console, text, seps: tuple = ()) -> None:
+    """Print one line of fields (``Fields``): whole off a terminal, folded at its fields on one."""
+    console.print(text if isinstance(text, Fields) else Fields(text, seps), soft_wrap=True)
 
 
 def _fmt(x) -> str:
@@ -335,8 +380,8 @@ def first_break_panel(report):
 
 
 def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = False):
-    """The human report as (renderable, unwrapped) pairs; unwrapped lines are printed whatever the width."""
-    yield header_text(report), True
+    """The human report as (renderable, unwrapped) pairs; unwrapped parts are lines of fields (``print_line``)."""
+    yield Fields(header_text(report), ("  ",)), True
     if report.calibration:
         yield Text(f"rule: {report.calibration}", style="dim"), True
     for n in report.notes:
@@ -363,13 +408,16 @@ def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = 
         yield plain("note: " + n, style="yellow"), True
     for n in report.skipped:
         yield plain("not checked: " + n, style="dim"), True
-    yield verdict_text(report), True
+    yield Fields(verdict_text(report), (" | ",)), True
 
 
 def print_report(console, report, which: str = "auto", verbose: bool = False) -> None:
-    """The whole human report. The header and the verdict are printed unwrapped, whatever the width."""
+    """The whole human report. The header, the verdict and the notes are lines of ``Fields``."""
     for part, unwrapped in report_parts(report, console.width, which, verbose):
-        console.print(part, soft_wrap=unwrapped)
+        if unwrapped:
+            print_line(console, part)
+        else:
+            console.print(part)
 
 
 def report_renderable(report, width: int = 120, which: str = "auto", verbose: bool = False):
@@ -413,20 +461,20 @@ def _words(d) -> str:
 def print_inspect(console, s: dict) -> None:
     """`inspect`'s human summary: header lines, samples, per-layer statistics, final ids, values if asked."""
     for line in _inspect_header(s):
-        console.print(line, soft_wrap=True)
+        print_line(console, line, ("  ", ", "))
     console.print(_samples_table(s))
     t, dropped = _layer_stats_table(s, console.width)
     console.print(t)
     if dropped:
-        console.print(Text(f"columns not shown at width {console.width}: "
-                           f"{', '.join(d.replace(chr(10), ' ') for d in dropped)} (inspect --json - has them)",
-                           style="dim"), soft_wrap=True)
+        print_line(console, Text(f"columns not shown at width {console.width}: "
+                                 f"{', '.join(d.replace(chr(10), ' ') for d in dropped)} (inspect --json - has them)",
+                                 style="dim"))
     console.print(_final_ids_table(s))
     for line in s.get("levels_note") or ():
-        console.print(plain(line, style="yellow"), soft_wrap=True)
+        print_line(console, plain(line, style="yellow"))
     if "values" in s:
-        for line in _values_lines(s["values"]):
-            console.print(line, soft_wrap=True)
+        for line in _values_lines(s["values"], console.width if console.is_terminal else None):
+            print_line(console, line)
 
 
 def _inspect_header(s: dict):
@@ -507,13 +555,18 @@ def _final_ids_table(s: dict) -> Table:
     return final
 
 
-def _values_lines(v: dict):
-    """`inspect --sample`: the values asked for, one line per position."""
+def _values_lines(v: dict, width: int | None = None):
+    """`inspect --sample`: the values asked for, one line per position; given a width (a terminal's), in blocks
+    of as many channels as fit it, each under its own channel header."""
     where = f"{v['tensor']}" + (f", layer {v['layer']}" if v.get("layer") is not None else "") + \
         f", sample {v['sample']}"
     rows = "position" + ("" if v["shape"][0] == 1 else "s")
     yield Text(f"values of {where} ({v['kind']}, {v['dtype']}, {v['shape'][0]} {rows} x {v['shape'][1]} channels; "
                f"showing channels {_span(v['channels'])}):")
-    yield Text(f"  {v['row_name']:>9}  " + " ".join(f"{'ch ' + str(c):>10}" for c in v["channels"]), style="dim")
-    for pos, row in zip(v["rows"], v["head"]):
-        yield Text(f"  {pos:>9}  " + " ".join(f"{x:>10.4g}" for x in row))
+    n = len(v["channels"])
+    per = n if width is None else max((width - 12) // 11, 1)  # a line: 2 + 9 + 2 columns, then 11 per channel
+    for lo in range(0, n, per):
+        chans = v["channels"][lo:lo + per]
+        yield Text(f"  {v['row_name']:>9}  " + " ".join(f"{'ch ' + str(c):>10}" for c in chans), style="dim")
+        for pos, row in zip(v["rows"], v["head"]):
+            yield Text(f"  {pos:>9}  " + " ".join(f"{x:>10.4g}" for x in row[lo:lo + per]))

@@ -411,6 +411,142 @@ def test_quiet_silences_transformers_loading_bars_on_a_terminal():
         "PASSED | 1/" in out or "PASSED | 30/30" in out
 
 
+# -- a terminal's width: lines fold at their fields, tables and value grids fit ---------------------
+
+ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def screen_lines(out: str) -> list:
+    """What a terminal shows of a pty's output: escape sequences dropped, each line as its last \r left it."""
+    return [line.split("\r")[-1] for line in ESCAPES.sub("", out).replace("\r\n", "\n").split("\n")]
+
+
+def on_terminal(report, width) -> list:
+    console = Console(force_terminal=True, width=width, file=io.StringIO(), color_system=None, highlight=False)
+    print_report(console, report)
+    return console.file.getvalue().splitlines()
+
+
+def folded(lines: list, first: str) -> list:
+    """The line that starts with ``first`` and its indented continuation lines."""
+    i = next(i for i, line in enumerate(lines) if line.startswith(first))
+    j = next((j for j in range(i + 1, len(lines)) if not lines[j].startswith("  ")), len(lines))
+    return lines[i:j]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_header_and_verdict_fold_between_their_fields_on_a_terminal(reports, width):
+    from dataclasses import replace
+    from rich.cells import cell_len
+    from prefill_diff.cli.render import header_text
+    rep = reports["fault:gqa-mapping"]
+    d = "/tmp/prefill-diff-traces"  # every field fits a line; the whole header does not fit 120 columns
+    rep = replace(rep, ref=dict(rep.ref, file=f"{d}/ref.h5"), cand=dict(rep.cand, file=f"{d}/cand.h5"))
+    lines = on_terminal(rep, width)
+    assert max(cell_len(line) for line in lines) <= width
+    header = folded(lines, "reference: ")
+    assert len(header) == (3 if width == 80 else 2) and header[1].startswith("  candidate: ")
+    assert [f for line in header for f in line.strip().split("  ")] == header_text(rep).plain.split("  ")
+    verdict = folded(lines, "FAILED |")
+    assert " ".join(line.strip() for line in verdict) == rep.verdict_line()
+    assert len(verdict) == (2 if width == 80 else 1) and all(line.endswith(" |") for line in verdict[:-1])
+    piped = render(rep, width).splitlines()  # not a terminal: one line each, whatever the width
+    assert header_text(rep).plain in piped and rep.verdict_line() in piped
+
+
+def test_fold_keeps_words_and_numbers_whole():
+    from rich.text import Text
+    from prefill_diff.cli.render import fold
+    text = Text("a=1.5e-03, bb=supercalifragilistic, c=2.25e+01  d=x")
+    for width in range(4, 60):
+        lines = fold(text, width, ("  ", ", ")).plain.split("\n")
+        assert " ".join(line.strip() for line in lines).split() == text.plain.split()
+        assert all(len(line) <= width or " " not in line.strip() for line in lines)  # only a lone word overflows
+
+
+@pytest.fixture
+def terminal_80(monkeypatch):
+    """The commands' stdout console as an 80-column terminal (stderr's is left alone: no progress display)."""
+    from prefill_diff.cli import main
+    real = main.console
+    monkeypatch.setattr(main, "console", lambda stderr=False: real(stderr) if stderr else real(terminal=True, width=80))
+
+
+def test_run_and_inspect_fit_an_80_column_terminal(run_cli, traces, terminal_80):
+    res = run_cli("run", "reference", "fault:gqa-mapping")
+    lines = ESCAPES.sub("", res.output).splitlines()
+    assert res.exit_code == 1 and max(len(line) for line in lines) <= 80
+    assert folded(lines, "reference: ")[1].startswith("  candidate: ")
+    args = ("inspect", traces["full"], "--layer", "1", "--tensor", "mid", "--sample", "0", "--channel", "0-9")
+    lines = ESCAPES.sub("", run_cli(*args).output).splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert len(folded(lines, "run reference: ")) > 1  # the run line, folded after its commas
+    heads = [line.split() for line in lines if line.strip().startswith("pos ")]
+    assert len(heads) == 2 and [w for h in heads for w in h if w != "ch" and w != "pos"] == [str(c) for c in range(10)]
+
+
+def test_run_and_inspect_fit_a_real_80_column_terminal(traces):
+    rc, out = pty_run(["run", "reference", "fault:gqa-mapping"], 80)
+    lines = screen_lines(out)
+    assert rc == 1 and max(len(line) for line in lines) <= 80, out
+    assert folded(lines, "reference: ")[1].startswith("  candidate: ")
+    rc, out = pty_run(["inspect", str(traces["full"]), "--layer", "1", "--tensor", "mid", "--sample", "0"], 80)
+    assert rc == 0 and max(len(line) for line in screen_lines(out)) <= 80, out
+
+
+# -- piped output: no trailing spaces; an ASCII stream: stand-ins, the same verdict and exit status --------
+
+def test_piped_output_has_no_trailing_spaces(run_cli, traces):
+    for args in (("run", "reference", "fault:gqa-mapping"), ("compare", traces["stats"], traces["gqa_stats"]),
+                 ("inspect", traces["full"]), ("ledger",), ("presets",)):
+        res = run_cli(*args)
+        assert res.exit_code in (0, 1) and res.output.count("\n") > 3, (args, res.output)
+        assert [line for line in res.output.splitlines() if line != line.rstrip()] == [], args
+
+
+def ascii_run(*args):
+    return subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", *map(str, args)], capture_output=True,
+                          env=dict(ENV, PYTHONIOENCODING="ascii"))
+
+
+def test_an_ascii_stdout_gets_stand_ins_and_the_same_verdict(traces):
+    out = ascii_run("run", "reference", "fault:gqa-mapping")
+    text, err = out.stdout.decode("ascii"), out.stderr.decode("ascii")  # every byte ASCII
+    assert out.returncode == 1 and err == "", err
+    assert "FAILED | layer 0 attn_update" in text and "(x: out of tolerance)" in text
+    assert "2.7e+00x" in text and "[h.H_kv/H_q]" in text  # ✗, and the hint's ⌊h·H_kv/H_q⌋
+    spark = re.search(r"log scale\): (\S+)$", text, re.M).group(1)
+    assert len(spark) == 4 and set(spark) <= set("_-~=+*#@")
+    out = ascii_run("inspect", traces["full"], "--layer", "1", "--tensor", "mid", "--sample", "0")
+    assert out.returncode == 0 and out.stderr == b"" and "weights sha256:" in out.stdout.decode("ascii")
+
+
+def test_machine_reports_and_error_lines_on_ascii_streams(traces):
+    out = ascii_run("run", "reference", "fault:gqa-mapping", "--json", "-")
+    assert out.returncode == 1 and json.loads(out.stdout.decode("ascii"))["verdict"] == "fail"
+    out = ascii_run("run", "reference", "fault:gqa-mapping", "--junit", "-")
+    root = ET.fromstring(out.stdout.decode("ascii"))  # characters ASCII cannot hold as character references
+    assert out.returncode == 1 and "⌊h·H_kv/H_q⌋" in root.find(".//failure").text
+    out = ascii_run("inspect", traces["full"], "--json", "-")
+    assert out.returncode == 0 and json.loads(out.stdout.decode("ascii"))["level"] == "full"
+    out = ascii_run("run", "reference", "é")
+    err = out.stderr.decode("ascii")
+    assert out.returncode == 2 and err.startswith("Error: '?' is neither a preset nor a config file")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_an_internal_error_line_on_an_ascii_stderr(monkeypatch):
+    from click.testing import CliRunner
+    from prefill_diff.cli import jobs
+    from prefill_diff.cli.main import cli
+
+    def broken(*a, **k):
+        raise RuntimeError("a bug near ✗ and é")
+    monkeypatch.setattr(jobs, "run", broken)
+    res = CliRunner(charset="ascii").invoke(cli, ["run", "reference", "batched-left"])
+    assert res.exit_code == 3 and "internal error: RuntimeError: a bug near x and ?" in res.stderr
+
+
 # -- the plot's data ------------------------------------------------------------------------------
 
 def test_plot_data_keeps_zeros_and_draws_them_below_the_scale(reports):
