@@ -199,9 +199,15 @@ def test_same_architecture_different_weights_stay_comparable(run_cli, tmp_path):
     out = tmp_path / "r.json"
     res = run_cli("run", "reference", other, "--json", out)
     rep = json.loads(out.read_text())
-    assert res.exit_code == 1 and rep["first_break"]["stage"] == "layer"
+    # another model: an identity failure (exit 1, not 2), and the layers are still compared
+    assert res.exit_code == 1 and (rep["first_break"]["stage"], rep["first_break"]["kind"]) == ("metadata", "identity")
     assert rep["reference"]["weights_digest"] != rep["candidate"]["weights_digest"]
-    assert any("weights differ" in n for n in rep["notes"])
+    assert [d["key"] for d in rep["identity_differences"]] == ["weights_digest"]
+    assert len(rep["layers"]) == 4 and rep["layers"][0]["first_break"]["stage"] == "layer"
+    res = run_cli("run", "reference", other, "--json", out, "--allow-identity-difference")
+    rep = json.loads(out.read_text())
+    assert res.exit_code == 1 and rep["first_break"]["stage"] == "layer"
+    assert any("MODEL IDENTITY DIFFERS: weights_digest" in n for n in rep["notes"])
 
 
 def test_different_vocabularies_are_a_metadata_break(run_cli, tmp_path):
