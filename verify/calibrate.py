@@ -74,7 +74,7 @@ def precision_label(p: dict) -> str:
     if p.get("weight_quant") not in (None, "none"):
         extra.append(f"{p['weight_quant']} weights")
     if p.get("cache_dtype") not in (None, p.get("dtype")):
-        extra.append(f"a {p['cache_dtype']} KV cache")
+        extra.append(f"{'an' if str(p['cache_dtype'])[:1] in 'aeiou' else 'a'} {p['cache_dtype']} KV cache")
     return p.get("dtype", "?") + (" with " + " and ".join(extra) if extra else "")
 
 
