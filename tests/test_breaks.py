@@ -177,3 +177,11 @@ def test_break_json_keeps_its_keys_in_order():
 def test_breaks_are_built_by_keyword_only():
     with pytest.raises(TypeError):
         Break("layer", "value", "m")  # noqa: the 14 positional arguments of earlier versions are gone
+
+
+def test_a_later_break_cites_the_first_wherever_it_is():
+    from prefill_diff.verify.wording import after_first_break
+    cov = Break(stage="metadata", kind="coverage", message="1 of 3 reference samples have no counterpart")
+    assert after_first_break(cov, "layer 1 mid | x") == "after the first break at the metadata stage (coverage): " \
+                                                      "layer 1 mid | x"
+    assert after_first_break(_b("cache_length"), "y").startswith("after the first break at layer 3 cache length: ")

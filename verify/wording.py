@@ -303,6 +303,16 @@ def break_line(b, token_text: str | None = None) -> str:
     return " | ".join(parts)
 
 
+def break_site(b) -> str:
+    """Where a break is, in a few words: 'layer 0 attn_update', 'final logits', 'the metadata stage (coverage)'."""
+    return f"the metadata stage ({b.kind})" if b.stage == "metadata" else _where(b)
+
+
+def after_first_break(first, line: str) -> str:
+    """A later break's one line, citing the first break (JUnit: later failures are counted, not explained)."""
+    return f"after the first break at {break_site(first)}: {line}"
+
+
 def _where(b) -> str:
     if b.kind in ("cache_length", "cache_positions"):
         what = "cache length" if b.kind == "cache_length" else "cache positions"
