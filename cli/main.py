@@ -24,7 +24,8 @@ from ..engine.errors import INTERRUPT, PrefillDiffError, visible
 from . import jobs
 from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options, shared_inputs,
                       tolerance_options)
-from .outputs import EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit, write_text
+from .outputs import (EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit,
+                      stdout_taken, write_text)
 from .render import ledger_renderable, plain, print_inspect, print_line
 from .terminal import text_streams
 
@@ -225,7 +226,7 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
                            progress=None if fail_fast else prog.sides(RUN_STEPS), calibrate=calibrate,
                            factor=factor, allow_subset=allow_subset, fail_fast=fail_fast,
                            allow_identity=allow_identity)
-    if outcome.ref_path and not out["quiet"] and "-" not in (out["json"], out["junit"]):
+    if outcome.ref_path and not out["quiet"] and not stdout_taken(out):
         print_line(console(), plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 

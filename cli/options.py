@@ -77,14 +77,14 @@ def tolerance_options(f):
 
 
 def report_options(f):
-    """--json, --junit, --plot, -q, -v, --layers, --strict: where the verdict goes and how much of it.
+    """--json, --junit, --markdown, --plot, -q, -v, --layers, --strict: where the verdict goes and how much of it.
 
-    They reach the command as one ``out`` dict (json, junit, plot, quiet, verbose, layers, strict).
+    They reach the command as one ``out`` dict (json, junit, markdown, plot, quiet, verbose, layers, strict).
     """
     @functools.wraps(f)
-    def collect(*args, json_path, junit_path, plot_path, quiet, verbose, layers, strict, **kw):
-        return f(*args, out=dict(json=json_path, junit=junit_path, plot=plot_path, quiet=quiet, verbose=verbose,
-                                 layers=layers, strict=strict), **kw)
+    def collect(*args, json_path, junit_path, markdown_path, plot_path, quiet, verbose, layers, strict, **kw):
+        return f(*args, out=dict(json=json_path, junit=junit_path, markdown=markdown_path, plot=plot_path,
+                                 quiet=quiet, verbose=verbose, layers=layers, strict=strict), **kw)
     return _compose(
         click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
                      metavar="FILE", help="Write the JSON report to FILE ('-' for stdout)."),
@@ -92,6 +92,11 @@ def report_options(f):
                      metavar="FILE",
                      help="Write a JUnit XML report to FILE ('-' for stdout; one test case per layer and final "
                           "check)."),
+        click.option("--markdown", "markdown_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+                     metavar="FILE",
+                     help="Write a Markdown summary to FILE ('-' for stdout): verdict, first break and hint, layer "
+                          "table, final top ids, notes (a pull-request comment; $GITHUB_STEP_SUMMARY gets the same "
+                          "on GitHub Actions)."),
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Write a PNG of the error per layer and sub-layer with the allowed error (needs "
                           "matplotlib)."),

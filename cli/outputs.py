@@ -1,4 +1,5 @@
-"""Where a verdict goes: output paths checked before any work, then the JSON, JUnit, plot and human reports."""
+"""Where a verdict goes: output paths checked before any work, then the JSON, JUnit, Markdown, plot and human
+reports, and on GitHub Actions the step summary and an error annotation."""
 from __future__ import annotations
 
 import os
@@ -8,20 +9,34 @@ from dataclasses import replace
 import click
 
 from ..dumps.recorder import TraceExistsError
-from ..engine.errors import PrefillDiffError
+from ..engine.errors import PrefillDiffError, visible
+from ..verify.github import workflow_error
 from ..verify.junit import to_junit
+from ..verify.markdown import to_markdown
 from ..verify.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
-from .render import print_line, print_report, verdict_text
+from .render import COLUMNS, print_line, print_report, shown_layers, verdict_text
 from .terminal import xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
 
+STDOUT_REPORTS = ("json", "junit", "markdown")  # the reports that '-' sends to stdout
+
+
 def check_outputs(out: dict) -> None:
     """Report paths that can be found bad before any model loads: two reports on stdout, unwritable paths."""
-    if out["json"] == "-" and out["junit"] == "-":
-        raise PrefillDiffError("--json - and --junit - both ask for stdout; send one of them to a file")
+    on_stdout = [f"--{k} -" for k in STDOUT_REPORTS if out[k] == "-"]
+    if len(on_stdout) > 1:
+        raise PrefillDiffError(f"{' and '.join(on_stdout)} all ask for stdout; send all but one of them to a file"
+                               if len(on_stdout) > 2 else
+                               f"{' and '.join(on_stdout)} both ask for stdout; send one of them to a file")
     _check_reports(out["json"], out["junit"], out["plot"])
+    check_output_file(out["markdown"], "--markdown (the Markdown report)")
+
+
+def stdout_taken(out: dict) -> bool:
+    """A machine report goes to stdout ('-'): the human report is not printed, nothing else is written there."""
+    return any(out[k] == "-" for k in STDOUT_REPORTS)
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -86,6 +101,22 @@ def emit(report, out: dict, console, not_reached=()) -> int:
     report itself holds an INCONCLUSIVE pass as a failure, so every format says the same verdict.
     """
     report = replace(report, strict=bool(out["strict"]))
+    write_reports(report, out, not_reached)
+    github_actions(report, out)
+    if out["plot"]:
+        plot_errors(report, out["plot"])
+    if not stdout_taken(out):
+        if out["quiet"]:
+            print_line(console, verdict_text(report), (" | ",))
+        else:
+            print_report(console, report, which=out["layers"], verbose=out["verbose"])
+    if report.incomparable:
+        return EXIT_BAD_INPUT  # incomparable traces (docs/report-format.md): reported, not a tolerance verdict
+    return EXIT_PASS if report else EXIT_FAIL
+
+
+def write_reports(report, out: dict, not_reached=()) -> None:
+    """--json, --junit and --markdown, each to its file or ('-') to stdout."""
     if out["json"] == "-":
         click.echo(report.to_json())
     elif out["json"]:
@@ -94,16 +125,30 @@ def emit(report, out: dict, console, not_reached=()) -> int:
         click.echo(xml_for_stdout(to_junit(report, not_reached=not_reached)), nl=False)
     elif out["junit"]:
         write_text(out["junit"], to_junit(report, not_reached=not_reached))
-    if out["plot"]:
-        plot_errors(report, out["plot"])
-    if "-" not in (out["json"], out["junit"]):
-        if out["quiet"]:
-            print_line(console, verdict_text(report), (" | ",))
-        else:
-            print_report(console, report, which=out["layers"], verbose=out["verbose"])
-    if report.incomparable:
-        return EXIT_BAD_INPUT  # incomparable traces (docs/report-format.md): reported, not a tolerance verdict
-    return EXIT_PASS if report else EXIT_FAIL
+    if out["markdown"] == "-":
+        click.echo(markdown(report, out["layers"]), nl=False)
+    elif out["markdown"]:
+        write_text(out["markdown"], markdown(report, out["layers"]))
+
+
+def markdown(report, which: str = "auto") -> str:
+    """The Markdown report with the layer rows and columns the terminal shows (--layers)."""
+    return to_markdown(report, shown=shown_layers(report, which), columns=[name for name, _, _ in COLUMNS])
+
+
+def github_actions(report, out: dict) -> None:
+    """On GitHub Actions: the Markdown report appended to $GITHUB_STEP_SUMMARY, and an ``::error`` line for a
+    failed verdict (on stdout, where the runner reads commands; on stderr when stdout carries a report)."""
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:
+        try:
+            with open(summary, "a", encoding="utf-8") as f:
+                f.write(markdown(report, out["layers"]) + "\n")
+        except OSError as e:  # the verdict still stands: say so on stderr, never lose the exit status
+            click.echo(f"warning: cannot append the step summary to {visible(summary)} ({e.strerror})", err=True)
+    line = workflow_error(report) if os.environ.get("GITHUB_ACTIONS") == "true" else None
+    if line is not None:
+        click.echo(line, err=stdout_taken(out))
 
 
 def write_text(path, text):

@@ -24,6 +24,17 @@ def _model_cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _not_on_github_actions():
+    """On GitHub Actions the suite's own runs of the CLI would annotate the job and append to its step summary:
+    the variables are unset for the session (the tests of that behaviour set them)."""
+    mp = pytest.MonkeyPatch()
+    for name in ("GITHUB_ACTIONS", "GITHUB_STEP_SUMMARY"):
+        mp.delenv(name, raising=False)
+    yield
+    mp.undo()
+
+
 def _kernel_paths(request):
     """Set up one of the compiled kernels' paths (dumps/native.py) for a module's tests: "native", "shared" (every
     comparison slab shared with the helper thread, verify/metrics.py SHARE_BYTES) or "numpy" (the code the kernels

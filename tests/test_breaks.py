@@ -109,6 +109,23 @@ def test_a_value_break_carries_the_numbers_and_the_minimum_passing_tolerance():
     assert sampled.message.endswith(" [sampled level]")
 
 
+def test_a_value_break_says_the_share_out_and_both_values_at_the_worst_element():
+    """As torch.testing.assert_close: mismatched elements in %, the worst element's full index and both values."""
+    b = value_break("layer", 3, _value(worst_values=(0.125, -0.375)))
+    assert (b.reference_value, b.candidate_value) == (0.125, -0.375)
+    assert b.message.startswith("3 of 64 values of attn_update out of tolerance (4.7%); worst element (sample 1, "
+                                "pos 4, channel 2): reference 0.125, candidate -0.375, tolerance there 1.2e-03; ")
+    # values that agree to 4 digits are given with the digits that tell them apart
+    close = value_break("layer", 3, _value(worst_values=(1.2345678, 1.2345999)))
+    assert "reference 1.23457, candidate 1.2346," in close.message
+
+
+def test_shares_are_never_rounded_to_none_or_all():
+    from prefill_diff.verify.wording import share
+    assert [share(*x) for x in ((1664, 1664), (1, 3), (0, 10), (1, 10 ** 6), (9999, 10 ** 4), (0, 0))] == \
+        ["100.0%", "33.3%", "0.0%", "0.0001%", ">99.9%", "0%"]
+
+
 def test_a_stats_level_value_break_has_no_element_error():
     t = _value(level="stats", worst=(1, None, None), worst_bound=None)
     b = value_break("layer", 2, t)
@@ -125,6 +142,9 @@ def test_a_calibrated_value_break_is_check_1_with_the_noise_ratio():
     assert (b.check, b.noise_ratio, b.noise_factor, b.noise_of, b.kv_heads, b.atol) == \
         ("change", 9.5, 4.0, "bfloat16", (1,), None)
     assert b.message.startswith("row error 9.5x the measured bfloat16 noise (allowed 4x): 2 of 10 rows")
+    # per row: the share of rows out, the worst row's (sample, position), the candidate's and the twin's errors there
+    assert ("2 of 10 rows of cache_keys out (20.0%); at the worst row (sample 0, pos 3) the candidate is 0.02 of the "
+            "row norm from the float64 golden, the twin 0.002") in b.message
     assert value_break("layer", 1, _value(calib=CalibResult(4.0, 6e-8, rows=10))) is None  # check 1 holds
 
 
@@ -149,10 +169,19 @@ def test_break_json_keeps_its_keys_in_order():
     d = _b("value", "cache_values", heads=(1,), kv_heads=(0,), samples=(2, 3)).as_dict()
     assert list(d) == ["stage", "kind", "message", "layer", "tensor", "sample", "position", "channel",
                        "max_abs_error", "max_rel_error", "atol", "rtol", "ntol", "bound", "padding", "heads",
-                       "samples", "kv_heads", "check", "noise_ratio", "noise_factor", "noise_of", "sublayer"]
+                       "samples", "kv_heads", "check", "noise_ratio", "noise_factor", "noise_of", "reference_value",
+                       "candidate_value", "sublayer"]
     assert (d["heads"], d["kv_heads"], d["samples"], d["sublayer"]) == ([1], [0], [2, 3], "attention")
 
 
 def test_breaks_are_built_by_keyword_only():
     with pytest.raises(TypeError):
         Break("layer", "value", "m")  # noqa: the 14 positional arguments of earlier versions are gone
+
+
+def test_a_later_break_cites_the_first_wherever_it_is():
+    from prefill_diff.verify.wording import after_first_break
+    cov = Break(stage="metadata", kind="coverage", message="1 of 3 reference samples have no counterpart")
+    assert after_first_break(cov, "layer 1 mid | x") == "after the first break at the metadata stage (coverage): " \
+                                                      "layer 1 mid | x"
+    assert after_first_break(_b("cache_length"), "y").startswith("after the first break at layer 3 cache length: ")

@@ -104,9 +104,11 @@ def test_slab_metrics_equal_the_naive_rule(case):
         assert close(p.max_row_rel, want["max_row_rel"], rel=1e-4) or (
             p.max_row_rel == np.inf and want["max_row_rel"] > F32_MAX), (p.max_row_rel, want["max_row_rel"])
     if want["n_bad"]:
-        excess, sample, tok, _ch, _bound = p.worst
+        excess, sample, tok, ch, _bound, ref, cand = p.worst
         assert sample == 3 and tok in toks
         assert close(excess, want["worst_excess"], rel=1e-4), (excess, want["worst_excess"])
+        # the two sides' values at the worst element, as the traces hold them (scaled back after a rescale)
+        assert close(ref, float(r[tok - 100, ch]), rel=1e-12) and close(cand, float(c[tok - 100, ch]), rel=1e-12)
         assert want["fin"] != [0, 0, 0] or p.min_atol > tol.atol
     # each "would pass with" value is a passing value (the others held fixed)
     for k in ("atol", "rtol", "ntol"):
@@ -125,6 +127,7 @@ def test_finite_values_whose_squares_overflow_still_break():
     for tol in (Tolerance(1e-4, 1e-4), Tolerance(1e-4, 1e-4, 1e-5)):
         p = metrics.slab(r, c, tol, False, 0, np.arange(2))
         assert p.n_bad == 1 and p.worst[2:4] == (0, 1)
+        assert close(p.worst[5], 2e20, rel=1e-6) and close(p.worst[6], 1e20, rel=1e-6)  # scaled back
         assert np.isfinite(p.rr) and 0.9 < p.rc / np.sqrt(p.rr * p.cc) < 1.0
     p = metrics.slab(r.astype(np.float64) * 1e150, c.astype(np.float64) * 1e150, Tolerance(1e-4, 1e-4, 1e-5),
                      False, 0, np.arange(2))

@@ -195,7 +195,7 @@ def test_junit_to_stdout_with_no_none_properties(run_cli, tmp_path):
     props = {p.get("name"): p.get("value") for p in root.iter("property")}
     assert "None" not in props.values() and props["reference"] == "trace not kept"
     assert props["verdict"] == "fail"
-    assert any(f.get("type") == "ToleranceBroken" for f in root.iter("failure"))
+    assert [f.get("type") for f in root.iter("failure")] == ["cache_length"]  # the JSON's break kind
     assert run_cli("run", "reference", "batched-left", "--junit", "-", "--json", "-").exit_code == 2
 
 
@@ -204,7 +204,7 @@ def test_junit_types_a_metadata_break_as_an_error(run_cli, traces, tmp_path):
     res = run_cli("compare", traces["full"], traces["seed"], "--junit", xml)
     assert res.exit_code == 2
     root = ET.fromstring(xml.read_text().split("?>", 1)[1])
-    assert [e.get("type") for e in root.iter("error")] == ["IncomparableTraces"]
+    assert [e.get("type") for e in root.iter("error")] == ["metadata"]
     assert not list(root.iter("failure")) and root.get("errors") == "1"
 
 
@@ -232,6 +232,64 @@ def test_fail_fast_says_what_it_did_not_compare_and_that_its_sides_were_in_memor
     text = " ".join(res.output.split())
     assert "reference: reference (in memory, full level) candidate: fault:skip-kv (in memory, full level)" in text
     assert "not checked: --fail-fast stopped at layer 2 of 4" in text
+
+
+def test_junit_hint_only_on_the_first_break_and_later_failures_cite_it(reports):
+    """fault:gqa-mapping breaks every layer: each stays a failure (CI counts them); only the first explains."""
+    from junitparser import Failure, JUnitXml
+    from prefill_diff.verify.junit import to_junit
+    rep = reports["fault:gqa-mapping"]
+    suites = JUnitXml.fromstring(to_junit(rep))
+    failures = {c.name: r for s in suites for c in s for r in c.result if isinstance(r, Failure)}
+    assert {"layer 000", "layer 001", "layer 002", "layer 003", "final logits"} <= set(failures)
+    first = failures.pop("layer 000")
+    assert first.message == rep.verdict_line().removeprefix("FAILED | ") and "\nhint: " in first.text
+    for name, f in failures.items():
+        assert f.message.startswith("after the first break at layer 0 attn_update: "), name
+        assert "\n" not in f.message and "hint:" not in (f.text or ""), name
+    # the type is the JSON's break kind
+    assert {f.type for f in failures.values()} | {first.type} == {"value", "top_ids"}
+    assert all(int(s.failures) == len(failures) + 1 for s in suites)
+
+
+def test_junit_says_how_long_each_case_took_and_counts_as_junitparser_does(run_cli, tmp_path):
+    from junitparser import JUnitXml
+    xml = tmp_path / "r.xml"
+    assert run_cli("run", "reference", "fault:skip-kv", "--junit", xml).exit_code == 1
+    root = ET.parse(xml).getroot()
+    assert root.tag == "testsuites" and {"tests", "failures", "errors", "skipped", "time"} <= set(root.attrib)
+    for el in root.iter():  # a plain decimal everywhere, as Surefire's schema (xs:decimal) and consumers read it
+        if "time" in el.attrib:
+            assert re.fullmatch(r"\d+\.\d+", el.get("time")), el.get("time")
+    suites = JUnitXml.fromfile(str(xml))
+    for suite in suites:
+        written = (suite.tests, suite.failures, suite.errors, suite.skipped, suite.time)
+        cases = list(suite)
+        assert all(c.time is not None and c.time >= 0 for c in cases) and suite.time > 0
+        assert sum(c.time for c in cases) <= suite.time + 1e-5
+        suite.update_statistics()
+        assert (suite.tests, suite.failures, suite.errors, suite.skipped) == written[:4]
+
+
+def test_junit_suite_is_named_after_the_two_traces_compared(run_cli, traces, tmp_path):
+    xml = tmp_path / "r.xml"
+    assert run_cli("compare", traces["full"], traces["sampled"], "--junit", xml).exit_code == 0
+    suite = ET.parse(xml).getroot().find("testsuite")
+    assert suite.get("name") == f"prefill-diff: {traces['full']} vs {traces['sampled']}"
+
+
+def test_junit_fails_a_final_break_that_no_candidate_check_carries(reports):
+    """A first break in the final stage from the twin's own numerics (check 2): the JUnit fails with the verdict."""
+    from dataclasses import replace
+    from junitparser import Failure, JUnitXml
+    from prefill_diff.verify.breaks import Break
+    from prefill_diff.verify.junit import to_junit
+    twin = Break(stage="final", kind="value", check="numerics", tensor="logits", message="the twin breaks")
+    for b in (twin, replace(twin, tensor="some_new_tensor")):
+        rep = replace(reports["batched-left"], first_break=b)
+        failing = [(c.name, r.type) for s in JUnitXml.fromstring(to_junit(rep)) for c in s for r in c.result
+                   if isinstance(r, Failure)]
+        assert failing == [(f"final {b.tensor}", "value")]
 
 
 def test_strict_fails_an_inconclusive_pass(run_cli, tmp_path):

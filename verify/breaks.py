@@ -53,6 +53,8 @@ class Break:
     noise_ratio: float | None = None  # check 1: the candidate's row error / the twin's measured noise
     noise_factor: float | None = None  # check 1: the allowed ratio K
     noise_of: str | None = None  # check 1: the twin's precisions, in words
+    reference_value: float | None = None  # value breaks (full and sampled levels): both values at the worst element
+    candidate_value: float | None = None
 
     @property
     def sublayer(self) -> str | None:
@@ -138,8 +140,9 @@ def value_break(stage: str, layer: int | None, t: TensorResult, heads=None, kv_r
                   max_abs_error=t.max_abs, atol=t.atol, rtol=t.rtol, ntol=t.ntol, heads=heads, samples=t.bad_samples)
     if t.level == "stats":  # per-sample min, max, mean and rms: no element, row or relative error exists
         return Break(message=wording.stats_values(t), **common)
-    return Break(message=wording.values(t), max_rel_error=t.max_rel, bound=t.worst_bound,
-                 kv_heads=t.kv_heads if t.kv_heads is not None else kv_read, **common)
+    ref, cand = t.worst_values if t.worst_values else (None, None)
+    return Break(message=wording.values(t), max_rel_error=t.max_rel, bound=t.worst_bound, reference_value=ref,
+                 candidate_value=cand, kv_heads=t.kv_heads if t.kv_heads is not None else kv_read, **common)
 
 
 def tensor_break(stage: str, layer: int | None, t: TensorResult, noise_of: str | None = None) -> Break | None:

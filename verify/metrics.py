@@ -74,7 +74,7 @@ class Partial:
     min_ntol: float = 0.0
     min_row_rtol: float = 0.0
     rows_by_row_rule: int = 0
-    worst: tuple | None = None  # (excess, sample, token, channel, bound)
+    worst: tuple | None = None  # (excess, sample, token, channel, bound, reference value, candidate value)
     fin: list = field(default_factory=lambda: [0, 0, 0])  # ref-only finite, cand-only finite, both non-finite
     bad_samples: dict = field(default_factory=dict)  # sample -> first bad token (None: padding)
     head_bad: np.ndarray | None = None
@@ -249,7 +249,7 @@ def _screen(p: Partial, r, c, rms, row_rel, tol, sample, toks, heads) -> None:
         p.min_ntol = float(np.fmax.reduce(np.where(np.isnan(need_n), np.inf, need_n)))
     cleared = by_elem | whole
     if not cleared.all():
-        _exact(p, np.flatnonzero(~cleared), d, r, rms, row_rel, whole, tol, sample, toks, heads)
+        _exact(p, np.flatnonzero(~cleared), d, r, c, rms, row_rel, whole, tol, sample, toks, heads)
 
 
 def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
@@ -269,7 +269,8 @@ def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
         q.bound_floor = q.bound_floor * s
         q.rr, q.cc, q.rc = q.rr * s * s, q.cc * s * s, q.rc * s * s
     if q.worst is not None:
-        q.worst = (q.worst[0] * s, *q.worst[1:4], q.worst[4] * s)
+        excess, *where, bound, ref, cand = q.worst
+        q.worst = (excess * s, *where, bound * s, ref * s, cand * s)
     q.fin = p.fin  # counted before the non-finite elements were zeroed
     for k, t in p.bad_samples.items():
         q.bad_samples.setdefault(k, t)
@@ -291,7 +292,7 @@ def _finite_part(r, c, p: Partial, equal_nan: bool, sample: int, toks):
     return np.where(ok, r, 0), np.where(ok, c, 0)
 
 
-def _exact(p: Partial, rows, d, r, rms, row_rel, whole, tol, sample, toks, heads):
+def _exact(p: Partial, rows, d, r, c, rms, row_rel, whole, tol, sample, toks, heads):
     """The element rule on the rows the screen could not clear (rows accepted by row_rtol are counted)."""
     a, rt, nt = tol.atol, tol.rtol, tol.ntol
     d, ar, rms_r = d[rows], np.abs(r[rows]), rms[rows][:, None]
@@ -310,7 +311,8 @@ def _exact(p: Partial, rows, d, r, rms, row_rel, whole, tol, sample, toks, heads
     i = int(np.argmax(excess))
     row, ch = divmod(i, d.shape[1])
     bound = float(a + rt * ar.flat[i] + nt * rms_r[row, 0])
-    p.worst = (float(excess.flat[i]), sample, int(toks[rows[row]]), int(ch), bound)
+    at = (rows[row], ch)
+    p.worst = (float(excess.flat[i]), sample, int(toks[rows[row]]), int(ch), bound, float(r[at]), float(c[at]))
     if bad.any():
         p.bad_samples.setdefault(sample, int(toks[rows[int(np.argmax(bad.any(axis=1)))]]))
         if heads:

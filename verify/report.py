@@ -6,6 +6,7 @@ stable and documented in docs/report-format.md.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -22,6 +23,24 @@ from . import wording
 from .wording import break_line
 
 REPORT_VERSION = 1
+
+
+class Timing(NamedTuple):
+    """Seconds the comparison took (JUnit's ``time``; not in the JSON, which stays reproducible byte for byte).
+
+    setup: aligning the samples and the metadata checks; layers: each compared layer; final: the final stage.
+    """
+    setup: float = 0.0
+    layers: tuple = ()
+    final: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.setup + sum(self.layers) + self.final
+
+    def layer(self, i: int) -> float:
+        """The i-th compared layer's seconds (0 where unknown)."""
+        return self.layers[i] if 0 <= i < len(self.layers) else 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +63,7 @@ class Report:
     calibration: str | None = None  # how values were judged, in words (the header's "rule")
     strict: bool = False  # --strict: an INCONCLUSIVE pass is a failure (verdict, exit status, JUnit, JSON)
     identity: tuple = ()  # the model identity differences (verify/identity.py), each a dict
+    timing: Timing = field(default=Timing(), compare=False)  # seconds, for JUnit; two equal verdicts are equal
 
     def token_at(self, sample: int | None, position: int | None) -> tuple[int, str | None] | None:
         """(id, text or None) of the reference's token at (sample, logical position), if known."""
@@ -178,6 +198,7 @@ class Session:
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
                  allow_subset: bool = False, rule_note: str | None = None, *, files: Files | tuple | None = None,
                  uncalibrated: str | None = None, allow_identity: bool = False, in_memory: bool = False):
+        start = time.perf_counter()
         self.ref, self.cand = ref, cand
         self.in_memory = in_memory
         self.files = Files(None, None) if in_memory else Files(ref.name, cand.name) if files is None else Files(*files)
@@ -197,6 +218,7 @@ class Session:
             self.first_break = Break(stage="metadata", kind="identity",
                                      message=wording.identity_differs(self.identity))
         self.rule = rule_note or describe_rule(self.cmp, uncalibrated)
+        self.seconds = Timing(setup=time.perf_counter() - start)
 
     def _checked(self, b: Break | None) -> None:
         if self.first_checked is None and b is not None:
@@ -205,7 +227,9 @@ class Session:
                 self.first_break = b
 
     def add_layer(self, i: int) -> LayerResult:
+        start = time.perf_counter()
         lr = self.cmp.layer(self.ref.layer(i), self.cand.layer(i))
+        self.seconds = self.seconds._replace(layers=self.seconds.layers + (time.perf_counter() - start,))
         self.layers.append(lr)
         self._checked(lr.first_break)
         return lr
@@ -213,7 +237,9 @@ class Session:
     def finish(self, stopped_early: bool = False) -> Report:
         final = None
         if not self.metadata_failed and not stopped_early:
+            start = time.perf_counter()
             final = self.cmp.final()
+            self.seconds = self.seconds._replace(final=time.perf_counter() - start)
             self._checked(final.first_break)
         if stopped_early and self.layers:
             self.cmp.skipped.add(wording.stopped_at(self.layers[-1].layer, self.ref.n_layers))
@@ -232,7 +258,7 @@ class Session:
                       token_text={**(self.cand.meta.get("token_text") or {}),
                                   **(self.ref.meta.get("token_text") or {})} or None,
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
-                      calibration=self.rule, identity=self.identity)
+                      calibration=self.rule, identity=self.identity, timing=self.seconds)
 
     def _notes(self) -> tuple[list, list]:
         """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,

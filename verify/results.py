@@ -71,6 +71,7 @@ class TensorResult:
     n_bad: int = 0
     worst: tuple | None = None  # (sample, position, channel)
     worst_bound: float | None = None  # the tolerance at the worst element
+    worst_values: tuple | None = None  # (reference, candidate) values at the worst element
     max_row_rel: float = 0.0  # largest ||cand - ref|| / ||ref|| over rows (one sample and position)
     rows_by_row_rule: int = 0  # rows with element errors beyond atol/rtol/ntol accepted by row_rtol
     bound_floor: float | None = None  # smallest atol + ntol·rms(ref row): every element may differ at least this much
@@ -130,6 +131,8 @@ class TensorResult:
              "worst": list(self.worst) if self.worst else None, "min_atol": num(n.atol), "min_rtol": num(n.rtol),
              "min_ntol": num(n.ntol), "min_row_rtol": num(n.row_rtol), "max_row_rel": num(self.max_row_rel),
              "rows_by_row_rule": self.rows_by_row_rule, "worst_bound": num(self.worst_bound),
+             "worst_reference": num(self.worst_values[0]) if self.worst_values else None,
+             "worst_candidate": num(self.worst_values[1]) if self.worst_values else None,
              "bound_floor": num(self.bound_floor), "finite_ref_only": f.ref_only, "finite_cand_only": f.cand_only,
              "nonfinite_both": f.both, "pad_nonfinite_ref": f.pad_ref, "pad_nonfinite_cand": f.pad_cand,
              "shape_detail": self.shape_detail, "bad_samples": list(self.failing_samples),
@@ -176,6 +179,7 @@ class Accumulator:
             tensor=tensor, level=level, tol=self.tol, compared=p.n, max_abs=p.max_abs, max_rel=p.max_rel,
             mean_abs=p.sum_abs / p.n if p.n else 0.0, cosine=cos, n_bad=p.n_bad,
             worst=None if p.worst is None else p.worst[1:4], worst_bound=None if p.worst is None else p.worst[4],
+            worst_values=None if p.worst is None else p.worst[5:7],
             max_row_rel=p.max_row_rel, rows_by_row_rule=p.rows_by_row_rule,
             bound_floor=p.bound_floor if np.isfinite(p.bound_floor) else None,
             needed=Needed(atol=p.min_atol, rtol=p.min_rtol, ntol=p.min_ntol, row_rtol=p.min_row_rtol),

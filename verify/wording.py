@@ -122,9 +122,42 @@ def stats_values(t) -> str:
             "no element, row or relative error is recorded]")
 
 
+def share(n: int, total: int) -> str:
+    """n of total in percent, as torch.testing.assert_close says it: '100.0%', '0.0012%', never 0.0% for n > 0
+    nor 100.0% for n < total."""
+    if not total:
+        return "0%"
+    p = 100.0 * n / total
+    if 0 < p < 0.05:
+        return f"{p:.2g}%"
+    if n < total and p >= 99.95:
+        return ">99.9%"
+    return f"{p:.1f}%"
+
+
+def pair(a: float, b: float) -> tuple[str, str]:
+    """Two values with the fewest significant digits (at least 4, at most 9) that tell them apart."""
+    for digits in range(4, 10):
+        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if x != y:
+            break
+    return x, y
+
+
+def worst_element(t) -> str:
+    """'; worst element (sample 1, pos 0, channel 17): reference 0.4123, candidate -2.248, tolerance there 5.8e-04',
+    or '' where the values are not known."""
+    if not t.worst or not t.worst_values or t.worst[1] is None:
+        return ""
+    (s, pos, ch), (ref, cand) = t.worst, pair(*t.worst_values)
+    there = "" if t.worst_bound is None else f", tolerance there {t.worst_bound:.1e}"
+    return f"; worst element (sample {s}, pos {pos}, channel {ch}): reference {ref}, candidate {cand}{there}"
+
+
 def values(t) -> str:
     n = t.needed
-    msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance; max_abs={t.max_abs:.3g}, "
+    msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance ({share(t.n_bad, t.compared)})"
+           f"{worst_element(t)}; max_abs={t.max_abs:.3g}, "
            f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
            f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={n.atol:.3g}, "
            f"rtol>={n.rtol:.3g}, ntol>={n.ntol:.3g} or row_rtol>={n.row_rtol:.3g}")
@@ -133,8 +166,10 @@ def values(t) -> str:
 
 def calibrated_values(t, label: str) -> str:
     k = t.calib
+    s, pos = k.worst if k.worst else (None, None)
     return (f"row error {k.max_ratio:.3g}x the measured {label} noise (allowed {k.factor:g}x): "
-            f"{k.bad_rows} of {k.rows} rows of {t.tensor} out; at the worst row the candidate is {k.cand_error:.3g} "
+            f"{k.bad_rows} of {k.rows} rows of {t.tensor} out ({share(k.bad_rows, k.rows)}); at the worst row "
+            f"(sample {s}, pos {pos}) the candidate is {k.cand_error:.3g} "
             f"of the row norm from the float64 golden, the twin {k.noise:.3g}, allowed {k.allowed:.3g} "
             f"(K x noise + floor {k.floor:.2g}); would pass with --noise-factor {k.min_factor:.3g}")
 
@@ -266,6 +301,16 @@ def break_line(b, token_text: str | None = None) -> str:
     else:
         parts.append(b.message.split(": ", 1)[-1] if b.message.startswith("sample ") else b.message)
     return " | ".join(parts)
+
+
+def break_site(b) -> str:
+    """Where a break is, in a few words: 'layer 0 attn_update', 'final logits', 'the metadata stage (coverage)'."""
+    return f"the metadata stage ({b.kind})" if b.stage == "metadata" else _where(b)
+
+
+def after_first_break(first, line: str) -> str:
+    """A later break's one line, citing the first break (JUnit: later failures are counted, not explained)."""
+    return f"after the first break at {break_site(first)}: {line}"
 
 
 def _where(b) -> str:
