@@ -53,12 +53,14 @@ def to_markdown(report: Report, shown=None, columns=None) -> str:
 
 def _head(report: Report) -> str:
     def side(d: dict) -> str:
-        return f"{md(d.get('origin'))} ({md(d.get('file') or 'trace not kept')}, {md(d.get('level'))} level)"
+        where = d.get("file") or ("in memory" if d.get("in_memory") else "trace not kept")
+        return f"{md(d.get('origin'))} ({md(where)}, {md(d.get('level'))} level)"
+    # hard line breaks as a trailing backslash (CommonMark), not two trailing spaces, which pipes and editors drop
     lines = [f"### prefill-diff: {'PASSED' if report else 'FAILED'}", "",
              f"**{md(report.verdict_line())}**", "",
-             f"reference: {side(report.ref)}  \ncandidate: {side(report.cand)}  \npolicy: {md(report.policy.name)}"]
+             f"reference: {side(report.ref)}\\\ncandidate: {side(report.cand)}\\\npolicy: {md(report.policy.name)}"]
     if report.calibration:
-        lines[-1] += f"  \nrule: {md(report.calibration)}"
+        lines[-1] += f"\\\nrule: {md(report.calibration)}"
     return "\n".join(lines)
 
 
