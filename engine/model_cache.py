@@ -5,10 +5,13 @@ else ``~/.cache/prefill-diff``; the value ``off`` disables the cache. Layout und
 
     prefill-diff-cache.json       marks the directory as ours: a non-empty directory without it is refused
     models/<sha256 of the source file>-<kind>/
-        manifest.json             the source's sha256 and size, the format and package versions, what the kind
-                                  records (ModelArgs, weights digest), the size and sha256 of every other file,
-                                  and its own sha256
+        manifest.json             the source's sha256 and size (and its path, for people), the format and
+                                  package versions, what the kind records (ModelArgs, weights digest), the size
+                                  and sha256 of every other file, and its own sha256
         ...                       the converted files (flat: no subdirectories, no links)
+    models/.tmp-<uuid>/           an entry being written, and beside it .tmp-<uuid>.lock, whose lock (flock)
+                                  its writer holds until the directory is renamed into place or removed
+    models/.trash-<uuid>/         an unusable entry being deleted
 
 Kinds: ``native`` (our float32 master weights under our names, and the tokenizer transformers built from the
 GGUF metadata, saved as tokenizer files) and ``transformers`` (the model transformers' own GGUF loader built,
@@ -16,16 +19,18 @@ saved with ``save_pretrained``: config.json + model.safetensors). They are kept 
 transformers engine is the implementation we did not write, so its weights come from its own GGUF reader,
 never from ours.
 
-Every use verifies the entry: the manifest is intact and names exactly the files present, each a regular
-file (never a link) of the recorded size and sha256, made from a source with the sha256 we just computed, by
-the same format and package versions. A damaged or stale entry is reported on stderr in one line, moved
-aside and rebuilt. Entries are written to a temporary directory inside ``models/`` and renamed into place, so
-a reader never sees half an entry and concurrent runs cannot corrupt each other (a losing rename discards its
-copy). Nothing outside the cache directory is ever written or removed.
+Every use verifies the entry (and marks it used: its directory's mtime): the manifest is intact and names
+exactly the files present, each a regular file (never a link) of the recorded size and sha256, made from a
+source with the sha256 we just computed, by the same format and package versions. A damaged or stale entry
+is reported on stderr in one line, moved aside and rebuilt. Entries are written to a temporary directory
+inside ``models/`` and renamed into place, so a reader never sees half an entry and concurrent runs cannot
+corrupt each other (a losing rename discards its copy). Nothing outside the cache directory is ever written
+or removed.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -33,8 +38,8 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 import uuid
+from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
 from .errors import ConfigError, visible
@@ -45,7 +50,9 @@ MARKER = "prefill-diff-cache.json"
 MANIFEST = "manifest.json"
 FORMAT = 1  # bump when a conversion changes what it writes: older entries become stale and are rebuilt
 _CHUNK = 4 << 20
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _MANIFEST_LIMIT = 1 << 20
+TMP_PREFIX, LOCK_SUFFIX, TRASH_PREFIX = ".tmp-", ".lock", ".trash-"  # an entry being written; being deleted
 
 
 class Entry(NamedTuple):
@@ -80,7 +87,7 @@ def root() -> str | None:
 def file_sha256(path: str, follow: bool = False) -> str:
     """sha256 of a file's bytes, read in chunks; a link is refused (O_NOFOLLOW) unless ``follow``."""
     h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
+    fd = os.open(path, os.O_RDONLY | (0 if follow else _NOFOLLOW))
     try:
         with os.fdopen(fd, "rb", closefd=False) as f:
             while chunk := f.read(_CHUNK):
@@ -136,12 +143,13 @@ def cached(source: str, kind: str, convert: Callable, save: Callable, load: Call
         _say(f"cannot use the model cache in {where} ({e.strerror or e}); running without it")
         return convert()
     name = f"{digest}-{kind}"
-    entry = _lookup(models, name, digest)
-    if entry is not None:
-        return load(entry)
+    with _held(os.path.join(models, name)) as there:  # prune leaves the entry alone while it is loaded
+        entry = _lookup(models, name, digest) if there else None
+        if entry is not None:
+            return load(entry)
     value = convert()
     try:
-        _store(models, name, digest, os.path.getsize(source), lambda d: save(value, d))
+        _store(models, name, digest, os.path.getsize(source), lambda d: save(value, d), source=source)
     except OSError as e:
         _say(f"cannot write the model cache in {models} ({e.strerror or e}); running without it")
     return value
@@ -154,30 +162,64 @@ def _say(message: str) -> None:
 def _models_dir(where: str) -> str:
     """``where``/models, after making sure ``where`` is ours (made ours when new or empty)."""
     os.makedirs(where, exist_ok=True)
-    if not os.path.isdir(where):
-        raise ConfigError(f"model cache {visible(where)} is not a directory (set --model-cache DIR or off)")
+    _check_dir(where)
     marker = os.path.join(where, MARKER)
     if not os.path.lexists(marker):
-        if os.listdir(where):
-            raise ConfigError(f"model cache {visible(where)} is not a prefill-diff cache (no {MARKER}) and is "
-                              "not empty: refusing to use it (choose another --model-cache DIR, or off)")
+        _check_empty(where)
         try:  # created in place (O_EXCL), so a concurrent run never sees a non-empty directory without it
-            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
             with os.fdopen(fd, "w") as f:
                 json.dump({"prefill_diff_model_cache": FORMAT}, f)
         except FileExistsError:
             pass
-    if not _is_regular(marker):
-        raise ConfigError(f"model cache {visible(where)}: {MARKER} is not a regular file: refusing to use it")
+    _check_marker(where)
     models = os.path.join(where, "models")
     try:
         os.mkdir(models)
     except FileExistsError:
         pass
+    _check_models(models)
+    return models
+
+
+def _existing_models_dir(where: str) -> str | None:
+    """``where``/models of an existing cache, None when there is none yet; the same checks as ``_models_dir``,
+    but nothing is created."""
+    if not os.path.lexists(where):
+        return None
+    _check_dir(where)
+    if not os.path.lexists(os.path.join(where, MARKER)):
+        _check_empty(where)
+        return None
+    _check_marker(where)
+    models = os.path.join(where, "models")
+    if not os.path.lexists(models):
+        return None
+    _check_models(models)
+    return models
+
+
+def _check_dir(where: str) -> None:
+    if not os.path.isdir(where):
+        raise ConfigError(f"model cache {visible(where)} is not a directory (set --model-cache DIR or off)")
+
+
+def _check_empty(where: str) -> None:
+    """A directory without our marker is ours to take only when empty."""
+    if os.listdir(where):
+        raise ConfigError(f"model cache {visible(where)} is not a prefill-diff cache (no {MARKER}) and is "
+                          "not empty: refusing to use it (choose another --model-cache DIR, or off)")
+
+
+def _check_marker(where: str) -> None:
+    if not _is_regular(os.path.join(where, MARKER)):
+        raise ConfigError(f"model cache {visible(where)}: {MARKER} is not a regular file: refusing to use it")
+
+
+def _check_models(models: str) -> None:
     if os.path.islink(models) or not os.path.isdir(models):
         raise ConfigError(f"model cache {visible(models)} is not a directory of ours (a link or a file): "
                           "refusing to use it")
-    return models
 
 
 def _is_regular(path: str) -> bool:
@@ -200,11 +242,50 @@ def _lookup(models: str, name: str, digest: str) -> Entry | None:
     if not os.path.lexists(path):
         return None
     try:
-        return Entry(path, _verify(path, digest))
+        entry = Entry(path, _verify(path, digest))
     except _Unusable as why:
         _say(f"model cache entry {path} {why}; rebuilding it")
         _discard(models, path)
         return None
+    try:
+        os.utime(path, follow_symlinks=False)  # marks it used (prune --older-than, --max-size)
+    except OSError:
+        pass  # another user's entry, a read-only cache: still used
+    return entry
+
+
+@contextmanager
+def _held(path: str):
+    """A shared lock on entry ``path``'s manifest while a run verifies and loads it (prune takes it exclusively
+    to remove the entry); yields False when a prune removed the entry before the lock was taken."""
+    fds: list[int] = []
+    try:
+        yield _lock_shared(path, fds)
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def _lock_shared(path: str, fds: list[int]) -> bool:
+    try:
+        fds.append(os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW))
+        fds.append(os.open(MANIFEST, os.O_RDONLY | _NOFOLLOW, dir_fd=fds[0]))
+    except OSError:
+        return True  # no entry, not a directory, no manifest: _lookup says which
+    try:
+        fcntl.flock(fds[1], fcntl.LOCK_SH)  # waits while a prune removes the entry
+    except OSError:
+        return True  # a file system without locks: used unlocked
+    return _same_file(path, fds[0])
+
+
+def _same_file(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed or replaced since it was opened)."""
+    try:
+        a, b = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _verify(path: str, digest: str) -> dict:
@@ -246,7 +327,7 @@ def _read_manifest(path: str) -> dict:
     if not _is_regular(mpath):
         raise _Unusable(f"is damaged (no {MANIFEST})")
     try:
-        fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(mpath, os.O_RDONLY | _NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             raw = f.read(_MANIFEST_LIMIT + 1)
         manifest = json.loads(raw)
@@ -264,22 +345,63 @@ def _body_sha256(body: dict) -> str:
 
 
 def _discard(models: str, path: str) -> None:
-    """Move an unusable entry aside (atomically, so no reader sees it half-deleted), then delete it."""
-    trash = os.path.join(models, f".trash-{uuid.uuid4().hex}")
+    """Delete an unusable entry (quietly: another run may have moved it first)."""
+    try:
+        _delete(models, path)
+    except OSError:
+        pass
+
+
+def _delete(models: str, path: str) -> None:
+    """Move ``path`` aside (atomically, so no reader sees it half-deleted), then delete it, never following a
+    link; a path that is already gone is no error."""
+    trash = os.path.join(models, f"{TRASH_PREFIX}{uuid.uuid4().hex}")
     try:
         os.rename(path, trash)
-    except OSError:
-        return  # another run moved it first
+    except FileNotFoundError:
+        return
     if os.path.islink(trash) or not os.path.isdir(trash):
-        _unlink_quietly(trash)
+        os.unlink(trash)
     else:
-        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(trash)  # removes links inside, never what they point at
 
 
-def _store(models: str, name: str, digest: str, size: int, write: Callable[[str], dict | None]) -> None:
-    """Write an entry into a temporary directory, record every file in its manifest, rename it into place."""
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=models)
+@contextmanager
+def _writing(models: str):
+    """A new temporary directory in ``models``, and beside it the lock file its writer holds until the directory
+    is renamed into place or removed: prune removes a temporary directory only when nobody holds its lock."""
+    tmp, fd = _new_lock(models)
     try:
+        os.mkdir(tmp, 0o700)
+        yield tmp
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        _unlink_quietly(tmp + LOCK_SUFFIX)
+        os.close(fd)
+
+
+def _new_lock(models: str) -> tuple[str, int]:
+    """A temporary directory's path (not made yet) and its lock file, created and locked exclusively."""
+    while True:
+        tmp = os.path.join(models, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        fd = os.open(tmp + LOCK_SUFFIX, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits if a prune took it between its creation and now
+            if _same_file(tmp + LOCK_SUFFIX, fd):
+                return tmp, fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # that prune removed it: make another
+
+
+def _store(models: str, name: str, digest: str, size: int, write: Callable[[str], dict | None],
+           source: str | None = None) -> None:
+    """Write an entry into a temporary directory, record every file in its manifest, rename it into place.
+
+    ``source``: the file it was converted from, recorded for people (``prefill-diff cache``), never verified."""
+    with _writing(models) as tmp:
         meta = write(tmp)
         if meta is None:
             return
@@ -291,6 +413,8 @@ def _store(models: str, name: str, digest: str, size: int, write: Callable[[str]
                 raise RuntimeError(f"model cache writer left {fname!r}, not a regular file")
             files[fname] = {"size": st.st_size, "sha256": file_sha256(fpath)}
         body = {"source_sha256": digest, "source_size": size, "versions": versions(), "files": files, "meta": meta}
+        if source is not None:
+            body["source"] = os.path.abspath(source)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump({"body": body, "sha256": _body_sha256(body)}, f, sort_keys=True, indent=1)
         try:
@@ -298,10 +422,7 @@ def _store(models: str, name: str, digest: str, size: int, write: Callable[[str]
         except OSError as e:
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
-            # another run stored the same entry first: keep theirs
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+            # another run stored the same entry first: keep theirs (_writing removes this copy)
 
 
 # -- the native engine's snapshot: float32 weights under our names, the GGUF's tokenizer

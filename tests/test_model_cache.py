@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -263,3 +264,82 @@ def test_smollm2_traces_are_identical_with_and_without_the_cache(tmp_path):
         for k in a:
             assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True), (side, k)
         assert ma == mb and ma["weights_digest"].startswith("sha256:")
+
+
+# -- the locks that let `prefill-diff cache prune` leave running conversions and loading runs alone
+
+
+def _save_bytes(value, directory):
+    with open(os.path.join(directory, "weights.bin"), "wb") as f:
+        f.write(value)
+    return {"n": len(value)}
+
+
+def _load_bytes(entry):
+    with open(os.path.join(entry.dir, "weights.bin"), "rb") as f:
+        return f.read()
+
+
+def _entry(tmp_path, name, kind="native", n=200_000):
+    """A cache entry of ``n`` bytes converted from a small file ``name``, as a run stores it; returns its path."""
+    src = tmp_path / name
+    src.write_bytes(name.encode() * 10)
+    model_cache.cached(str(src), kind, lambda: os.urandom(n), _save_bytes, _load_bytes)
+    return Path(model_cache.root()) / "models" / f"{model_cache.file_sha256(src)}-{kind}"
+
+def _age(path, days):
+    t = os.lstat(path).st_mtime - days * 86400
+    os.utime(path, (t, t), follow_symlinks=False)
+
+
+def test_an_entry_records_its_source_and_a_use_marks_it_used(cache_dir, tmp_path):
+    entry = _entry(tmp_path, "a.gguf")
+    assert json.loads((entry / "manifest.json").read_text())["body"]["source"] == str(tmp_path / "a.gguf")
+    _age(entry, 5)
+    assert model_cache.cached(str(tmp_path / "a.gguf"), "native", lambda: 1 / 0, _save_bytes, _load_bytes)
+    assert abs(os.path.getmtime(entry) - time.time()) < 60
+
+
+@pytest.mark.parametrize("meanwhile", ["removed", "replaced"])
+def test_a_run_whose_entry_was_pruned_while_it_waited_converts_it_again(meanwhile, cache_dir, tmp_path):
+    """A run waits while a prune removes the entry it wants, then converts: it never loads an entry it holds no
+    lock on (one another run stored meanwhile could be pruned under it)."""
+    import fcntl
+    import threading
+    entry = _entry(tmp_path, "a.gguf", n=1000)
+    fd = os.open(entry / "manifest.json", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a prune is removing the entry
+    got = []
+    run = threading.Thread(target=lambda: got.append(model_cache.cached(
+        str(tmp_path / "a.gguf"), "native", lambda: b"fresh", _save_bytes, _load_bytes)))
+    run.start()
+    run.join(0.5)
+    assert run.is_alive()  # the run waits for the prune
+    models, digest = str(cache_dir / "models"), entry.name.split("-")[0]
+    model_cache._delete(models, str(entry))
+    if meanwhile == "replaced":  # another run stored the entry again
+        model_cache._store(models, entry.name, digest, 1, lambda d: _save_bytes(b"other", d))
+    os.close(fd)
+    run.join(10)
+    assert got == [b"fresh"]  # converted again
+    assert (entry / "weights.bin").read_bytes() == (b"fresh" if meanwhile == "removed" else b"other")
+
+
+def test_a_writer_whose_new_lock_file_was_taken_by_a_prune_makes_another(cache_dir, tmp_path, monkeypatch):
+    import fcntl
+    real, calls = fcntl.flock, []
+
+    def pruned_first(fd, op):  # a prune locked and removed the lock file between its creation and our lock
+        if not calls:
+            os.unlink(os.readlink(f"/proc/self/fd/{fd}"))
+        calls.append(op)
+        return real(fd, op)
+    monkeypatch.setattr(model_cache.fcntl, "flock", pruned_first)
+    models = str(cache_dir / "models")
+    os.makedirs(models)
+    tmp, fd = model_cache._new_lock(models)
+    try:
+        assert len(calls) == 2 and os.path.exists(tmp + model_cache.LOCK_SUFFIX)
+        assert os.listdir(models) == [os.path.basename(tmp) + model_cache.LOCK_SUFFIX]
+    finally:
+        os.close(fd)
