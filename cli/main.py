@@ -1,4 +1,5 @@
-"""prefill-diff's commands: each parses its options, calls one function of ``cli/jobs.py``, renders the result.
+"""prefill-diff's commands: each parses its options, calls one function of ``cli/jobs.py`` (``cache``: of
+``engine/model_cache.py``), renders the result.
 
 The engine's modules import torch; they are imported only by the commands that run a side (through
 ``jobs``), so `--help`, `inspect` and `compare A.h5 B.h5` start without it.
@@ -11,6 +12,7 @@ import shutil
 import signal
 import sys
 import textwrap
+import time
 
 import click
 from rich.console import Console
@@ -20,13 +22,15 @@ from ..dumps import native
 from ..dumps.inspect import summarize
 from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
+from ..engine import model_cache  # light: no torch
 from ..engine.errors import INTERRUPT, PrefillDiffError, visible
 from . import jobs
-from .options import (LEVEL_CHOICE, calibration_options, model_options, report_options, shared_inputs,
-                      tolerance_options)
+from .options import (LEVEL_CHOICE, calibration_options, model_cache_option, model_options, report_options,
+                      shared_inputs, tolerance_options)
 from .outputs import (EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit,
                       stdout_taken, write_text)
-from .render import ledger_renderable, plain, print_inspect, print_line
+from .render import (cache_json_item, cache_notes, cache_table, cache_where, ledger_renderable, plain, print_inspect,
+                     print_line, pruned_lines)
 from .terminal import text_streams
 
 
@@ -411,6 +415,106 @@ def presets():
                                      break_on_hyphens=False))
         else:  # not a terminal: one plain line per preset, easy to grep
             click.echo(f"{name:<{width}}  {desc}")
+
+
+_CACHE_JSON = click.option("--json", "as_json", is_flag=True, help="Print the same as JSON on stdout.")
+
+
+@cli.group(invoke_without_command=True)
+@model_cache_option
+@_CACHE_JSON
+@click.pass_context
+def cache(ctx, as_json):
+    """List the converted-model cache (or `cache list`): one line per entry with its kind, the file it was
+    converted from, its size on disk, when it was last used, and whether it verifies (intact, damaged, stale);
+    temporary directories of conversions (writing, or abandoned by one that no longer runs); a total.
+
+    Every entry is verified as a run would verify it (its files' sizes and sha256), which reads the whole
+    cache. `cache prune` removes entries.
+
+    \b
+    Example:
+        prefill-diff cache
+        prefill-diff cache --json --model-cache /data/prefill-diff-cache
+        prefill-diff cache prune --dry-run
+        prefill-diff cache prune --older-than 30 --max-size 2G
+    """
+    ctx.meta["cache_json"] = as_json  # `cache --json prune` as `cache prune --json`
+    if ctx.invoked_subcommand is None:
+        _print_cache(as_json)
+
+
+@cache.command("list")
+@model_cache_option
+@_CACHE_JSON
+def cache_list(as_json):
+    """List the converted-model cache's entries, sizes and states (the same as `prefill-diff cache`).
+
+    \b
+    Example:
+        prefill-diff cache list
+        prefill-diff cache list --json
+    """
+    _print_cache(as_json or click.get_current_context().meta.get("cache_json"))
+
+
+def _print_cache(as_json: bool) -> None:
+    now = time.time()
+    found = model_cache.listing(now)
+    if as_json:
+        click.echo(json.dumps({"cache": found.root, "models": found.models, "total": found.total,
+                               "items": [cache_json_item(i) for i in found.items]}, indent=2))
+        return
+    con = console()
+    con.print(cache_where(found), soft_wrap=True)
+    if found.items:
+        table, _ = cache_table(found, now, con.width)
+        con.print(table)
+        for line in cache_notes(found):
+            con.print(line, soft_wrap=True)
+
+
+@cache.command("prune")
+@model_cache_option
+@click.option("--all", "everything", is_flag=True, help="Remove every entry.")
+@click.option("--older-than", type=float, default=None, metavar="DAYS",
+              help="Remove the entries not used for more than DAYS days.")
+@click.option("--max-size", default=None, metavar="SIZE",
+              help="Remove the least recently used entries until the cache holds at most SIZE: 500M, 2G, 2GiB "
+                   "(powers of 1024) or 2GB (powers of 1000).")
+@click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
+@_CACHE_JSON
+def cache_prune(everything, older_than, max_size, dry_run, as_json):
+    """Remove damaged and stale entries, and temporary directories whose conversion no longer runs; with
+    --all, --older-than or --max-size, intact entries too.
+
+    Removes only what is inside the cache's own models/ directory, never following a link. It never removes
+    another user's files, an entry a run is loading, a temporary directory whose conversion is running, or
+    anything prefill-diff did not make: those are listed as kept, with the reason.
+
+    \b
+    Example:
+        prefill-diff cache prune
+        prefill-diff cache prune --older-than 30
+        prefill-diff cache prune --max-size 2G --dry-run
+        prefill-diff cache prune --all
+    """
+    if everything and (older_than is not None or max_size is not None):
+        raise BadInput("--all removes every entry: drop --older-than and --max-size")
+    limit = None if max_size is None else model_cache.parse_size(max_size)
+    pruned = model_cache.prune(everything=everything, older_than=older_than, max_size=limit, dry_run=dry_run)
+    if as_json or click.get_current_context().meta.get("cache_json"):
+        click.echo(json.dumps({
+            "cache": pruned.found.root, "dry_run": dry_run, "freed": pruned.freed, "left": pruned.left,
+            "removed": [cache_json_item(d.item, d.why) for d in pruned.decisions if d.removed],
+            "kept": [cache_json_item(d.item, d.why) for d in pruned.decisions if not d.removed]}, indent=2))
+        return
+    if pruned.found.root is None:
+        click.echo("the model cache is off (--model-cache off or PREFILL_DIFF_CACHE=off): nothing to prune")
+        return
+    con = console()
+    for line in pruned_lines(pruned, limit):
+        con.print(line, soft_wrap=True)
 
 
 def _on_signal(signum, frame):

@@ -32,6 +32,12 @@ def _model_cache(ctx, param, value):
     return value
 
 
+model_cache_option = click.option(
+    "--model-cache", default=None, expose_value=False, callback=_model_cache, metavar="DIR|off",
+    help="Where converted GGUF models are kept, so later runs skip parsing and dequantising (default: "
+         "$PREFILL_DIFF_CACHE, else $XDG_CACHE_HOME/prefill-diff or ~/.cache/prefill-diff); off: convert every run.")
+
+
 def model_options(f):
     """--model, --prompt, --tokens: *what* to prefill, shared by both sides unless a config sets its own."""
     return _compose(
@@ -39,10 +45,7 @@ def model_options(f):
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
         click.option("--model", "model", default=None, metavar="SOURCE",
                      help="synthetic (default), seed-2.8, hf:DIR, gguf:FILE or smollm2."),
-        click.option("--model-cache", default=None, expose_value=False, callback=_model_cache, metavar="DIR|off",
-                     help="Where converted GGUF models are kept, so later runs skip parsing and dequantising "
-                          "(default: $PREFILL_DIFF_CACHE, else $XDG_CACHE_HOME/prefill-diff or "
-                          "~/.cache/prefill-diff); off: convert every run."),
+        model_cache_option,
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
                      help="A text prompt (repeatable); needs a model with a tokenizer."),
         click.option("--tokens", "tokens", multiple=True, metavar="IDS",

@@ -10,9 +10,12 @@ written as they are: where the stream cannot encode them, ``cli/terminal.py`` st
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import io
 import math
 import re
+import time
 
 from rich import box
 from rich.cells import cell_len
@@ -570,3 +573,98 @@ def _values_lines(v: dict, width: int | None = None):
         yield Text(f"  {v['row_name']:>9}  " + " ".join(f"{'ch ' + str(c):>10}" for c in chans), style="dim")
         for pos, row in zip(v["rows"], v["head"]):
             yield Text(f"  {pos:>9}  " + " ".join(f"{x:>10.4g}" for x in row[lo:lo + per]))
+
+
+# -- prefill-diff cache
+
+def human_size(n: int) -> str:
+    """Bytes in binary units: 0 B, 12 KiB, 513 MiB, 1.1 GiB."""
+    x, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            break
+        x /= 1024
+    return f"{x:.0f} {unit}" if unit == "B" or x >= 10 else f"{x:.1f} {unit}"
+
+
+def _ago(seconds: float) -> str:
+    for span, unit in ((86400, "day"), (3600, "hour"), (60, "minute")):
+        if seconds >= span:
+            n = int(seconds // span)
+            return f"{n} {unit}{'' if n == 1 else 's'} ago"
+    return "just now"
+
+
+def cache_label(item) -> str:
+    """An item as people know it: its kind and source file name (else its digest), or its name in models/."""
+    if item.source_sha256 is None:
+        return f"{item.kind} {item.name}"
+    name = item.source.replace("\\", "/").rsplit("/", 1)[-1] if item.source else f"sha256 {item.source_sha256[:12]}…"
+    return f"{item.kind} {name}"
+
+
+def cache_where(listing) -> Text:
+    """The line that says where the cache is, or that it is off or empty."""
+    if listing.root is None:
+        return Text("the model cache is off (--model-cache off or PREFILL_DIFF_CACHE=off): nothing is stored")
+    n = len(listing.items)
+    what = "empty" if not n else f"{n} item{'' if n == 1 else 's'}, {human_size(listing.total)}"
+    return plain(f"model cache {listing.root}: {what}")
+
+
+def cache_table(listing, now: float, width: int):
+    """One row per item: kind, source, size, last used, state (and owner, when not all are yours); a total row.
+    Returns (table, dropped columns)."""
+    cols = [("kind", "left", 0), ("source", "left", 0), ("size", "right", 0), ("last used", "left", 2),
+            ("state", "left", 0), ("owner", "left", 1)]
+    rows = []
+    for it in listing.items:
+        source = cache_label(it).split(" ", 1)[1]
+        if it.source_sha256 is None and len(source) > 16:  # a temporary directory: .tmp-<uuid>
+            source = source[:14] + "…"
+        state = Text(it.state, style="" if it.state == "intact" else "yellow")
+        rows.append([Text(it.kind), plain(source), Text(human_size(it.size)), Text(_ago(max(0.0, now - it.used))),
+                     state, plain(it.owner or "you")])
+    rows.append([Text("total", style="bold"), Text(""), Text(human_size(listing.total), style="bold"), Text(""),
+                 Text(""), Text("")])
+    if all(it.owner is None for it in listing.items):
+        cols.pop()
+        rows = [r[:-1] for r in rows]
+    return fitted_table(cols, rows, width, show_edge=False)
+
+
+def cache_notes(listing):
+    """A line for every item that is not an intact entry of the current user's: what it is, and why."""
+    for it in listing.items:
+        if it.why:
+            yield plain(f"{cache_label(it)} {it.why}", style="yellow")
+        if it.owner is not None:
+            yield plain(f"{cache_label(it)} is owned by {it.owner}, not by you: prune does not remove it", style="dim")
+
+
+def pruned_lines(pruned, max_size: int | None):
+    """What prune removed (or would) and kept, and what the cache holds after it."""
+    verb = "would remove" if pruned.dry_run else "removed"
+    for d in pruned.decisions:
+        word = Text(verb if d.removed else "kept", style="green" if d.removed else "yellow")
+        yield Text.assemble(word, " ", plain(f"{cache_label(d.item)} ({human_size(d.item.size)}): {d.why}"))
+    n = sum(d.removed for d in pruned.decisions)
+    where = visible(pruned.found.root)
+    if n == 0:
+        yield plain(f"nothing to remove; the model cache {where} holds {human_size(pruned.left)}")
+    else:
+        freed, holds = ("would free", "would hold") if pruned.dry_run else ("freed", "holds")
+        yield plain(f"{freed} {human_size(pruned.freed)}; the model cache {where} {holds} {human_size(pruned.left)}")
+    if max_size is not None and pruned.left > max_size:
+        yield Text(f"the cache stays larger than --max-size {human_size(max_size)}: what is left is in use, being "
+                   "written, another user's or not made by prefill-diff (see above)", style="yellow")
+
+
+def cache_json_item(item, why: str | None = None) -> dict:
+    """An item as JSON: its fields, ``used`` as UTC ISO 8601, ``why`` as prune decided it when given."""
+    d = dataclasses.asdict(item)
+    d["paths"] = list(item.paths)
+    d["used"] = datetime.datetime.fromtimestamp(item.used, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if why is not None:
+        d["why"] = why
+    return d
