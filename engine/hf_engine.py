@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from . import model_cache
+from . import cache_entries, model_cache
 from .cache import torch_dtype
 from .errors import ConfigError, ModelLoadError
 from .gguf_loader import smollm2_path
@@ -92,7 +92,7 @@ def build_model(snapshot, dtype: str, attn: str):
             path, "transformers",
             lambda: AutoModelForCausalLM.from_pretrained(os.path.dirname(path) or ".",
                                                          gguf_file=os.path.basename(path), **kw),
-            model_cache.save_hf_model,
+            cache_entries.save_hf_model,
             lambda entry: AutoModelForCausalLM.from_pretrained(entry.dir, use_safetensors=True, **kw))
     else:
         model = _from_our_weights(AutoModelForCausalLM, snapshot, tdt, attn)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from . import budget, model_cache
+from . import budget, cache_entries, model_cache
 from .adapters import seeded_adapter
 from .errors import ConfigError
 from .gguf_loader import load_gguf, smollm2_path
@@ -59,5 +59,5 @@ def load_source(spec: ModelSpec) -> Snapshot:
     path = smollm2_path() if src == "smollm2" else src[5:]
     if not os.path.isfile(path):  # the loader's own message, before the cache hashes the file
         return load_gguf(path, src)
-    return model_cache.cached(path, "native", lambda: load_gguf(path, src), model_cache.save_snapshot,
-                              lambda entry: model_cache.load_snapshot(entry, src, Tokenizer))
+    return model_cache.cached(path, "native", lambda: load_gguf(path, src), cache_entries.save_snapshot,
+                              lambda entry: cache_entries.load_snapshot(entry, src, Tokenizer))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine import model_cache
+from prefill_diff.engine import cache_entries, model_cache
 from prefill_diff.engine.errors import ConfigError
 from prefill_diff.engine.digest import digest_tensors
 from prefill_diff.engine.snapshot import Snapshot
@@ -234,7 +234,7 @@ def test_a_losing_concurrent_writer_keeps_the_winners_entry(tiny_gguf, cache_dir
     digest = model_cache.file_sha256(tiny_gguf)
     name = f"{digest}-native"
     before = (cache_dir / "models" / name / "manifest.json").read_bytes()
-    model_cache._store(models, name, digest, 1, lambda d: model_cache.save_snapshot(snap, d))
+    model_cache._store(models, name, digest, 1, lambda d: cache_entries.save_snapshot(snap, d))
     assert _entries(cache_dir) == [name]  # no temporary directory left behind
     assert (cache_dir / "models" / name / "manifest.json").read_bytes() == before
     model_cache._verify(os.path.join(models, name), digest)
@@ -480,7 +480,7 @@ def test_cache_prune_never_follows_a_link(cache_dir, tmp_path, run_cli):
 
 _WRITER = """
 import os, sys, time
-from prefill_diff.engine import model_cache
+from prefill_diff.engine import cache_entries, model_cache
 
 def save(value, directory):
     with open(os.path.join(directory, "weights.bin"), "wb") as f:
