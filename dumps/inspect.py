@@ -85,7 +85,7 @@ def _header(t: Trace, samples) -> dict:
     """What the trace says about its model, run and samples."""
     m = t.meta
     side = m.get("side", {})
-    run = side.get("run", {})
+    run = side.get("run") or {}
     texts = m.get("texts") or []
     return {
         "file": t.name, "format_version": t.version, "level": t.level,

@@ -426,6 +426,8 @@ class Trace:
         for key in ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text"):
             if self.meta.get(key) is not None and not isinstance(self.meta[key], dict):
                 raise TraceError(f"{where}: meta.{key} must be a JSON object (got {type(self.meta[key]).__name__})")
+            if key in self.meta and self.meta[key] is None:
+                del self.meta[key]  # a null object reads as an absent one (readers write meta.get(key, {}))
         model = self.meta["model"] = self.meta.get("model") or {}
         if model.get("args") is not None and not isinstance(model["args"], dict):
             raise TraceError(f"{where}: meta.model.args must be a JSON object (got {type(model['args']).__name__})")

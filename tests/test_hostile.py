@@ -340,6 +340,12 @@ def mutated_exit_codes(run_cli, good: Path, bad: Path, path: tuple, value, basel
     return codes
 
 
+@pytest.mark.parametrize("path", [("engine",), ("layout",), ("record",), ("side",), ("side", "run")])
+def test_a_null_object_in_the_metadata_reads_as_an_absent_one(run_cli, good, tmp_path, path):
+    """`"engine": null` is what a JSON writer makes of None: it means absent, never an internal error."""
+    assert all(c in (0, 1, 2) for c in mutated_exit_codes(run_cli, good, tmp_path / "bad.h5", path, None))
+
+
 @pytest.fixture(scope="module")
 def good_paths(good):
     return meta_paths(good)
