@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from ..dumps.provenance import timestamp
 from ..dumps.ranks import is_rank_set, open_any
 from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
@@ -237,6 +238,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     rule instead. ``fail_fast`` runs the sides in lockstep in memory and stops at the first break (no trace
     files). ``allow_identity``: two different models are compared on purpose (a note, not a failure).
     """
+    timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
     if fail_fast:
         if out_dir:
             raise ConfigError("--fail-fast keeps no traces; drop --out")
@@ -287,6 +289,7 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     is called once the trace itself is complete, before them.
     """
     spec = check_tolerance(tolerance)  # before the model loads
+    timestamp()
     if twin_of is not None and level != "full":
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
     rec = _sides()
@@ -324,6 +327,7 @@ def compare(baseline: str, candidate: str, model=None, inputs=None, *, tolerance
     """BASELINE (a trace) against CANDIDATE: a trace, or a preset/config recorded now with the baseline's
     model and prompts (unless ``model``/``inputs`` are given). A golden and twin recorded beside BASELINE
     (`record --twin-of`) make the verdict calibrated; for a candidate recorded now they are recorded too."""
+    timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
     kw = dict(fail_fast=fail_fast, calibrate=calibrate, factor=factor, allow_subset=allow_subset,
               allow_identity=allow_identity)
     if is_trace(candidate):

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import signal
 import sys
 import textwrap
 import time
+from importlib import metadata
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, SpinnerColumn, TextColumn
 
-from ..dumps import native
+from ..dumps import native, provenance
 from ..dumps.inspect import summarize
 from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
@@ -174,8 +176,22 @@ class Progress:
         return lambda label: self.side(label, after.get(label, "comparing"))
 
 
+def _version(ctx, param, value) -> None:
+    """--version: torch's version is read from its installed metadata (importing torch takes seconds)."""
+    if not value or ctx.resilient_parsing:
+        return
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    click.echo(f"prefill-diff, version {provenance.version()}\n{native.describe()}\n"
+               f"torch {torch_version}, Python {platform.python_version()}")
+    ctx.exit()
+
+
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(package_name="prefill-diff", message=f"%(prog)s, version %(version)s\n{native.describe()}")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
+              help="Show the versions of prefill-diff, its compiled kernels, torch and Python, and exit.")
 def cli():
     """Layer-by-layer verification of LLM prefill.
 

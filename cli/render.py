@@ -511,6 +511,10 @@ def _inspect_header(s: dict):
         yield Text(f"torch {rep.get('torch')}, numpy {rep.get('numpy')}, h5py {rep.get('h5py')}, "
                    f"device {rep.get('device')}, threads {rep.get('threads')}, deterministic "
                    f"{rep.get('deterministic_algorithms')}", style="dim")
+    prov = s.get("provenance") or {}
+    if prov:  # the command line is foreign text: plain, never markup
+        yield plain(f"recorded by prefill-diff {prov.get('version')} at {prov.get('time')}: {prov.get('argv')}",
+                    style="dim")
 
 
 def _samples_table(s: dict) -> Table:

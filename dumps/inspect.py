@@ -95,7 +95,7 @@ def _header(t: Trace, samples) -> dict:
         "run": {"origin": side.get("origin"), "engine": m.get("engine"), "layout": m.get("layout"),
                 "reuse": run.get("reuse"), "fault": run.get("fault")},
         "repro": m.get("repro"), "tolerance": m.get("tolerance"), "parallel": m.get("parallel"),
-        "record": m.get("record"),
+        "record": m.get("record"), "provenance": m.get("provenance"),
         "samples": [{"sample": s, "length": int(t.lengths[s]), "token_ids": list(t.samples[s]),
                      "computed": int(t.cells(s)[0].size),  # also checks the sample's layout is consistent
                      "text": texts[s] if s < len(texts) else None} for s in samples],

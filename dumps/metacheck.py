@@ -179,6 +179,7 @@ META = obj({
     "texts": array(text(none=True), none=True),
     "token_text": obj(values=text(none=True), none=True),
     "repro": obj(none=True),
+    "provenance": obj({"version": text(limit=200), "argv": text(), "time": text(limit=64)}, none=True),
     "run": obj(none=True),
     "tolerance": TOLERANCE,
     "record": obj({

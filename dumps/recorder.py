@@ -41,7 +41,9 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
           attention used them, the default; "pre": before RoPE), .page_size
       side.origin (shown as the side's name), tolerance (a declared policy), record (reuse decisions,
           invariant violations, fault, quantized_weights_digest), repro, texts, token_text
-      every one of model, side, engine, layout, tolerance, record, repro, run, token_text is a JSON object
+      provenance (version, argv, time): written by ``begin`` unless given
+      every one of model, side, engine, layout, tolerance, record, repro, run, token_text, provenance is a JSON
+          object
 
 States (``state(layer, name, ...)``), per layer: layer_input R_l, attn_update (the attention output after
 the output projection), mid U_l = R_l + attn_update, mlp_update, layer_output R_l+1 (all (columns, dim),
@@ -78,6 +80,7 @@ import numpy as np
 
 from ..engine.errors import INTERRUPT, PrefillDiffError
 from . import native
+from .provenance import provenance
 from . import schema as sc
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
 
@@ -268,7 +271,8 @@ class RecorderError(PrefillDiffError):
 
 REQUIRED_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
 ENGINE_DTYPES = ("float64", "float32", "float16", "bfloat16")
-OBJECT_KEYS = ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text")
+OBJECT_KEYS = ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text",
+               "provenance")
 
 
 def check_meta(meta) -> dict:
@@ -771,7 +775,7 @@ class Recorder:
         self._roots_dirty = True  # inputs or final outputs changed since the last flush
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
-        self.meta = dict(meta)
+        self.meta = {**meta, "provenance": meta.get("provenance") or provenance()}
         self._write_meta()
         self._sampled_toks = [select_tokens(int(n), self.sample_tokens) for n in self.lengths]
         self._slot_of_tok = []  # per sample: token index -> sampled slot, -1 if not sampled

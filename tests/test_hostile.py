@@ -206,6 +206,9 @@ META_CASES = {  # the issue's reproduced exit-3 crashes: (field, value, extra ed
     "tolerance negative": ("tolerance", {"residual": {"atol": -1}}, {}, "meta.tolerance.residual.atol"),
     "token_text numbers": ("token_text", {"5": 5}, {}, "meta.token_text.5"),
     "engine a list": ("engine", ["native"], {}, "meta.engine"),
+    "provenance a string": ("provenance", "prefill-diff 0.1.0", {}, "meta.provenance"),
+    "provenance argv a list": ("provenance.argv", ["prefill-diff", "run"], {}, "meta.provenance.argv"),
+    "provenance time a number": ("provenance.time", 1700000000, {}, "meta.provenance.time"),
 }
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ..dumps.provenance import provenance
 from ..dumps.reader import Trace
 from .breaks import Break
 from .calibrate import below_float32, precisions, same_precisions
@@ -64,6 +65,7 @@ class Report:
     strict: bool = False  # --strict: an INCONCLUSIVE pass is a failure (verdict, exit status, JUnit, JSON)
     identity: tuple = ()  # the model identity differences (verify/identity.py), each a dict
     timing: Timing = field(default=Timing(), compare=False)  # seconds, for JUnit; two equal verdicts are equal
+    provenance: dict = field(default_factory=provenance, compare=False)  # who made the report, how, when
 
     def token_at(self, sample: int | None, position: int | None) -> tuple[int, str | None] | None:
         """(id, text or None) of the reference's token at (sample, logical position), if known."""
@@ -111,6 +113,7 @@ class Report:
         fb = self.first_break
         return {
             "report_version": REPORT_VERSION,
+            "provenance": self.provenance,
             "verdict": self.verdict,
             "verdict_line": self.verdict_line(),
             "first_break": None if fb is None else {**fb.as_dict(), **self._token_fields(fb)},
@@ -162,7 +165,7 @@ def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
             "weights_digest": m.get("model", {}).get("weights_digest"),
             "adapter": m.get("model", {}).get("adapter"),
             "quantized_weights_digest": (m.get("record") or {}).get("quantized_weights_digest"),
-            "layout": m.get("layout")}
+            "layout": m.get("layout"), "provenance": m.get("provenance")}
 
 
 def record_notes(t: Trace, side: str) -> tuple[list, list]:
