@@ -7,6 +7,7 @@ The engine's modules import torch; they are imported only by the commands that r
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import shutil
@@ -104,17 +105,22 @@ def console(stderr: bool = False, terminal: bool | None = None, width: int | Non
     return c
 
 
-def quiet_libraries(quiet: bool) -> None:
-    """No progress bars from transformers/huggingface_hub/tqdm with -q or when stderr is not a terminal.
+def quiet_libraries(verbose: bool = False) -> None:
+    """No progress bars or log chatter from the libraries that load models (transformers, huggingface_hub, gguf,
+    tqdm) unless -v: our own progress display covers model loading.
 
-    Set before transformers is imported (it reads the environment once); if it is already imported, told
-    directly."""
-    if quiet or not sys.stderr.isatty():
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-        os.environ["TQDM_DISABLE"] = "1"
-        if "transformers" in sys.modules:
-            from transformers.utils import logging as tlog
-            tlog.disable_progress_bar()
+    Set before transformers and tqdm are imported (they read the environment once); transformers, if already
+    imported, is told directly."""
+    if verbose:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    logging.getLogger("gguf").setLevel(logging.ERROR)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as tlog
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
 
 
 class Progress:
@@ -234,7 +240,7 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
         prefill-diff run reference fault:gqa-mapping --fail-fast
     """
     check_outputs(out)
-    quiet_libraries(out["quiet"])
+    quiet_libraries(out["verbose"])
     spec, inputs = shared_inputs(model, prompts, tokens)
     if fail_fast and out_dir:
         raise BadInput("--fail-fast keeps no traces; drop --out")
@@ -286,7 +292,7 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     """
     if os.path.exists(output) and not force:  # found before the model loads
         raise BadInput(f"{output} exists; pass --force to overwrite it")
-    quiet_libraries(False)
+    quiet_libraries()
     jobs.check_tolerance(tol)  # a bad declaration (or an unreadable --tolerance file) before anything else
     check_output_file(output, "the trace", force=force)
     spec, inputs = shared_inputs(model, prompts, tokens)
@@ -331,7 +337,7 @@ def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, ca
         verb = "does" if len(given) == 1 else "do"
         raise BadInput(f"{' and '.join(given)} {verb} not apply when comparing two traces ({candidate} is a "
                        "trace file: its model and prompts are recorded in it); drop them")
-    quiet_libraries(out["quiet"])
+    quiet_libraries(out["verbose"])
     spec, inputs = shared_inputs(model, prompts, tokens)
     with Progress(out["quiet"]) as prog:
         prog.step("comparing" if two_traces
@@ -358,6 +364,7 @@ def ledger(config, model, prompts, tokens):
         prefill-diff ledger
         prefill-diff ledger batched-left --model synthetic
     """
+    quiet_libraries()
     from ..engine.config import Inputs, load_side  # the engine (torch): imported only by commands that run it
     from ..engine.ledger import ledger as build
     from ..engine.runner import default_token_ids, prepare

@@ -106,7 +106,8 @@ def report_options(f):
         click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line (and no progress bars)."),
         click.option("-v", "--verbose", is_flag=True,
                      help="Also print every metric per tensor (mean abs, cosine, max rel, count out of tolerance, "
-                          "worst element, would-pass values) for the failing layer."),
+                          "worst element, would-pass values) for the failing layer, and the model loaders' own "
+                          "progress bars and messages (transformers, gguf)."),
         click.option("--layers", type=click.Choice(["auto", "failing", "all"]), default="auto", show_default=True,
                      help="Rows of the layer table: all; only failing layers; auto: all up to 12 layers, else the "
                           "first break's neighbourhood and a summary."),
