@@ -540,6 +540,29 @@ def cache_prune(everything, older_than, max_size, dry_run, as_json):
         con.print(line, soft_wrap=True)
 
 
+@cli.command()
+@click.argument("name", required=False)
+def docs(name):
+    """List the documents installed with prefill-diff and where they are, or print document NAME.
+
+    Hints and notes cite them, e.g. contract.md §2.11 (the table of faults and the
+    layer where each first shows): `prefill-diff docs contract` prints it.
+
+    \b
+    Example:
+        prefill-diff docs
+        prefill-diff docs contract
+    """
+    from .docs import find, installed, title
+    if name is not None:
+        click.echo(find(name).read_text(encoding="utf-8"), nl=False)
+        return
+    found = installed()
+    width = max(map(len, found), default=0)
+    for stem, path in found.items():
+        click.echo(f"{stem:<{width}}  {path}  {title(path)}")
+
+
 def _on_signal(signum, frame):
     INTERRUPT["seen"] = True
     INTERRUPT["signal"] = signum

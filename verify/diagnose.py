@@ -38,9 +38,18 @@ def _reuse(cand, key: str) -> list:
     return [o for o in (cand.meta.get("record") or {}).get("reuse") or () if o.get(key)]
 
 
+CONTRACT = "See contract.md §2.11 (installed with prefill-diff: `prefill-diff docs contract` prints it)."
+
+
 def diagnose(fb, pairs, final, ref, cand, policy=None) -> str | None:
     """The hint for first break fb of a comparison of ref and cand (pairs: matched samples; final: the final
-    stage's result or None; policy: the rule the values were judged by)."""
+    stage's result or None; policy: the rule the values were judged by); one that cites the §2.11 table says
+    where that table is."""
+    text = _hint(fb, pairs, final, ref, cand, policy)
+    return f"{text} {CONTRACT}" if text and "§2.11" in text else text
+
+
+def _hint(fb, pairs, final, ref, cand, policy=None) -> str | None:
     if fb is None:
         return None
     if fb.kind == "coverage":
