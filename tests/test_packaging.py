@@ -1,4 +1,5 @@
-"""The documents ship with the package (docs/*.md as prefill_diff.docs) and the tool says where they are."""
+"""What the installed package holds: the documents (docs/*.md as prefill_diff.docs; the tool says where they
+are), and `python -m prefill_diff`."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(p.stem for p in (ROOT / "docs").glob("*.md"))
@@ -35,20 +38,36 @@ def test_a_hint_that_cites_the_contract_says_where_to_read_it(run_cli, tmp_path)
     assert res.exit_code == 1 and "§2.11 row 4" in hint and "`prefill-diff docs contract`" in hint
 
 
-def build_wheel(tmp_path) -> Path:
-    """A wheel of a clean copy of the source tree (no build/ left over from an earlier build)."""
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> set:
+    """The files of a wheel built from a clean copy of the source tree (no build/ left from an earlier build)."""
+    from importlib import metadata
+    if tuple(int(x) for x in metadata.version("setuptools").split(".")[:2]) < (74, 1):
+        pytest.skip("building without isolation needs the backend pyproject.toml names (setuptools>=74.1)")
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__",
                                                              "*.so", "*.h5", "tests"))
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                          "-q", "-w", str(tmp_path), str(src)], capture_output=True, text=True)
+                          "-q", "-w", str(tmp), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    wheel, = tmp_path.glob("prefill_diff-*.whl")
-    return wheel
+    wheel, = tmp.glob("prefill_diff-*.whl")
+    return set(zipfile.ZipFile(wheel).namelist())
 
 
-def test_the_wheel_ships_the_docs(tmp_path):
+def test_the_wheel_ships_the_docs(wheel_names):
     """A non-editable install gets the documents: they are package data of prefill_diff.docs."""
-    wheel = build_wheel(tmp_path)
-    names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"prefill_diff/docs/{d}.md" for d in DOCS} <= names, sorted(names)
+    assert {f"prefill_diff/docs/{d}.md" for d in DOCS} <= wheel_names, sorted(wheel_names)
+
+
+def test_the_wheel_runs_as_python_m_prefill_diff(wheel_names):
+    """prefill_diff holds only __main__.py: it stays a namespace over cli, engine, dumps, verify and docs."""
+    assert "prefill_diff/__main__.py" in wheel_names and "prefill_diff/__init__.py" not in wheel_names
+    assert {n.split("/")[1] for n in wheel_names if n.startswith("prefill_diff/") and n.count("/") > 1} == \
+        {"cli", "engine", "dumps", "verify", "docs"}
+
+
+def test_python_m_prefill_diff_is_the_cli(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "prefill_diff", "docs"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.split()[0] == DOCS[0], res.stderr
