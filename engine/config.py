@@ -38,6 +38,7 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
 """
 from __future__ import annotations
 
+import difflib
 import os
 import typing
 from dataclasses import asdict, dataclass, fields, replace
@@ -335,11 +336,18 @@ def _check_types(section: str, got: dict, cls, where: str, skip=()) -> None:
             raise ConfigError(f"{where}: [{section}] {key} must be {names} (got {value!r})")
 
 
+def did_you_mean(word, choices, fmt: str = " (did you mean {}?)") -> str:
+    """``fmt`` filled with the closest of ``choices`` to a misspelt ``word``, or "" when none is close."""
+    near = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return fmt.format(near[0]) if near else ""
+
+
 def _check_keys(section: str, got: dict, known: set, where: str) -> None:
     unknown = sorted(set(got) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(f'[{section}] {k}' for k in unknown)} (known: {', '.join(sorted(known))})")
+                          f"{', '.join(f'[{section}] {k}{did_you_mean(k, known)}' for k in unknown)} "
+                          f"(known: {', '.join(sorted(known))})")
 
 
 def read_toml(path: str) -> dict:
@@ -362,8 +370,8 @@ def resolve_source(source: str) -> tuple[str, dict]:
     if source in PRESETS:
         return source, {"preset": source, **PRESETS[source][1]}
     if source.startswith("fault:") or not (os.path.exists(source) or source.endswith(".toml")):
-        raise ConfigError(f"{source!r} is neither a preset nor a config file "
-                          f"(presets: {', '.join(PRESETS)})")
+        raise ConfigError(f"{source!r} is neither a preset nor a config file"
+                          f"{did_you_mean(source, PRESETS, '; did you mean {}?')} (presets: {', '.join(PRESETS)})")
     raw = read_toml(source)
     _check_keys("top level", raw, _SECTIONS, source)
     for key, value in raw.items():
@@ -378,7 +386,8 @@ def resolve_source(source: str) -> tuple[str, dict]:
                     raise ConfigError(f"{source}: [{key}] {k} must be a value, not a table")
     preset = raw.get("preset")
     if preset is not None and preset not in PRESETS:
-        raise ConfigError(f"{source}: preset must be one of {', '.join(PRESETS)} (got {preset!r})")
+        raise ConfigError(f"{source}: preset must be one of {', '.join(PRESETS)} "
+                          f"(got {preset!r}{did_you_mean(preset, PRESETS, '; did you mean {}?')})")
     base = PRESETS[preset][1] if preset else {}
     return source, _merge(base, raw)
 

@@ -74,6 +74,23 @@ def test_config_unknown_key_is_an_error(run_cli, tmp_path):
     assert "unknown key [run] batchin" in res.output
 
 
+@pytest.mark.parametrize("given, said", [
+    ("batched-lft", "'batched-lft' is neither a preset nor a config file; did you mean batched-left?"),
+    ("fault:gqa-maping", "did you mean fault:gqa-mapping?"),
+    ('[run]\ndtpye = "bfloat16"\n', "unknown key [run] dtpye (did you mean dtype?)"),
+    ('[modle]\nseed = 3\n', "unknown key [top level] modle (did you mean model?)"),
+    ('preset = "chunkd"\n', "(got 'chunkd'; did you mean chunked?)"),
+])
+def test_a_typo_in_a_preset_or_config_key_gets_did_you_mean(run_cli, tmp_path, given, said):
+    if "\n" in given:
+        (tmp_path / "c.toml").write_text(given)
+        given = tmp_path / "c.toml"
+    res = run_cli("run", "reference", given)
+    assert res.exit_code == 2 and said in res.output, res.output
+    res = run_cli("run", "reference", "zzzz")
+    assert res.exit_code == 2 and "did you mean" not in res.output
+
+
 def test_config_sets_model_inputs_and_sizes(run_cli, tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('preset = "batched-right"\n[model]\nsource = "synthetic"\nn_layers = 2\ndim = 32\n'
