@@ -223,7 +223,8 @@ def _is_stats(report, name) -> bool:
 
 
 def layer_table(report, width: int = 120, which: str = "auto"):
-    """The per-layer table, fitted to width; returns (table, lines below it)."""
+    """The per-layer table, fitted to width; returns (table, lines below it), or a line saying that no layer
+    fails when only failing layers were asked for."""
     stats_cols = [name for name, _, _ in COLUMNS if _is_stats(report, name)]
     title = f"per-layer max abs error ({BAD}: out of tolerance)"
     if len(stats_cols) == len(COLUMNS):
@@ -233,6 +234,9 @@ def layer_table(report, width: int = 120, which: str = "auto"):
         title += "; " + ", ".join(stats_cols) + ": error of the statistics min, max, mean, rms (stats level)"
     cols = [("layer", "right", 0)] + [(h, "right", p) for _, h, p in COLUMNS] + [("cache", "right", 1)]
     idx = shown_layers(report, which)
+    if not idx and which == "failing":  # a table with no rows would say nothing
+        return Text(f"--layers failing: no layer is out of tolerance ({len(report.layers)} compared); --layers all "
+                    "shows every layer"), []
     rows, prev = [], None
     for i in idx:
         if prev is not None and i != prev + 1:

@@ -154,6 +154,14 @@ def test_layers_auto_shows_the_first_break_neighbourhood_and_counts_the_rest(dee
     assert sum(1 for l in full.splitlines() if re.match(r"\s*\d+\s+(\d|-)", l)) == 16
 
 
+def test_layers_failing_on_a_pass_says_so_instead_of_an_empty_table(reports):
+    out = render(reports["batched-left"], 120, which="failing")
+    assert "--layers failing: no layer is out of tolerance (4 compared); --layers all shows every layer" in out
+    assert "layer_" not in out and "more layers not shown" not in out
+    failing = render(reports["fault:skip-kv"], 120, which="failing")
+    assert "no layer is out of tolerance" not in failing and "layer_" in failing
+
+
 def test_verbose_prints_every_metric_of_the_failing_layer(reports):
     rep = reports["fault:gqa-mapping"]
     out = " ".join(render(rep, 100, verbose=True).split())
