@@ -187,6 +187,7 @@ META = obj({
         "reuse": array(REUSE_OUTCOME, none=True),
         "invariant_violations": array(text(), none=True),
         "quantized_weights_digest": text(none=True),
+        "timing": obj({"compile_s": number(0, none=True), "prefill_s": number(0, none=True)}, none=True),
     }, none=True),
 })
 

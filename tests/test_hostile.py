@@ -209,6 +209,7 @@ META_CASES = {  # the issue's reproduced exit-3 crashes: (field, value, extra ed
     "provenance a string": ("provenance", "prefill-diff 0.1.0", {}, "meta.provenance"),
     "provenance argv a list": ("provenance.argv", ["prefill-diff", "run"], {}, "meta.provenance.argv"),
     "provenance time a number": ("provenance.time", 1700000000, {}, "meta.provenance.time"),
+    "compile time text": ("record.timing", {"compile_s": "12 s"}, {}, "meta.record.timing.compile_s"),
 }
 
 

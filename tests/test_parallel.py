@@ -248,6 +248,7 @@ def test_compiled_layers_pass_and_report_compile_time_apart(runs):
         assert rep, rep.verdict_line()
         timing = c.meta["record"]["timing"]
         assert timing["compile_s"] > 0 and timing["prefill_s"] > 0
+        assert any(n.startswith(f"candidate: torch.compile took {timing['compile_s']:.1f} s") for n in rep.notes)
         # really compiled: the layers' outputs are not the eager engine's bits (inductor fuses the MLP)
         assert any(not np.array_equal(r.layer(i).state("mlp_update")[()], c.layer(i).state("mlp_update")[()])
                    for i in range(4))

@@ -162,6 +162,25 @@ def test_layers_failing_on_a_pass_says_so_instead_of_an_empty_table(reports):
     assert "no layer is out of tolerance" not in failing and "layer_" in failing
 
 
+def test_compile_time_of_a_compiled_side_is_a_note(run_cli, traces, tmp_path):
+    import shutil
+
+    import h5py
+    cand = tmp_path / "compiled.h5"
+    shutil.copy(traces["full"], cand)
+    with h5py.File(cand, "a") as f:
+        meta = json.loads(f.attrs["meta"])
+        meta["record"]["timing"] = {"compile_s": 12.34, "prefill_s": 0.0456}
+        del f.attrs["meta"]
+        f.attrs["meta"] = np.bytes_(json.dumps(meta))
+    res = run_cli("compare", traces["full"], cand, "--json", tmp_path / "r.json")
+    said = ("candidate: torch.compile took 12.3 s before the prefill (not in the prefill's time; the prefill itself "
+            "took 0.0456 s)")
+    assert res.exit_code == 0 and f"note: {said}" in res.output
+    assert said in json.loads((tmp_path / "r.json").read_text())["notes"]
+    assert "torch.compile" not in run_cli("compare", traces["full"], traces["full"]).output
+
+
 def test_verbose_prints_every_metric_of_the_failing_layer(reports):
     rep = reports["fault:gqa-mapping"]
     out = " ".join(render(rep, 100, verbose=True).split())

@@ -169,13 +169,17 @@ def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
 
 
 def record_notes(t: Trace, side: str) -> tuple[list, list]:
-    """Notes from what the engine recorded: reuse decisions, invariant violations, unshowable faults."""
+    """Notes from what the engine recorded: reuse decisions, invariant violations, compile time, unshowable
+    faults."""
     rec = t.meta.get("record") or {}
     notes, inconclusive = [], []
     for o in rec.get("reuse") or ():
         if o.get("forced") or not o.get("hit"):
             notes.append(wording.reuse_refused(side, o["sample"], o["reason"], forced=bool(o.get("forced"))))
     notes += [wording.invariant_broken(side, v) for v in rec.get("invariant_violations") or ()]
+    timing = rec.get("timing") or {}
+    if timing.get("compile_s") is not None:
+        notes.append(wording.compile_time(side, timing["compile_s"], timing.get("prefill_s")))
     fault = rec.get("fault") or {}
     if fault.get("cannot_show"):
         inconclusive.append(fault["cannot_show"])

@@ -246,6 +246,11 @@ def invariant_broken(side: str, violation) -> str:
     return f"{side} cache invariant broken after prefill: {violation}"
 
 
+def compile_time(side: str, compile_s: float, prefill_s: float | None) -> str:
+    then = "" if prefill_s is None else f"; the prefill itself took {prefill_s:.3g} s"
+    return f"{side}: torch.compile took {compile_s:.1f} s before the prefill (not in the prefill's time{then})"
+
+
 def identity_differs(diffs) -> str:
     """An identity break's message: every field that differs, with both values."""
     return "model identity differs: " + "; ".join(
