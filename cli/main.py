@@ -28,8 +28,8 @@ from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
 from ..engine import model_cache  # light: no torch
 from ..engine.errors import INTERRUPT, PrefillDiffError, visible
 from . import jobs
-from .options import (LEVEL_CHOICE, calibration_options, model_cache_option, model_options, report_options,
-                      shared_inputs, tolerance_options)
+from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
+                      model_options, report_options, shared_inputs, tolerance_options)
 from .outputs import (EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit,
                       stdout_taken, write_text)
 from .render import (cache_json_item, cache_notes, cache_table, cache_where, ledger_renderable, plain, print_inspect,
@@ -44,6 +44,7 @@ class BadInput(click.ClickException):
 class Cli(click.Group):
     """Turns library errors into one clear line and exit status 2, in one place; every command's text (reports,
     machine output, error lines) goes through ``terminal.TextOut``."""
+    command_class = GroupedCommand  # --help lists the shared options in sections
 
     def main(self, *args, **kwargs):
         with text_streams():
@@ -195,7 +196,8 @@ def _version(ctx, param, value) -> None:
     ctx.exit()
 
 
-@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=Cli, epilog=ENVIRONMENT,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_version,
               help="Show the versions of prefill-diff, its compiled kernels, torch and Python, and exit.")
 def cli():

@@ -11,13 +11,51 @@ from ..engine.spec import ModelSpec
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
 
+# The top-level --help's epilog: every environment variable the commands read (a test greps the code for them).
+ENVIRONMENT = """\b
+Environment variables:
+  PREFILL_DIFF_CACHE   where converted GGUF models are kept, as --model-cache
+                       (default $XDG_CACHE_HOME/prefill-diff, else
+                       ~/.cache/prefill-diff; off: nowhere)
+  XDG_CACHE_HOME       see PREFILL_DIFF_CACHE
+  PREFILL_DIFF_NATIVE  0: do not use the compiled kernels (see --version)
+  PREFILL_DIFF_MMAP    0: read traces without memory-mapping them
+  PREFILL_DIFF_DEBUG   1: an internal error (exit 3) prints its traceback
+  COLUMNS              the report's width when stdout is not a terminal
+                       (default 120)
+  NO_COLOR             no colour in the report
+  SOURCE_DATE_EPOCH    the time traces and JSON reports record (seconds since
+                       1970-01-01 UTC, as reproducible builds set it)
+  GITHUB_STEP_SUMMARY  a file: run and compare append the Markdown report to it
+  GITHUB_ACTIONS       true: an ::error line for a failed verdict
+"""
 
-def _compose(*decorators):
+
+def _compose(*decorators, section: str | None = None):
+    """Apply ``decorators`` (click options) as one; ``section``: the --help heading their options are listed
+    under (GroupedCommand)."""
     def apply(f):
         for d in reversed(decorators):
             f = d(f)
+            if section is not None:
+                f.__click_params__[-1].help_section = section
         return f
     return apply
+
+
+class GroupedCommand(click.Command):
+    """--help lists a command's own options first, then each shared group under its heading (Model and
+    prompts, Tolerance, Reports, Calibration)."""
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str, list] = {}
+        for p in self.get_params(ctx):
+            record = None if isinstance(p, click.Argument) else p.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(getattr(p, "help_section", "Options"), []).append(record)
+        for title, records in sorted(groups.items(), key=lambda g: g[0] != "Options"):
+            with formatter.section(title):
+                formatter.write_dl(records)
 
 
 def _memory_check(ctx, param, value):
@@ -50,6 +88,7 @@ def model_options(f):
                      help="A text prompt (repeatable); needs a model with a tokenizer."),
         click.option("--tokens", "tokens", multiple=True, metavar="IDS",
                      help="A prompt as comma-separated token ids (repeatable), e.g. --tokens 5,6,7."),
+        section="Model and prompts",
     )(f)
 
 
@@ -76,6 +115,7 @@ def tolerance_options(f):
         click.option("--tolerance", "tolerance_file", type=click.Path(dir_okay=False), default=None,
                      help="TOML policy file: [residual] atol=..., rtol=..., ntol=...; kinds: residual, "
                           "attn_update, mlp_update, cache_keys, cache_values, logits."),
+        section="Tolerance",
     )(collect)
 
 
@@ -113,6 +153,7 @@ def report_options(f):
                           "first break's neighbourhood and a summary."),
         click.option("--strict", is_flag=True,
                      help="Exit 1 when the verdict is INCONCLUSIVE (the injected fault cannot show), for gates."),
+        section="Reports",
     )(collect)
 
 
@@ -135,6 +176,7 @@ def calibration_options(f):
         click.option("--allow-identity-difference", "allow_identity", is_flag=True,
                      help="Compare two different models on purpose: a difference of weights, RoPE, norm, "
                           "activation, biases, tied embeddings or adapter is a note, not a failure."),
+        section="Calibration",
     )(f)
 
 

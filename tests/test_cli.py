@@ -152,6 +152,53 @@ def test_every_command_has_help_and_is_in_the_readme(run_cli):
         assert f"prefill-diff {name}" in readme, f"README lacks an example of {name}"
 
 
+def _help_sections(text: str) -> dict:
+    """--help's sections: heading -> the option names listed under it."""
+    sections, current = {}, None
+    for line in text.splitlines():
+        if re.fullmatch(r"[A-Z][A-Za-z ]+:", line):
+            current = sections.setdefault(line[:-1], [])
+        elif current is not None and (m := re.match(r"  (?:-\w, )?(--[\w-]+)", line)):
+            current.append(m.group(1))
+    return sections
+
+
+def test_help_groups_the_shared_options_under_headings(run_cli):
+    run = _help_sections(run_cli("run", "--help").output)
+    assert list(run) == ["Options", "Model and prompts", "Tolerance", "Reports", "Calibration"]
+    assert {"--out", "--fail-fast", "--help"} <= set(run["Options"])
+    assert run["Model and prompts"][:2] == ["--ignore-memory-estimate", "--model"] and "--tokens" in \
+        run["Model and prompts"]
+    assert run["Tolerance"] == ["--policy", "--atol", "--rtol", "--ntol", "--row-rtol", "--tolerance"]
+    assert {"--json", "--junit", "--quiet", "--verbose", "--strict"} <= set(run["Reports"])
+    assert run["Calibration"][:3] == ["--calibrate", "--noise-factor", "--allow-subset"]
+    assert list(_help_sections(run_cli("record", "--help").output)) == ["Options", "Model and prompts", "Tolerance"]
+
+
+def environment_read() -> set:
+    """Every environment variable the package's code reads (not those it only sets for libraries)."""
+    names = set()
+    for pkg in ("cli", "engine", "dumps", "verify"):
+        for f in (ROOT / pkg).glob("*.py"):
+            code = f.read_text(encoding="utf-8")
+            names |= set(re.findall(r'environ(?:\.get\(|\[)\s*["\']([A-Z][A-Z0-9_]+)["\'](?!\]\s*=[^=])', code))
+            names |= set(re.findall(r'^[A-Z_]+ = "([A-Z][A-Z0-9_]+)"$', code, re.M))  # ENV = "PREFILL_DIFF_…"
+    return names
+
+
+TORCHRUN = {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}  # record_this_rank (Python)
+
+
+def test_top_level_help_lists_every_environment_variable_the_code_reads(run_cli):
+    read = environment_read()
+    assert {"PREFILL_DIFF_CACHE", "PREFILL_DIFF_DEBUG", "PREFILL_DIFF_NATIVE", "PREFILL_DIFF_MMAP", "COLUMNS",
+            "SOURCE_DATE_EPOCH", "XDG_CACHE_HOME"} | TORCHRUN <= read  # the search finds what it must
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in read  # set for a library, never read
+    out = run_cli("--help").output
+    listed = set(re.findall(r"^    ([A-Z][A-Z0-9_]+) ", out.split("Environment variables:")[1], re.M))
+    assert read - TORCHRUN <= listed, sorted(read - TORCHRUN - listed)
+
+
 WRONG_TYPES = {
     '[model]\nseed = "abc"': "[model] seed must be int",
     "run = 3": "run must be a [run] table",
