@@ -77,15 +77,18 @@ model_cache_option = click.option(
 
 
 def model_options(f):
-    """--model, --prompt, --tokens: *what* to prefill, shared by both sides unless a config sets its own."""
+    """--model, --prompt, --tokens: *what* to prefill (in run and compare, for both sides) unless a config sets
+    its own."""
     return _compose(
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
         click.option("--model", "model", default=None, metavar="SOURCE",
-                     help="synthetic (default), seed-2.8, hf:DIR, gguf:FILE or smollm2."),
+                     help="The model to prefill: synthetic (default), seed-2.8, hf:DIR, gguf:FILE or smollm2 "
+                          "(a config file's own [model] wins)."),
         model_cache_option,
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
-                     help="A text prompt (repeatable); needs a model with a tokenizer."),
+                     help="A text prompt to prefill (repeatable; a config file's own [inputs] win); needs a "
+                          "model with a tokenizer."),
         click.option("--tokens", "tokens", multiple=True, metavar="IDS",
                      help="A prompt as comma-separated token ids (repeatable), e.g. --tokens 5,6,7."),
         section="Model and prompts",
@@ -105,7 +108,7 @@ def tolerance_options(f):
     return _compose(
         click.option("--policy", default=None, metavar="DTYPE",
                      help="Tolerance policy by dtype: float64, float32, bfloat16, float16, int8 "
-                          "(default: the coarser dtype of the two sides)."),
+                          "(default: the coarser dtype of the two traces compared)."),
         click.option("--atol", type=float, default=None, help="Absolute tolerance for every tensor kind."),
         click.option("--rtol", type=float, default=None, help="Relative tolerance for every tensor kind."),
         click.option("--ntol", type=float, default=None,

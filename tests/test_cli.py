@@ -175,6 +175,11 @@ def test_help_groups_the_shared_options_under_headings(run_cli):
     assert list(_help_sections(run_cli("record", "--help").output)) == ["Options", "Model and prompts", "Tolerance"]
 
 
+def test_record_help_speaks_of_one_trace_not_two_sides(run_cli):
+    out = run_cli("record", "--help").output
+    assert not re.search(r"\bsides?\b", out), out
+
+
 def environment_read() -> set:
     """Every environment variable the package's code reads (not those it only sets for libraries)."""
     names = set()
