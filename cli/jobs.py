@@ -47,6 +47,9 @@ class Outcome:
     ref_path: str | None = None
     cand_path: str | None = None
 
+    def __repr__(self) -> str:  # the verdict, not every layer's metrics
+        return f"Outcome({self.report.verdict_line()}, ref_path={self.ref_path!r}, cand_path={self.cand_path!r})"
+
     @property
     def not_reached(self) -> list[int]:
         """Layers a run that stopped at its first break never compared (JUnit marks them skipped)."""

@@ -44,6 +44,16 @@ def test_a_run_without_out_keeps_no_trace_and_the_report_names_none(tmp_path):
     assert os.path.isfile(kept.ref_path) and kept.report.cand["file"] == kept.cand_path
 
 
+def test_an_outcome_and_its_report_print_as_their_verdict(traces):
+    out = jobs.run("reference", "fault:skip-kv")
+    line = out.report.verdict_line()
+    assert str(out) == repr(out) == f"Outcome({line}, ref_path=None, cand_path=None)"
+    assert str(out.report) == f"Report({line})" and line.startswith("FAILED | layer 2")
+    kept = jobs.compare(traces["plain"], traces["cand"])
+    assert repr(kept) == (f"Outcome(PASSED | 4/4 layers, logits and cache within tolerance, "
+                          f"ref_path={traces['plain']!r}, cand_path={traces['cand']!r})")
+
+
 def test_fail_fast_stops_at_the_first_break_and_says_which_layers_were_not_reached():
     out = jobs.run("reference", "fault:gqa-mapping", fail_fast=True)
     assert not out.report and out.report.first_break.layer == 0

@@ -88,6 +88,9 @@ class Report:
     def __bool__(self) -> bool:
         return self.first_break is None and not self.failed_strict
 
+    def __repr__(self) -> str:  # the verdict line; as_dict() has everything
+        return f"Report({self.verdict_line()})"
+
     @property
     def failed_strict(self) -> bool:
         """No break, but --strict holds an INCONCLUSIVE pass (a fault that cannot show here) as a failure."""
