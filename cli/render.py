@@ -33,6 +33,7 @@ COLUMNS = (("layer_input", "layer_\ninput", 6), ("cache_keys", "cache_\nkeys", 4
            ("mlp_update", "mlp_\nupdate", 2), ("layer_output", "layer_\noutput", 0))
 SPARK = "▁▂▃▄▅▆▇█"
 BAD = "✗"  # marks an out-of-tolerance cell (coloured red as well where there is colour)
+DIFFERS = "*"  # marks a top id that is not in the other side's top 5
 NEIGHBOURS = 2  # --layers auto: layers shown on each side of the first break
 AUTO_ALL = 12  # --layers auto: tables of at most this many layers are shown whole
 
@@ -293,11 +294,16 @@ def final_table(report, width: int = 120):
     logits = report.final.tensor("logits")
     bad = set(logits.failing_samples) if logits is not None else set()
 
-    def show(ids):
-        ids = ids[:5]
-        if token_text:
-            return Text(" ".join(f"{i}:{token_repr(token_text.get(str(i)))}" for i in ids))
-        return Text(" ".join(map(str, ids)))
+    marked = False
+
+    def show(ids, other):
+        """The top 5 ids, each marked DIFFERS when it is not in the other side's top 5."""
+        nonlocal marked
+        ids, other = ids[:5], set(other[:5])
+        words = [(f"{i}:{token_repr(token_text.get(str(i)))}" if token_text else str(i))
+                 + (DIFFERS if i not in other else "") for i in ids]
+        marked = marked or any(i not in other for i in ids)
+        return Text(" ".join(words))
 
     errs = dict(report.final.sample_max_abs)
     t = Table(title="final logits and top ids", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
@@ -313,8 +319,11 @@ def final_table(report, width: int = 120):
     for s, r, c in report.final.top:
         err = _fmt(errs.get(s))
         cells = [str(s), Text(err + " " + BAD, style="red") if s in bad else Text(err + "  ")]
-        cells += [Text.assemble("ref  ", plain(show(r)), "\ncand ", plain(show(c)))] if narrow else [plain(show(r)), plain(show(c))]
+        cells += [Text.assemble("ref  ", plain(show(r, c)), "\ncand ", plain(show(c, r)))] if narrow else \
+            [plain(show(r, c)), plain(show(c, r))]
         t.add_row(*cells)
+    if marked:
+        t.caption, t.caption_justify = f"{DIFFERS}: not in the other side's top 5", "left"
     return t
 
 

@@ -181,6 +181,27 @@ def test_compile_time_of_a_compiled_side_is_a_note(run_cli, traces, tmp_path):
     assert "torch.compile" not in run_cli("compare", traces["full"], traces["full"]).output
 
 
+def test_top_ids_not_in_the_other_sides_top_5_are_marked_in_words(reports):
+    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.cli.render import final_table
+    rep = run_pair("reference", "fault:last-column").report
+    assert any(set(r[:5]) != set(c[:5]) for _, r, c in rep.final.top)
+    assert any(set(r[:5]) == set(c[:5]) for _, r, c in rep.final.top)
+
+    def words(ids, other):
+        return " ".join(f"{i}*" if i not in other[:5] else str(i) for i in ids[:5])
+    for width in (120, 50):  # side by side, and the narrow layout (reference above candidate)
+        console = Console(width=width, file=io.StringIO(), color_system=None)
+        console.print(final_table(rep, width))
+        lines = console.file.getvalue().splitlines()
+        assert lines[-1].strip() == "*: not in the other side's top 5"
+        for s, r, c in rep.final.top:
+            at = next(n for n, line in enumerate(lines) if re.match(rf"\s*{s}\s", line))
+            row = " ".join(lines[at:at + 2])
+            assert f"{words(r, c)} " in row + " " and f"{words(c, r)} " in row + " ", (width, row)
+    assert "*" not in render(reports["batched-left"], 120).split("final logits")[1]
+
+
 def test_verbose_prints_every_metric_of_the_failing_layer(reports):
     rep = reports["fault:gqa-mapping"]
     out = " ".join(render(rep, 100, verbose=True).split())
