@@ -131,7 +131,10 @@ def run_cli():
     from prefill_diff.cli.main import cli
 
     def go(*args, **kw):
-        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, **kw)
+        # --model-cache sets PREFILL_DIFF_CACHE for the process (so tensor-parallel ranks inherit it): in a test,
+        # the runner puts it back afterwards, so one test's cache never becomes the next one's
+        env = {"PREFILL_DIFF_CACHE": os.environ.get("PREFILL_DIFF_CACHE"), **kw.pop("env", {})}
+        return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False, env=env, **kw)
     return go
 
 
