@@ -571,12 +571,21 @@ def _on_signal(signum, frame):
     raise KeyboardInterrupt
 
 
-_on_sigint = _on_signal
+def _unraisable(hook):
+    """A KeyboardInterrupt raised by the signal handler inside a callback Python cannot propagate from (a weakref
+    or GC callback) is not printed as an "Exception ignored" traceback: INTERRUPT records it, and the command
+    ends as interrupted once its work returns (Cli.invoke). Anything else is reported as before."""
+    def report(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and INTERRUPT["seen"]:
+            return
+        hook(unraisable)
+    return report
 
 
 def main():
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)  # timeout, kill and CI cancellation: cleaned up like Ctrl-C
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
     cli(prog_name="prefill-diff")
 
 

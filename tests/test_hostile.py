@@ -644,3 +644,24 @@ def test_chat_template_prompt_records_and_inspects_as_plain_text(run_cli, tmp_pa
     res = run_cli("inspect", out)
     assert res.exit_code == 0, res.output[-2000:]
     assert "[INST] Say hi [/INST]" in res.output
+
+
+def test_an_interrupt_inside_a_gc_callback_is_not_printed_as_a_traceback(monkeypatch):
+    """The signal handler raises KeyboardInterrupt wherever Python is; inside a weakref or GC callback Python
+    cannot propagate it and prints "Exception ignored ... Traceback" (seen once in CI under SIGTERM). The
+    interrupt is recorded and acted on, so that report is dropped; other unraisable errors still reach the hook."""
+    import types
+    from prefill_diff.cli import main as cli_main
+    from prefill_diff.engine.errors import INTERRUPT
+    seen = []
+    hook = cli_main._unraisable(seen.append)
+    monkeypatch.setitem(INTERRUPT, "seen", True)
+    hook(types.SimpleNamespace(exc_value=KeyboardInterrupt()))
+    assert seen == []
+    other = types.SimpleNamespace(exc_value=ValueError("x"))
+    hook(other)
+    assert seen == [other]
+    monkeypatch.setitem(INTERRUPT, "seen", False)  # a KeyboardInterrupt the handler did not raise: reported
+    stray = types.SimpleNamespace(exc_value=KeyboardInterrupt())
+    hook(stray)
+    assert seen == [other, stray]
