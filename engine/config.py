@@ -17,13 +17,14 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     segments = [[[0, 2]], []]        # optional spans a reuse boundary may not cut
 
     [run]                            # how: execution path and numerics
-    engine = "native"                # native | transformers | llama.cpp
+    engine = "native"                # an engine of engine/registry.py: native | transformers | llama.cpp
     batching = "unbatched"           # unbatched | left | right | packed
     kernel = "eager"                 # eager | sdpa | tiled
     dtype = "float32"                # float64 | float32 | bfloat16 | float16
     chunk_size = 0
-    flash_attn = false               # engine = "llama.cpp" only: flash_attn, n_ubatch, n_batch, type_k,
-    type_k = "f32"                   #   type_v, n_threads, gguf_type (LlamaCppConfig; defaults: llama.cpp's)
+    [run.llamacpp]                   # the engine's own options, one table per engine (registry's options):
+    flash_attn = false               #   [run.transformers] attn_implementation; [run.llamacpp] flash_attn,
+    type_k = "f32"                   #   n_ubatch, n_batch, type_k, type_v, n_threads, gguf_type
 
     [cache]                          # KV layout
     kind = "contiguous"              # contiguous | paged
@@ -43,6 +44,7 @@ import os
 import typing
 from dataclasses import asdict, dataclass, fields, replace
 
+from . import registry
 from .cache import CacheLayout
 from .errors import ConfigError, PrefillDiffError, check_int64, check_prompt_text, read_small_file
 from .model import ModelArgs
@@ -55,9 +57,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 BATCHING = ("unbatched", "left", "right", "packed")
-ENGINES = ("native", "transformers", "llama.cpp")
-# llama.cpp's KV cache types (ggml type names) a [run] type_k / type_v may name
-LLAMACPP_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
           "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard")
 
@@ -110,69 +109,46 @@ class FaultConfig:
             raise ConfigError(f"fault name must be one of {', '.join(FAULTS)} (got {self.name!r})")
 
 
-@dataclass(frozen=True)
-class LlamaCppConfig:
-    """llama.cpp's own knobs: [run] keys of engine = "llama.cpp" only. The defaults are llama.cpp's own."""
-    flash_attn: bool | str = "auto"  # true | false | "auto" (llama.cpp decides; on a CPU it turns it on)
-    n_ubatch: int = 512  # physical batch: tokens per graph computation
-    n_batch: int = 2048  # logical batch: tokens per llama_decode call
-    type_k: str = "f16"  # KV cache types (ggml names)
-    type_v: str = "f16"
-    n_threads: int = 0  # 0: the CPUs this process may use that the load leaves free, 1-4 (llama.cpp's default: 4)
-    gguf_type: str = "f32"  # a model that is not a GGUF file is converted to one with these weights: f32 | f16
-
-    def __post_init__(self):
-        if self.flash_attn not in (True, False, "auto"):
-            raise ConfigError(f"flash_attn must be true, false or \"auto\" (got {self.flash_attn!r})")
-        for key in ("n_ubatch", "n_batch"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{key} must be a positive integer (got {v!r})")
-        if not isinstance(self.n_threads, int) or isinstance(self.n_threads, bool) or self.n_threads < 0:
-            raise ConfigError(f"n_threads must be a non-negative integer, 0 for automatic (got {self.n_threads!r})")
-        for key in ("type_k", "type_v"):
-            if getattr(self, key) not in LLAMACPP_CACHE_TYPES:
-                raise ConfigError(f"{key} must be one of {', '.join(LLAMACPP_CACHE_TYPES)} "
-                                  f"(got {getattr(self, key)!r})")
-        if self.type_v not in ("f32", "f16", "bf16") and self.flash_attn is False:
-            raise ConfigError(f"llama.cpp needs flash attention for a quantized V cache "
-                              f"(type_v={self.type_v!r} with flash_attn=false)")
-        if self.gguf_type not in ("f32", "f16"):
-            raise ConfigError(f"gguf_type must be 'f32' or 'f16' (got {self.gguf_type!r})")
-
-
-_LLAMACPP_KEYS = {f.name for f in fields(LlamaCppConfig)}
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How to prefill: everything except the model and the prompts."""
+    """How to prefill: everything except the model and the prompts.
+
+    ``options``: the engine's own settings (its registry entry's options dataclass, the table
+    ``[run.<table>]``); None for an engine without options, and filled with the defaults otherwise."""
     name: str = "reference"
     engine: str = "native"
     batching: str = "unbatched"
-    attn_implementation: str = "eager"  # transformers engine only
     numerical: NumericalConfig = NumericalConfig()
     cache: CacheConfig = CacheConfig()
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
     tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
-    llamacpp: LlamaCppConfig | None = None  # engine = "llama.cpp" only
+    options: object | None = None
 
     def __post_init__(self):
-        if self.engine == "llama.cpp" and self.llamacpp is None:
-            object.__setattr__(self, "llamacpp", LlamaCppConfig())
+        info = registry.engine(self.engine)
+        if self.options is None:
+            object.__setattr__(self, "options", info.default_options())
+        elif info.options is None or not isinstance(self.options, info.options):
+            raise ConfigError(f"engine {self.engine!r} takes " + (f"[run.{info.table}] options" if info.table else
+                                                                 "no options") +
+                              f" (got {type(self.options).__name__})")
         if self.batching not in BATCHING:
             raise ConfigError(f"batching must be one of {', '.join(BATCHING)} (got {self.batching!r})")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine must be one of {', '.join(ENGINES)} (got {self.engine!r})")
-        if self.attn_implementation not in ("eager", "sdpa"):
-            raise ConfigError(f"attn_implementation must be 'eager' or 'sdpa' (got {self.attn_implementation!r})")
+
+    @property
+    def info(self) -> registry.EngineInfo:
+        return registry.engine(self.engine)
 
     def as_dict(self) -> dict:
-        d = asdict(self)
+        """The recorded form (a trace's meta.side.run): the engine's options under its table's name."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        d = {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in d.items()}
         d["cache"]["layout"] = self.cache.layout.as_dict()
-        if d["llamacpp"] is None:
-            del d["llamacpp"]
+        if self.options is not None:
+            d[self.info.table] = asdict(self.options)
         return d
 
 
@@ -199,7 +175,7 @@ def at_precision(run: RunConfig, prec: dict, name: str) -> RunConfig:
 def on_engine(run: RunConfig, engine: str) -> RunConfig:
     """``run``'s execution path (batching, kernel, cache, chunks) on another engine, that engine's own options at
     their defaults (a calibrated verdict's golden and twin, when the reference's engine cannot run them)."""
-    return replace(run, engine=engine, llamacpp=None, attn_implementation="eager")
+    return replace(run, engine=engine, options=registry.engine(engine).default_options())
 
 
 def in_float64(run: RunConfig, name: str) -> RunConfig:
@@ -212,8 +188,15 @@ def run_from_dict(d: dict, where: str) -> RunConfig:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: the recorded run configuration must be a table (got {type(d).__name__})")
     cache = d.get("cache") if isinstance(d.get("cache"), dict) else {}
-    run = {k: d[k] for k in ("engine", "batching", "attn_implementation") if k in d}
+    run = {k: d[k] for k in ("engine", "batching", "tp") if k in d}
     run.update(d.get("numerical") or {})
+    info = registry.ENGINES.get(run.get("engine", "native"))
+    if info is not None and info.table:  # the engine's options, recorded under its table's name
+        table = dict(d.get(info.table) or {})
+        if info.table == "transformers" and "attn_implementation" in d:  # traces written before the tables
+            table.setdefault("attn_implementation", d["attn_implementation"])
+        if table:
+            run[info.table] = table
     for k in ("chunk_size", "invariants"):
         if k in cache:
             run[k] = cache[k]
@@ -256,7 +239,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "w8": ("weight-only int8 quantisation, per-channel scales", {"run": {"weight_quant": "int8"}}),
     "transformers": ("Hugging Face transformers' own model, eager attention", {"run": {"engine": "transformers"}}),
     "transformers-sdpa": ("Hugging Face transformers' own model, sdpa attention",
-                          {"run": {"engine": "transformers", "attn_implementation": "sdpa"}}),
+                          {"run": {"engine": "transformers", "transformers": {"attn_implementation": "sdpa"}}}),
     "tp2": ("our engine sharded over 2 tensor-parallel ranks (torch.distributed, gloo), per-rank traces",
             {"run": {"tp": 2}}),
     "compiled": ("each layer's norms and MLP compiled by torch.compile (inductor); compile time reported apart",
@@ -265,14 +248,16 @@ PRESETS: dict[str, tuple[str, dict]] = {
                          "needs --model hf:DIR", {"run": {"engine": "transformers", "tp": 2}}),
     "llama.cpp": ("llama.cpp (llama-cpp-python), one sequence at a time; differs from llama.cpp's defaults: "
                   "flash attention off (default auto: on), KV cache f32 (default f16)",
-                  {"run": {"engine": "llama.cpp", "flash_attn": False, "type_k": "f32", "type_v": "f32"}}),
+                  {"run": {"engine": "llama.cpp",
+                           "llamacpp": {"flash_attn": False, "type_k": "f32", "type_v": "f32"}}}),
     "llama.cpp-flash": ("llama.cpp, one sequence at a time, flash attention on, KV cache f16: llama.cpp's "
                         "defaults on a CPU (default flash auto: on)",
-                        {"run": {"engine": "llama.cpp", "flash_attn": True, "type_k": "f16", "type_v": "f16"}}),
+                        {"run": {"engine": "llama.cpp",
+                                 "llamacpp": {"flash_attn": True, "type_k": "f16", "type_v": "f16"}}}),
     "llama.cpp-batched": ("llama.cpp, all prompts as sequences (seq_ids) of one batch in a unified KV cache; "
                           "differs from llama.cpp's defaults: flash attention off, KV cache f32",
-                          {"run": {"engine": "llama.cpp", "batching": "packed", "flash_attn": False,
-                                   "type_k": "f32", "type_v": "f32"}}),
+                          {"run": {"engine": "llama.cpp", "batching": "packed",
+                                   "llamacpp": {"flash_attn": False, "type_k": "f32", "type_v": "f32"}}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),
@@ -293,8 +278,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
-_RUN_KEYS = {"engine", "batching", "attn_implementation", "chunk_size", "invariants", "tp"} | {
-    f.name for f in fields(NumericalConfig)} | _LLAMACPP_KEYS
+_TABLES = {e.table: e for e in registry.ENGINES.values() if e.table}  # [run.<table>]: an engine's options
+_RUN_KEYS = {"engine", "batching", "chunk_size", "invariants", "tp"} | {f.name for f in fields(NumericalConfig)} | \
+    set(_TABLES)
+# an engine option written directly in [run], as configs did before the options had tables of their own
+_MOVED = {k: e for e in _TABLES.values() for k in registry.option_names(e)} 
 _CACHE_KEYS = {f.name for f in fields(CacheLayout)} - {"version"}
 _MODEL_KEYS = {"source", "seed", "adapter"}
 
@@ -394,15 +382,18 @@ def resolve_source(source: str) -> tuple[str, dict]:
 
 def parse_run(conf: dict, where: str, name: str) -> RunConfig:
     run, cache = dict(conf.get("run", {})), dict(conf.get("cache", {}))
+    for k in sorted(set(run) & set(_MOVED) - _RUN_KEYS):
+        e = _MOVED[k]
+        raise ConfigError(f"{where}: [run] {k} is an option of the {e.name} engine: set it in its own table, "
+                          f"[run.{e.table}] {k} = {_toml(run[k])}")
     _check_keys("run", run, _RUN_KEYS, where)
     _check_keys("cache", cache, _CACHE_KEYS, where)
     num = {k: run.pop(k) for k in list(run) if k in {f.name for f in fields(NumericalConfig)}}
-    llama = {k: run.pop(k) for k in list(run) if k in _LLAMACPP_KEYS}
     engine = run.get("engine", "native")
-    if llama and engine != "llama.cpp":
-        raise ConfigError(f"{where}: [run] {', '.join(sorted(llama))} appl{'ies' if len(llama) == 1 else 'y'} to "
-                          f"engine = \"llama.cpp\" only (engine is {engine!r})")
-    _check_types("run", llama, LlamaCppConfig, where)
+    if not isinstance(engine, str) or engine not in registry.ENGINES:
+        raise ConfigError(f"{where}: [run] engine must be one of {', '.join(registry.ENGINES)} (got {engine!r})"
+                          + (did_you_mean(engine, set(registry.ENGINES)) if isinstance(engine, str) else ""))
+    options = _engine_options(run, registry.engine(engine), where)
     _check_types("run", num, NumericalConfig, where)
     _check_types("run", run, RunConfig, where)
     _check_types("run", {k: run[k] for k in ("chunk_size",) if k in run}, CacheConfig, where)
@@ -421,11 +412,36 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
             _check_types("fault", fault, FaultConfig, where)
             fault = FaultConfig(**fault)
         cache_cfg = CacheConfig(CacheLayout(**cache), run.pop("chunk_size", 0), run.pop("invariants", "record"))
-        if engine == "llama.cpp":
-            run["llamacpp"] = LlamaCppConfig(**llama)
-        return RunConfig(name=name, numerical=NumericalConfig(**num), cache=cache_cfg, reuse=reuse, fault=fault, **run)
+        return RunConfig(name=name, numerical=NumericalConfig(**num), cache=cache_cfg, reuse=reuse, fault=fault,
+                         options=options, **run)
     except TypeError as e:  # wrong value types reach dataclass constructors
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _toml(v) -> str:
+    """A value as TOML writes it (true, 4, "f16")."""
+    return ("true" if v else "false") if isinstance(v, bool) else f'"{v}"' if isinstance(v, str) else repr(v)
+
+
+def _engine_options(run: dict, info: registry.EngineInfo, where: str):
+    """The [run.<table>] tables popped from ``run``: the engine's own, checked key by key and by type, becomes its
+    options; another engine's table is refused."""
+    tables = {k: run.pop(k) for k in list(run) if k in _TABLES}
+    for table, value in tables.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: run.{table} must be a [run.{table}] table (got {value!r})")
+        if table != info.table:
+            raise ConfigError(f"{where}: [run.{table}] sets options of engine = \"{_TABLES[table].name}\" (engine "
+                              f"is {info.name!r})")
+    given = tables.get(info.table) or {}
+    if info.options is None:
+        return None
+    _check_keys(f"run.{info.table}", given, registry.option_names(info), where)
+    _check_types(f"run.{info.table}", given, info.options, where)
+    try:
+        return info.options(**given)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: [run.{info.table}] {e}") from None
 
 
 def parse_model(section: dict, where: str) -> ModelSpec:

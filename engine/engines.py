@@ -1,6 +1,6 @@
 """One interface to every engine: run a prepared side into a recorder, layer by layer.
 
-``execute`` picks the engine the run names (native, transformers, llama.cpp) and drives it; what a
+``execute`` runs the engine the run names (its module, from the registry in engine/registry.py); what a
 trace must say about the run (``trace_meta``, ``repro_record``) and the token texts a report shows
 (``token_texts``) are read here from the engine's objects, so the trace package needs no torch.
 """
@@ -12,18 +12,14 @@ import h5py
 import numpy as np
 import torch
 
-from . import hf_engine, llamacpp_engine, runner
 from .config import describe
 from .model import rope_inv_freq
 from .recording import TraceRecorder
 from .runner import Prepared
 
-ENGINES = {"native": runner.execute, "transformers": hf_engine.execute, "llama.cpp": llamacpp_engine.execute}
-
-
 def execute(prep: Prepared, recorder: TraceRecorder):
     """Run ``prep`` into ``recorder``: a generator yielding each completed layer index; returns the run record."""
-    return (yield from ENGINES.get(prep.side.run.engine, runner.execute)(prep, recorder))
+    return (yield from prep.side.run.info.load().execute(prep, recorder))
 
 
 def repro_record(numerical: dict) -> dict:

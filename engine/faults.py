@@ -1,7 +1,7 @@
 """Deliberate faults (contract §2.11): each changes execution, never the model.
 
 The engine applies them around the model (prefill.py): the mask, the cache writes, the head map
-and the gather. ``runner.faults_for`` turns a run's [fault] into one call's ``Faults``.
+and the gather. ``native_engine.faults_for`` turns a run's [fault] into one call's ``Faults``.
 """
 from __future__ import annotations
 

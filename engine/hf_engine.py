@@ -20,10 +20,15 @@ from .errors import ConfigError, ModelLoadError
 from .gguf_loader import smollm2_path
 from .hub import hf_state_dict
 from .parallel import current
-from .calls import Placement
+from .calls import Placement, plan_calls
 
 
-def _check_supported(run) -> None:
+def check(prep) -> None:
+    """What the transformers engine runs (the model as transformers does); anything else is refused in one line."""
+    run = prep.side.run
+    if run.tp > 1 and not prep.snapshot.source.startswith("hf:"):
+        raise ConfigError("transformers' tensor parallelism loads a checkpoint with from_pretrained: give "
+                          f"--model hf:DIR (got model {prep.snapshot.source!r})")
     unsupported = []
     if run.batching not in ("unbatched", "left", "right"):
         unsupported.append(f"batching={run.batching}")
@@ -183,11 +188,17 @@ def forward_call(model, call, recorder) -> None:
         recorder.final(b, norm[b, c], out.logits[b, c], (b, c), int(tok[b, c]))
 
 
+def plan(prep, positions, pad: int, tp) -> None:
+    """The calls of the run's batching, each one transformers forward."""
+    prep.calls = plan_calls([list(t) for t in prep.tokens], positions, list(range(len(prep.tokens))),
+                            prep.side.run.batching, pad)
+
+
 def execute(prep, recorder):
-    """Like runner.execute, for the transformers engine: yields each layer once the forward is done."""
+    """Runs every call, then yields each layer (the forwards are done by then)."""
     run = prep.side.run
-    _check_supported(run)
-    model = build_model(prep.snapshot, run.numerical.dtype, run.attn_implementation)
+    check(prep)
+    model = build_model(prep.snapshot, run.numerical.dtype, run.options.attn_implementation)
     for call in prep.calls:
         forward_call(model, call, Placement(recorder, call.runs, call.samples))
     for layer in range(prep.snapshot.args.n_layers):

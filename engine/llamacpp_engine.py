@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .calls import Placement
+from .calls import Placement, plan_calls
 from .coords import SeqRun
 from .errors import ConfigError, ModelLoadError, PrefillDiffError
 from .gguf_loader import smollm2_path
@@ -118,7 +118,7 @@ def version() -> str | None:
         return None
 
 
-def check_supported(prep) -> None:
+def check(prep) -> None:
     """What the llama.cpp engine runs; anything else is refused in one line, before any work."""
     run, snap = prep.side.run, prep.snapshot
     num = run.numerical
@@ -625,10 +625,18 @@ def _run_meta(recorder, prep, gfile: GgufFile, cfg, flash_on: bool, threads: int
                          record=dict(prep.record))
 
 
+def plan(prep, positions, pad: int, tp) -> None:
+    """The calls of the run's batching (one sequence each, or all as seq_ids of one batch); llama.cpp's library
+    is loaded now, so that a missing or broken install is said before either side runs."""
+    prep.calls = plan_calls([list(t) for t in prep.tokens], positions, list(range(len(prep.tokens))),
+                            prep.side.run.batching, pad)
+    load_library()
+
+
 def execute(prep, recorder):
-    """Like runner.execute, for llama.cpp: runs every call, hands the nodes over, then yields each layer."""
-    check_supported(prep)
-    snap, cfg = prep.snapshot, prep.side.run.llamacpp
+    """Runs every call, hands the nodes over, then yields each layer."""
+    check(prep)
+    snap, cfg = prep.snapshot, prep.side.run.options
     load_library()
     threads = _threads(cfg.n_threads)
     gfile = GgufFile(snap, cfg.gguf_type)

@@ -27,9 +27,9 @@ from .errors import ConfigError
 TP_FAULTS = ("tp-missing-allreduce", "tp-kv-shard")
 
 
-def check_tp(tp: int, args, *, engine: str = "native", source: str = "", adapter=None,
-             weight_quant: str = "none", fault: str | None = None) -> None:
-    """Refuse a tensor-parallel size the model cannot be sharded by, before any process starts."""
+def check_tp(tp: int, args, *, adapter=None, weight_quant: str = "none", fault: str | None = None) -> None:
+    """Refuse a tensor-parallel size the model cannot be sharded by, before any process starts (what each engine
+    needs besides is its own ``check``)."""
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tp must be a positive integer (got tp={tp!r})")
     if fault in TP_FAULTS and tp < 2:
@@ -42,11 +42,6 @@ def check_tp(tp: int, args, *, engine: str = "native", source: str = "", adapter
         hint = f"; sizes that fit: {', '.join(map(str, fits))}" if fits else "; no size above 1 fits this model"
         raise ConfigError(f"tp={tp} must divide both n_heads and n_kv_heads (whole heads per rank), "
                           f"but {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by {tp}{hint}")
-    if engine == "native" and args.hidden_dim % tp:
-        raise ConfigError(f"tp={tp} must divide the MLP width (got hidden_dim={args.hidden_dim})")
-    if engine == "transformers" and not source.startswith("hf:"):
-        raise ConfigError("transformers' tensor parallelism loads a checkpoint with from_pretrained: give "
-                          f"--model hf:DIR (got model {source!r})")
     if adapter is not None:
         raise ConfigError("tp > 1 shards plain linear layers: LoRA adapters are not supported with tensor parallelism")
     if weight_quant != "none":

@@ -1,17 +1,34 @@
-"""What each engine can compute, declared as data (no torch: the CLI reads it before any engine loads).
+"""Every engine prefill-diff runs, declared in one place: its name, its options, what it computes, its module.
 
-A calibrated verdict (verify/calibrate.py) needs two extra runs of the reference's execution path: the
-*golden* in float64 and the *twin* at the candidate's precisions. Whether the reference's own engine can
-make them, or ours must, is read from ``ENGINES[name].computes`` here, never from a special case for an
-engine's name.
+An engine is one module under ``engine/`` plus one ``EngineInfo`` here (docs/engines.md shows how, with vLLM as
+the worked example). The module implements three functions, each called for a prepared side
+(``runner.Prepared``)::
 
-Precisions are the dicts of ``verify.calibrate.precisions``: ``dtype`` (weights and activations),
-``weight_quant`` (``none``, our ``int8``, or a GGUF type such as ``Q4_1``), ``cache_dtype`` and
-``int8_scales``.
+    check(prep)              refuse, in one line (ConfigError), whatever the engine cannot run; called
+                             before any side does any work
+    plan(prep, positions, pad, tp)
+                             the prefill calls (``prep.calls``) and anything the engine loads or builds first
+    execute(prep, recorder)  a generator: run the calls into the recorder, yield each finished layer, return
+                             the run record
+
+The entry declares the rest as data, so nothing else in the project asks "which engine is this?":
+
+- ``options``: the engine's own settings, a frozen dataclass read from the TOML table ``[run.<table>]`` and
+  checked like every other key (engine/config.py); ``None`` when it has none.
+- ``computes``: the precisions it runs on request (verify/calibrate.py's ``precisions`` dicts: ``dtype``,
+  ``weight_quant``, ``cache_dtype``). A calibrated verdict's golden (float64) and twin (the candidate's
+  precisions) run on the reference's engine when it can run both, else on ours (``twin_maker``).
+- ``tp``: whether ``[run] tp > 1`` shards it over processes (engine/parallel.py), else why not.
+
+This module imports nothing heavy (no torch): the CLI reads it before any engine loads, and an engine's
+module (its third-party package) is imported only when a side runs on it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field, fields
+
+from .errors import ConfigError
 
 GOLDEN = {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}
 
@@ -35,21 +52,106 @@ class Computes:
         return cache == dtype if self.cache_dtypes is None else cache in self.cache_dtypes
 
 
+# -- the engines' own options: one frozen dataclass each, the TOML table [run.<table>] --------------------
+
+def _positive(name: str, v, limit: int = 2 ** 31 - 1) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
+        raise ConfigError(f"{name} must be an integer from 1 to {limit} (got {v!r})")
+
+
+@dataclass(frozen=True)
+class TransformersOptions:
+    """[run.transformers]: Hugging Face transformers' own model."""
+    attn_implementation: str = "eager"  # eager | sdpa
+
+    def __post_init__(self):
+        if self.attn_implementation not in ("eager", "sdpa"):
+            raise ConfigError(f"attn_implementation must be 'eager' or 'sdpa' (got {self.attn_implementation!r})")
+
+
+LLAMACPP_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # ggml type names
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    """[run.llamacpp]: llama.cpp's own knobs. The defaults are llama.cpp's own."""
+    flash_attn: bool | str = "auto"  # true | false | "auto" (llama.cpp decides; on a CPU it turns it on)
+    n_ubatch: int = 512  # physical batch: tokens per graph computation
+    n_batch: int = 2048  # logical batch: tokens per llama_decode call
+    type_k: str = "f16"  # KV cache types (ggml names)
+    type_v: str = "f16"
+    n_threads: int = 0  # 0: the CPUs this process may use that the load leaves free, 1-4 (llama.cpp's default: 4)
+    gguf_type: str = "f32"  # a model that is not a GGUF file is converted to one with these weights: f32 | f16
+
+    def __post_init__(self):
+        if self.flash_attn not in (True, False, "auto"):
+            raise ConfigError(f"flash_attn must be true, false or \"auto\" (got {self.flash_attn!r})")
+        for key in ("n_ubatch", "n_batch"):
+            _positive(key, getattr(self, key))
+        if not isinstance(self.n_threads, int) or isinstance(self.n_threads, bool) or self.n_threads < 0:
+            raise ConfigError(f"n_threads must be a non-negative integer, 0 for automatic (got {self.n_threads!r})")
+        for key in ("type_k", "type_v"):
+            if getattr(self, key) not in LLAMACPP_CACHE_TYPES:
+                raise ConfigError(f"{key} must be one of {', '.join(LLAMACPP_CACHE_TYPES)} "
+                                  f"(got {getattr(self, key)!r})")
+        if self.type_v not in ("f32", "f16", "bf16") and self.flash_attn is False:
+            raise ConfigError(f"llama.cpp needs flash attention for a quantized V cache "
+                              f"(type_v={self.type_v!r} with flash_attn=false)")
+        if self.gguf_type not in ("f32", "f16"):
+            raise ConfigError(f"gguf_type must be 'f32' or 'f16' (got {self.gguf_type!r})")
+
+
+# -- the registry ---------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class EngineInfo:
-    name: str
-    computes: Computes
-    why_not: str = ""  # said when a calibrated verdict needs precisions no engine of ours can run
+    """One engine: see the module docstring."""
+    name: str  # the value of [run] engine
+    module: str  # its module under prefill_diff.engine, imported when a side runs on it
+    summary: str
+    options: type | None = None
+    table: str | None = None  # [run.<table>]: its options
+    computes: Computes = field(default_factory=Computes)
+    why_not: str = ""  # said when a calibrated verdict needs precisions no engine of ours runs
+    tp: bool = False  # [run] tp > 1 shards it
+    no_tp: str = ""  # why it does not shard
+
+    def load(self):
+        """The engine's module (check, plan, execute)."""
+        return importlib.import_module(f"{__package__}.{self.module}")
+
+    def default_options(self):
+        return None if self.options is None else self.options()
 
 
 FLOATS = ("float64", "float32", "bfloat16", "float16")
-ENGINES = {
-    "native": EngineInfo("native", Computes(FLOATS, FLOATS + ("int8",), ("none", "int8"))),
-    "transformers": EngineInfo("transformers", Computes(FLOATS)),
-    "llama.cpp": EngineInfo("llama.cpp", Computes(),
-                            "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights"),
-}
+ENGINES = {e.name: e for e in (
+    EngineInfo("native", "native_engine", "our engine: the contract's layer template, every execution path",
+               computes=Computes(FLOATS, FLOATS + ("int8",), ("none", "int8")), tp=True),
+    EngineInfo("transformers", "hf_engine", "Hugging Face transformers' own model, recorded through hooks",
+               TransformersOptions, "transformers", Computes(FLOATS), tp=True),
+    EngineInfo("llama.cpp", "llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
+               LlamaCppOptions, "llamacpp", Computes(),
+               "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
+               no_tp="llama.cpp runs the whole model in one process"),
+)}
 OURS = "native"
+
+
+def engine(name: str) -> EngineInfo:
+    """The registry entry of ``name``; an unknown name is refused with the known ones."""
+    info = ENGINES.get(name)
+    if info is None:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)} (got {name!r})")
+    return info
+
+
+def by_table(table: str) -> EngineInfo | None:
+    return next((e for e in ENGINES.values() if e.table == table), None)
+
+
+def option_names(info: EngineInfo) -> set:
+    return set() if info.options is None else {f.name for f in fields(info.options)}
 
 
 def twin_maker(ref_engine: str, cand_prec: dict) -> str | None:
@@ -60,4 +162,3 @@ def twin_maker(ref_engine: str, cand_prec: dict) -> str | None:
         if info is not None and info.computes.runs(GOLDEN) and info.computes.runs(cand_prec):
             return name
     return None
-

@@ -92,3 +92,42 @@ def test_token_texts_decodes_each_distinct_id_once():
     prep.snapshot = type(snap)(snap.source, snap.args, snap.state, tokenizer=Tok())
     assert engines.token_texts(prep, [7, 3, 7, 12]) == {"3": "<3>", "7": "<7>", "12": "<12>"}
     assert sorted(prep.snapshot.tokenizer.asked) == [[3], [7], [12]]
+
+
+# -- the registry: one entry per engine, its options in its own table ------------------------------------
+
+def test_every_engine_is_one_registry_entry_with_a_module_that_has_the_three_functions():
+    from prefill_diff.engine.registry import ENGINES
+    for info in ENGINES.values():
+        mod = info.load()
+        assert all(callable(getattr(mod, f, None)) for f in ("check", "plan", "execute")), info.name
+        assert (info.options is None) == (info.table is None), info.name
+
+
+@pytest.mark.parametrize("preset", ["reference", "transformers-sdpa", "llama.cpp-flash", "llama.cpp-batched",
+                                    "fault:skip-kv", "prefix-reuse", "kv-int8"])
+def test_a_recorded_run_reads_back_as_the_same_run(preset):
+    """A trace's meta.side.run is what golden and twin runs are rebuilt from: every option comes back."""
+    from prefill_diff.engine.config import run_from_dict
+    run = load_side(preset).run
+    assert run_from_dict(run.as_dict(), "test") == run
+
+
+def test_runs_recorded_before_the_option_tables_keep_reading():
+    """Traces written before each engine had its own table: transformers' attn_implementation at the top of
+    meta.side.run, llama.cpp's options under "llamacpp" (which older readers dropped)."""
+    from prefill_diff.engine.config import run_from_dict
+    old = load_side("transformers").run.as_dict()
+    del old["transformers"]
+    old["attn_implementation"] = "sdpa"
+    assert run_from_dict(old, "old trace").options.attn_implementation == "sdpa"
+    old = load_side("llama.cpp-batched").run.as_dict()
+    assert old["llamacpp"]["flash_attn"] is False
+    assert run_from_dict(old, "old trace").options.flash_attn is False
+
+
+def test_llama_cpp_refuses_tensor_parallel_runs_before_any_process_starts(run_cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "llama.cpp"\n[run]\ntp = 2\n')
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2 and "does not shard over tensor-parallel ranks" in res.output

@@ -115,7 +115,7 @@ def test_flash_against_no_flash_on_q4_1_reports_where_they_part(run_cli, tmp_pat
     assert len(rep["layers"]) == 30
     # flash attention alone (an f32 cache on both sides) parts at layer 0's attention output
     flash = tmp_path / "flash-f32.toml"
-    flash.write_text('preset = "llama.cpp-flash"\n[run]\ntype_k = "f32"\ntype_v = "f32"\n')
+    flash.write_text('preset = "llama.cpp-flash"\n[run.llamacpp]\ntype_k = "f32"\ntype_v = "f32"\n')
     res = run_cli("run", "llama.cpp", flash, "--model", "smollm2", "--prompt", FRANCE, "--policy", "float32",
                   "--json", "-")
     rep = _json(res)
@@ -220,14 +220,14 @@ def test_batched_sequences_and_small_ubatches_agree_with_one_at_a_time(run_cli, 
     with Trace(tmp_path / "cand.h5") as t:
         assert t.inputs["valid_mask"].shape[0] == 3 and t.meta["engine"]["batching"] == "packed"
     small = tmp_path / "small.toml"
-    small.write_text('preset = "llama.cpp-batched"\n[run]\nn_ubatch = 4\nn_batch = 8\n')
+    small.write_text('preset = "llama.cpp-batched"\n[run.llamacpp]\nn_ubatch = 4\nn_batch = 8\n')
     res = run_cli("run", "reference", small, "--json", "-")
     assert res.exit_code == 0, _json(res)["verdict_line"]
 
 
 def test_f16_conversion_is_judged_as_float16(run_cli, tmp_path):
     cfg = tmp_path / "f16.toml"
-    cfg.write_text('preset = "llama.cpp"\n[run]\ngguf_type = "f16"\n')
+    cfg.write_text('preset = "llama.cpp"\n[run.llamacpp]\ngguf_type = "f16"\n')
     res = run_cli("run", "reference", cfg, "--json", "-")
     rep = _json(res)
     assert rep["policy"]["name"] == "float16"
@@ -287,11 +287,15 @@ def test_struct_layout_matches_this_ggml():
 
 
 @pytest.mark.parametrize("toml, message", [
-    ('[run]\nflash_attn = true\n', 'flash_attn applies to engine = "llama.cpp" only'),
+    ('[run.llamacpp]\nflash_attn = true\n', '[run.llamacpp] sets options of engine = "llama.cpp"'),
+    # configs written before each engine had its own table: one line naming the new key
+    ('preset = "llama.cpp"\n[run]\nflash_attn = true\n', 'set it in its own table, [run.llamacpp] flash_attn = true'),
     ('preset = "llama.cpp"\n[run]\nbatching = "left"\n', 'batches sequences without padding'),
-    ('preset = "llama.cpp"\n[run]\ntype_v = "q8_0"\n', 'needs flash attention for a quantized V cache'),
-    ('preset = "llama.cpp"\n[run]\ntype_k = "q3_k"\n', 'type_k must be one of'),
-    ('preset = "llama.cpp"\n[run]\nn_ubatch = 0\n', 'n_ubatch must be a positive integer'),
+    ('preset = "llama.cpp"\n[run.llamacpp]\ntype_v = "q8_0"\n', 'needs flash attention for a quantized V cache'),
+    ('preset = "llama.cpp"\n[run.llamacpp]\ntype_k = "q3_k"\n', 'type_k must be one of'),
+    ('preset = "llama.cpp"\n[run.llamacpp]\nn_ubatch = 0\n', 'n_ubatch must be an integer from 1 to 2147483647'),
+    ('preset = "llama.cpp"\n[run.llamacpp]\nn_batch = 4294967296\n', 'n_batch must be an integer from 1 to'),
+    ('preset = "llama.cpp"\n[run]\ntp = 2\n', 'the llama.cpp engine does not shard over tensor-parallel ranks'),
     ('preset = "llama.cpp"\n[run]\ndtype = "bfloat16"\n', 'llama.cpp computes in float32'),
     ('preset = "llama.cpp"\n[model]\nrope_scaling = { rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0, '
      'high_freq_factor = 4.0, original_max_position_embeddings = 64 }\n', 'cannot run a model with RoPE scaling'),
@@ -317,18 +321,18 @@ def test_presets_say_how_they_differ_from_llamacpp_defaults():
     for name in ("llama.cpp", "llama.cpp-flash", "llama.cpp-batched"):
         run = load_side(name).run
         assert run.engine == "llama.cpp"
-    assert load_side("llama.cpp").run.llamacpp.flash_attn is False
-    assert load_side("llama.cpp-flash").run.llamacpp.type_k == "f16"
+    assert load_side("llama.cpp").run.options.flash_attn is False
+    assert load_side("llama.cpp-flash").run.options.type_k == "f16"
     assert load_side("llama.cpp-batched").run.batching == "packed"
-    from prefill_diff.engine.config import LlamaCppConfig
-    d = LlamaCppConfig()
+    from prefill_diff.engine.registry import LlamaCppOptions
+    d = LlamaCppOptions()
     assert (d.flash_attn, d.type_k, d.type_v, d.n_ubatch, d.n_batch) == ("auto", "f16", "f16", 512, 2048)
 
 
 def test_thread_count_does_not_change_the_results(run_cli, tmp_path):
     """Why n_threads may follow the machine's load: one and two threads give identical tensors."""
     for n in (1, 2):
-        (tmp_path / f"t{n}.toml").write_text(f'preset = "llama.cpp-batched"\n[run]\nn_threads = {n}\n')
+        (tmp_path / f"t{n}.toml").write_text(f'preset = "llama.cpp-batched"\n[run.llamacpp]\nn_threads = {n}\n')
     res = run_cli("run", tmp_path / "t1.toml", tmp_path / "t2.toml", "--json", "-")
     rep = _json(res)
     assert res.exit_code == 0, rep["verdict_line"]

@@ -44,9 +44,12 @@ def test_tp_sizes_that_do_not_divide_the_heads_are_refused_naming_them():
     smol = MODEL_PRESETS["synthetic"].replace(n_heads=9, n_kv_heads=3, dim=144)
     with pytest.raises(ConfigError, match=r"n_heads=9 and n_kv_heads=3 are not divisible by 2.*fit: 3"):
         parallel.check_tp(2, smol)
-    parallel.check_tp(3, smol.replace(hidden_dim=129))  # heads fit; the native engine also splits the MLP rows:
+    parallel.check_tp(3, smol)  # heads fit; our engine also splits the MLP rows (its own check):
+    from types import SimpleNamespace as NS
+    from prefill_diff.engine import native_engine
+    native_engine.check(NS(side=NS(run=NS(tp=3)), snapshot=NS(args=smol.replace(hidden_dim=129))))
     with pytest.raises(ConfigError, match="hidden_dim=128"):
-        parallel.check_tp(3, smol)
+        native_engine.check(NS(side=NS(run=NS(tp=3)), snapshot=NS(args=smol)))
     with pytest.raises(ConfigError, match=r"n_kv_heads=2 is not divisible by 4"):
         parallel.check_tp(4, MODEL_PRESETS["synthetic"])
     with pytest.raises(ConfigError, match="needs a tensor-parallel run"):

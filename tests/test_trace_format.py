@@ -270,7 +270,7 @@ def test_transformers_recorded_through_hooks_matches_our_engine(tmp_path):
     import torch
     from prefill_diff.dumps.recorder import Recorder
     from prefill_diff.engine.hf_engine import build_model, forward_call
-    from prefill_diff.engine.runner import Placement
+    from prefill_diff.engine.calls import Placement
 
     prep = prepare_side("transformers")  # synthetic model, one sample at a time
     model = build_model(prep.snapshot, "float32", "eager")

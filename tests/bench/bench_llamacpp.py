@@ -67,7 +67,7 @@ def run(smoke: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, snap.args.vocab_size, (cfg_["n"],), generator=g).tolist()
     side = load_side("llama.cpp", spec, Inputs(token_ids=(tuple(ids),)))
-    cfg = side.run.llamacpp
+    cfg = side.run.options
     lib = lce.load_library()
     gfile = lce.GgufFile(snap, cfg.gguf_type)
     model = lce.Model(gfile.path, snap)
