@@ -16,7 +16,7 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 TEXT_LIMIT = 1 << 16  # characters of one metadata string
 LIST_LIMIT = 1 << 20  # items of one metadata list
 
-DTYPES = ("float64", "float32", "bfloat16", "float16", "int8")  # verify.tolerance.DTYPE_DEFAULTS (a test checks)
+DTYPES = ("float64", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")  # verify.tolerance.DTYPE_DEFAULTS (a test checks)
 TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # verify.tolerance.TOL_FIELDS
 TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits")  # verify.tolerance
 
@@ -161,7 +161,7 @@ TOLERANCE = obj({"base": text(choices=DTYPES), "equal_nan": boolean(), "topk": i
                 closed=True, none=True)
 
 REUSE_OUTCOME = obj({"sample": integer(0), "prefix_len": integer(0), "hit": boolean(), "forced": boolean(),
-                     "reason": text(none=True)})
+                     "reason": text(none=True), "expected": boolean(none=True)})
 
 META = obj({
     "model": obj({

@@ -17,7 +17,10 @@ import torch
 from .errors import ConfigError
 
 CACHE_KINDS = ("contiguous", "paged")
-CACHE_DTYPES = ("float64", "float32", "bfloat16", "float16", "int8")
+# storage dtypes of a KV cache; fp8 as vLLM stores it: the value divided by the layer's scale (1.0 unless
+# calibrated), cast to the fp8 format, read back times the scale
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+CACHE_DTYPES = ("float64", "float32", "bfloat16", "float16", "int8", *FP8)
 LAYOUT_VERSION = 1
 
 
@@ -51,12 +54,12 @@ class CacheLayout:
     @property
     def plain(self) -> bool:
         """True when the cache holds exactly what attention used, contiguously (no read-through needed)."""
-        return self.kind == "contiguous" and self.key_rotation == "post" and self.dtype != "int8"
+        return self.kind == "contiguous" and self.key_rotation == "post" and self.dtype not in ("int8", *FP8)
 
 
 def torch_dtype(name: str) -> torch.dtype:
     return {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16, "int8": torch.int8}[name]
+            "float16": torch.float16, "int8": torch.int8, **FP8}[name]
 
 
 @dataclass
@@ -71,7 +74,8 @@ class PrefixKV:
 
 
 class _Codec:
-    """Storage encoding: a float cast, or int8 with per-token or per-head scales."""
+    """Storage encoding: a float cast (fp8 included, at scale 1.0 as vLLM's uncalibrated fp8 cache), or int8 with
+    per-token or per-head scales."""
 
     def __init__(self, layout: CacheLayout, act_dtype: torch.dtype):
         self.int8 = layout.dtype == "int8"
@@ -82,7 +86,7 @@ class _Codec:
     def encode(self, x: torch.Tensor):
         """(H, T, d) -> (data, scale (H, T) or None)."""
         if not self.int8:
-            return x.to(self.store_dtype), None
+            return (x.to(torch.float32) if self.store_dtype in FP8.values() else x).to(self.store_dtype), None
         xf = x.float()
         amax = xf.abs().amax(dim=(1, 2) if self.per_head else 2)  # (H,) or (H, T)
         scale = (amax.clamp_min(1e-12) / 127.0)
@@ -92,7 +96,7 @@ class _Codec:
 
     def decode(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if scale is None:
-            return data.to(self.act_dtype)
+            return data.to(torch.float32).to(self.act_dtype) if data.dtype in FP8.values() else data.to(self.act_dtype)
         return (data.float() * scale[..., None]).to(self.act_dtype)
 
 

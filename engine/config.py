@@ -58,7 +58,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 BATCHING = ("unbatched", "left", "right", "packed")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
-          "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard")
+          "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write")
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,9 @@ class ReuseConfig:
 @dataclass(frozen=True)
 class FaultConfig:
     name: str
-    layer: int | None = None  # skip-kv: the layer that skips a write (default: the middle layer)
-    sample: int = 0  # skip-kv: the sample whose write is skipped
-    token: int = -1  # skip-kv: the token index skipped (-1: the last)
+    layer: int | None = None  # skip-kv, cache-write: the layer whose cache write goes wrong (default: the middle)
+    sample: int = 0  # skip-kv, cache-write: the sample whose write goes wrong
+    token: int = -1  # skip-kv: the token index skipped; cache-write: the slot overwritten (-1: the last)
 
     def __post_init__(self):
         if self.name not in FAULTS:
@@ -148,7 +148,7 @@ class RunConfig:
         d = {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in d.items()}
         d["cache"]["layout"] = self.cache.layout.as_dict()
         if self.options is not None:
-            d[self.info.table] = asdict(self.options)
+            d[self.info.table] = {k: v for k, v in asdict(self.options).items() if k not in self.info.unrecorded}
         return d
 
 
@@ -192,7 +192,7 @@ def run_from_dict(d: dict, where: str) -> RunConfig:
     run.update(d.get("numerical") or {})
     info = registry.ENGINES.get(run.get("engine", "native"))
     if info is not None and info.table:  # the engine's options, recorded under its table's name
-        table = dict(d.get(info.table) or {})
+        table = {k: v for k, v in dict(d.get(info.table) or {}).items() if k not in info.unrecorded}
         if info.table == "transformers" and "attn_implementation" in d:  # traces written before the tables
             table.setdefault("attn_implementation", d["attn_implementation"])
         if table:
@@ -258,6 +258,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
                           "differs from llama.cpp's defaults: flash attention off, KV cache f32",
                           {"run": {"engine": "llama.cpp", "batching": "packed",
                                    "llamacpp": {"flash_attn": False, "type_k": "f32", "type_v": "f32"}}}),
+    "vllm": ("vLLM, all prompts in one engine (its scheduler batches them), float32, prefix caching off",
+             {"run": {"engine": "vllm", "batching": "packed"}}),
+    "vllm-chunked": ("vLLM with a 32-token budget per step: every prompt longer than 32 tokens is prefilled in "
+                     "chunks over several steps, sharing steps with the others",
+                     {"run": {"engine": "vllm", "batching": "packed",
+                              "vllm": {"engine_args": {"max_num_batched_tokens": 32}}}}),
+    "vllm-prefix-cache": ("vLLM with its prefix cache warmed first with each prompt's leading full 32-token "
+                          "blocks: every prompt that spans a block reuses it (a cache hit), the rest is computed",
+                          {"run": {"engine": "vllm", "batching": "packed",
+                                   "vllm": {"prefix_caching": True, "warm": True}}}),
+    "vllm-bf16": ("vLLM in bfloat16", {"run": {"engine": "vllm", "batching": "packed", "dtype": "bfloat16"}}),
+    "vllm-fp8-kv": ("vLLM in bfloat16 with an fp8 (e4m3) KV cache",
+                    {"run": {"engine": "vllm", "batching": "packed", "dtype": "bfloat16"},
+                     "cache": {"dtype": "fp8_e4m3"}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),
@@ -275,6 +289,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                    "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
     "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",
                           {"run": {"tp": 2}, "fault": {"name": "tp-kv-shard"}}),
+    "fault:vllm-cache-write": ("inside vLLM: after the middle layer writes its cache, one slot of sample 0's keys is "
+                               "overwritten with its neighbour's",
+                               {"run": {"engine": "vllm", "batching": "packed"}, "fault": {"name": "cache-write"}}),
+    "fault:vllm-position-restart": ("§2.11 row 3 inside vLLM: after a real prefix-cache hit the computed suffix's "
+                                    "position ids restart at 0",
+                                    {"run": {"engine": "vllm", "batching": "packed",
+                                             "vllm": {"prefix_caching": True, "warm": True}},
+                                     "fault": {"name": "position-restart"}}),
 }
 
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}

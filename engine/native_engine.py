@@ -26,10 +26,35 @@ from .snapshot import Snapshot
 
 
 def check(prep) -> None:
-    """Our engine runs every execution path; a tensor-parallel run must also split the MLP's rows evenly."""
+    """Our engine runs every execution path; a tensor-parallel run must also split the MLP's rows evenly. A fault
+    that cannot show on this model and these inputs is recorded as such (the report says INCONCLUSIVE)."""
     run, args = prep.side.run, prep.snapshot.args
     if run.tp > 1 and args.hidden_dim % run.tp:
         raise ConfigError(f"tp={run.tp} must divide the MLP width (got hidden_dim={args.hidden_dim})")
+    if run.fault is not None:
+        prep.record["fault"]["cannot_show"] = fault_note(run, prep.snapshot, prep.tokens)
+
+
+def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
+    """Why this fault cannot show on this model and these inputs (None if it can)."""
+    if run.fault is None:
+        return None
+    name, args = run.fault.name, snapshot.args
+    lengths = [len(t) for t in tokens]
+    if name == "gqa-mapping" and args.n_kv_heads < 2:
+        return (f"fault:gqa-mapping cannot show on this model: it has n_kv_heads={args.n_kv_heads}, "
+                "so every query head reads the same KV head whatever the mapping")
+    padded = len(set(lengths)) > 1 and run.batching in ("left", "right")
+    if name in ("unmasked-padding", "masked-row-softmax") and not (padded and run.batching == "left"):
+        return (f"fault:{name} cannot show here: it needs a left-padded batch of unequal lengths "
+                f"(batching={run.batching}, lengths={lengths})")
+    if name == "last-column" and not (padded and run.batching == "right"):
+        return (f"fault:last-column cannot show here: it needs a right-padded batch of unequal lengths "
+                f"(batching={run.batching}, lengths={lengths})")
+    if name in ("position-restart", "adapter-mismatch") and (
+            run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):
+        return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
+    return None
 
 
 def plan(prep, positions, pad: int, tp) -> None:

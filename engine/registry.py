@@ -101,6 +101,50 @@ class LlamaCppOptions:
             raise ConfigError(f"gguf_type must be 'f32' or 'f16' (got {self.gguf_type!r})")
 
 
+# vLLM's own arguments that prefill-diff sets from its own configuration, or never lets a config choose
+VLLM_REFUSED_ARGS = {"model": "[model] source", "tokenizer": "nothing (prompts go to vLLM as token ids)",
+                     "trust_remote_code": "nothing (code from a model directory is never run)",
+                     "dtype": "[run] dtype", "kv_cache_dtype": "[cache] dtype (fp8_e4m3, fp8_e5m2)",
+                     "skip_tokenizer_init": "nothing", "enforce_eager": "nothing", "max_logprobs": "nothing",
+                     "enable_prefix_caching": "[run.vllm] prefix_caching", "block_size": "[run.vllm] block_size"}
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """[run.vllm]: vLLM in the user's own Python environment (engine/vllm_engine.py).
+
+    ``python`` is the interpreter of that environment (else $PREFILL_DIFF_VLLM_PYTHON, else this one when it has
+    vLLM); it is never recorded in a trace, so a trace can never choose what runs. ``engine_args`` go to
+    vLLM's ``LLM()`` as they are, checked by vLLM's own EngineArgs before the model loads."""
+    python: str | None = None
+    engine_args: dict = field(default_factory=dict)
+    prefix_caching: bool = False
+    warm: bool = False  # first fill the prefix cache with each prompt's leading full blocks, then prefill
+    block_size: int = 32
+    kv_cache_mib: int = 256  # vLLM's KV cache space, in MiB (its automatic sizing fails on small CPU machines)
+
+    def __post_init__(self):
+        if self.python is not None and (not isinstance(self.python, str) or not self.python.strip()):
+            raise ConfigError(f"python must be the path of a Python interpreter (got {self.python!r})")
+        if not isinstance(self.engine_args, dict):
+            raise ConfigError(f"engine_args must be a table of vLLM LLM() arguments (got {self.engine_args!r})")
+        refused = sorted(set(self.engine_args) & set(VLLM_REFUSED_ARGS))
+        if refused:
+            raise ConfigError("engine_args may not set " + "; ".join(
+                f"{k} (set by {VLLM_REFUSED_ARGS[k]})" for k in refused))
+        for key in ("prefix_caching", "warm"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be true or false (got {getattr(self, key)!r})")
+        if self.warm and not self.prefix_caching:
+            raise ConfigError("warm = true fills vLLM's prefix cache: it needs prefix_caching = true")
+        _positive("block_size", self.block_size, 4096)
+        _positive("kv_cache_mib", self.kv_cache_mib, 1 << 20)
+
+    def __hash__(self):  # engine_args is a dict: frozen dataclasses hash their fields
+        return hash((self.python, tuple(sorted((k, repr(v)) for k, v in self.engine_args.items())),
+                     self.prefix_caching, self.warm, self.block_size, self.kv_cache_mib))
+
+
 # -- the registry ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -115,6 +159,8 @@ class EngineInfo:
     why_not: str = ""  # said when a calibrated verdict needs precisions no engine of ours runs
     tp: bool = False  # [run] tp > 1 shards it
     no_tp: str = ""  # why it does not shard
+    faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
+    unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
 
     def load(self):
         """The engine's module (check, plan, execute)."""
@@ -125,15 +171,23 @@ class EngineInfo:
 
 
 FLOATS = ("float64", "float32", "bfloat16", "float16")
+FP8 = ("fp8_e4m3", "fp8_e5m2")  # KV caches only
 ENGINES = {e.name: e for e in (
     EngineInfo("native", "native_engine", "our engine: the contract's layer template, every execution path",
-               computes=Computes(FLOATS, FLOATS + ("int8",), ("none", "int8")), tp=True),
+               computes=Computes(FLOATS, FLOATS + ("int8",) + FP8, ("none", "int8")), tp=True,
+               faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
+                       "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard")),
     EngineInfo("transformers", "hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                TransformersOptions, "transformers", Computes(FLOATS), tp=True),
     EngineInfo("llama.cpp", "llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
                no_tp="llama.cpp runs the whole model in one process"),
+    EngineInfo("vllm", "vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, kernels), "
+               "run in the user's own environment and captured through hooks", VllmOptions, "vllm",
+               Computes(("float32", "bfloat16", "float16"), ("float32", "bfloat16", "float16") + FP8),
+               no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
+               unrecorded=("python",)),
 )}
 OURS = "native"
 

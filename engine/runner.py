@@ -79,28 +79,6 @@ def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | N
     return ids, tuple(prompts)
 
 
-def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
-    """Why this fault cannot show on this model and these inputs (None if it can)."""
-    if run.fault is None:
-        return None
-    name, args = run.fault.name, snapshot.args
-    lengths = [len(t) for t in tokens]
-    if name == "gqa-mapping" and args.n_kv_heads < 2:
-        return (f"fault:gqa-mapping cannot show on this model: it has n_kv_heads={args.n_kv_heads}, "
-                "so every query head reads the same KV head whatever the mapping")
-    padded = len(set(lengths)) > 1 and run.batching in ("left", "right")
-    if name in ("unmasked-padding", "masked-row-softmax") and not (padded and run.batching == "left"):
-        return (f"fault:{name} cannot show here: it needs a left-padded batch of unequal lengths "
-                f"(batching={run.batching}, lengths={lengths})")
-    if name == "last-column" and not (padded and run.batching == "right"):
-        return (f"fault:last-column cannot show here: it needs a right-padded batch of unequal lengths "
-                f"(batching={run.batching}, lengths={lengths})")
-    if name in ("position-restart", "adapter-mismatch") and (
-            run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):
-        return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
-    return None
-
-
 def sample_positions(inputs: Inputs, tokens) -> list[list[int]]:
     """The position descriptor per sample; §2.1(3): it must define every valid position."""
     if inputs.positions is None:
@@ -146,6 +124,7 @@ class Prepared:
     engine: Engine | None = None
     calls: list = field(default_factory=list)
     record: dict = field(default_factory=dict)
+    extras: dict = field(default_factory=dict)  # what an engine's plan resolved for its execute (never recorded)
 
     @property
     def n_cols(self) -> int:
@@ -159,8 +138,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     side = replace(side, inputs=apply_mask(side.inputs))
     tokens, texts = resolve_tokens(side.inputs, snapshot)
     prep = Prepared(side, snapshot, tokens, texts)
-    note = fault_note(run, snapshot, tokens)
-    prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": note},
+    prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": None},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
     set_deterministic(run.numerical.deterministic, compiling=run.numerical.compile)
     budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
@@ -168,6 +146,9 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     pad = _pad_id(side.inputs, snapshot)
     tp = _tp_rank(run, snapshot)
     check_request(tokens, positions, snapshot)  # §2.1 (1)-(3), once, on the request whatever the engine
+    if run.fault is not None and run.fault.name not in run.info.faults:
+        can = ", ".join(run.info.faults) or "none"
+        raise ConfigError(f"the {run.engine} engine cannot inject fault {run.fault.name} (it injects: {can})")
     engine = run.info.load()
     engine.check(prep)  # what the engine cannot run is refused before either side does any work
     if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank plans

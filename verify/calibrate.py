@@ -31,7 +31,7 @@ import numpy as np
 
 # unit roundoff (half an ulp at 1) of each precision; int8 counts as 1/254 of the scale's range
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
-                 "int8": 2.0 ** -8}
+                 "int8": 2.0 ** -8, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
 DEFAULT_FACTOR = 4.0
 PRECISION_KEYS = ("dtype", "weight_quant", "cache_dtype", "int8_scales")
 
@@ -74,7 +74,8 @@ def precision_label(p: dict) -> str:
     if p.get("weight_quant") not in (None, "none"):
         extra.append(f"{p['weight_quant']} weights")
     if p.get("cache_dtype") not in (None, p.get("dtype")):
-        extra.append(f"{'an' if str(p['cache_dtype'])[:1] in 'aeiou' else 'a'} {p['cache_dtype']} KV cache")
+        extra.append(f"{'an' if str(p['cache_dtype']).startswith(('a', 'e', 'i', 'o', 'u', 'fp')) else 'a'} "
+                     f"{p['cache_dtype']} KV cache")
     return p.get("dtype", "?") + (" with " + " and ".join(extra) if extra else "")
 
 
@@ -94,7 +95,7 @@ def parse_precision_key(key: str) -> dict | None:
     """The precisions a ``precision_key`` names ('bfloat16', 'float32-wint8', 'float32-kvint8-perhead'), or None
     when ``key`` is not one."""
     dtype, *rest = key.split("-")
-    if dtype not in UNIT_ROUNDOFF or dtype == "int8":
+    if dtype not in ("float64", "float32", "bfloat16", "float16"):
         return None
     prec = {"dtype": dtype, "weight_quant": "none", "cache_dtype": dtype, "int8_scales": None}
     for part in rest:

@@ -176,8 +176,14 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     faults."""
     rec = t.meta.get("record") or {}
     notes, inconclusive = [], []
-    for o in rec.get("reuse") or ():
-        if o.get("forced") or not o.get("hit"):
+    reuse = [o for o in rec.get("reuse") or () if isinstance(o, dict)]
+    hits = [(o["sample"], o["prefix_len"], int(t.lengths[o["sample"]])) for o in reuse if o.get("hit")]
+    if hits:
+        notes.append(wording.cache_hits(side, hits))
+    for o in reuse:
+        if o.get("expected") and not o.get("hit"):  # a cache hit was the point of the run, and none happened
+            inconclusive.append(wording.warm_missed(side, o["sample"], o["reason"]))
+        elif o.get("forced") or not o.get("hit"):
             notes.append(wording.reuse_refused(side, o["sample"], o["reason"], forced=bool(o.get("forced"))))
     notes += [wording.invariant_broken(side, v) for v in rec.get("invariant_violations") or ()]
     timing = rec.get("timing") or {}

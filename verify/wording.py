@@ -242,6 +242,16 @@ def reuse_refused(side: str, sample: int, reason: str, forced: bool) -> str:
     return f"{side} sample {sample}: prefix reuse refused: {reason}"
 
 
+def cache_hits(side: str, hits) -> str:
+    """How many tokens of each sample came from the prefix cache: (sample, tokens reused, length) each."""
+    return f"{side}: tokens from the prefix cache: " + ", ".join(f"sample {s} {k} of {n}" for s, k, n in hits)
+
+
+def warm_missed(side: str, sample: int, reason) -> str:
+    return (f"{side} sample {sample} was to reuse its prefix from the cache and reused nothing"
+            + (f" ({reason})" if reason else "") + ": nothing about reuse is shown for it")
+
+
 def invariant_broken(side: str, violation) -> str:
     return f"{side} cache invariant broken after prefill: {violation}"
 
