@@ -1,0 +1,263 @@
+"""The vllm engine: vLLM in its own environment, captured through hooks (engine/vllm_engine.py, vllm_worker.py).
+
+The tests that run vLLM need an environment with it: PREFILL_DIFF_VLLM_PYTHON (the README's test line makes one
+with `prefill-diff vllm-setup`), or vLLM in this one. In CI (CI=true) its absence is a failure, never a skip.
+The layout probe and the worker's protocol are tested here without vLLM.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from prefill_diff.engine import vllm_worker
+from prefill_diff.engine.vllm_engine import ENV
+
+
+def _vllm_python() -> str | None:
+    given = os.environ.get(ENV)
+    if given:
+        return given
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    py = _vllm_python()
+    if py is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs every vLLM test: set {ENV} (the README's test line makes the environment)")
+        pytest.skip(f"no vLLM environment ({ENV} unset and vLLM not installed here)")
+    return py
+
+
+def _json(res) -> dict:
+    return json.loads(res.output)
+
+
+# -- the cache layout probe, with fake kernels (no vLLM) -----------------------------------------------
+
+B, H, D = 8, 2, 4
+
+
+def _kernel(place):
+    """A fake cache kernel storing element (slot offset, head, dim) of each token where ``place`` says, in the
+    [heads, block_size, dim] view of a block's key (value) region, as vLLM's CPU backend hands it over."""
+    def write(k, v, kc, vc, slots):
+        for t, s in enumerate(slots.tolist()):
+            block, off = divmod(s, kc.shape[2])
+            for h in range(k.shape[1]):
+                for d in range(k.shape[2]):
+                    row, col = place(off, d)
+                    kc[block, h, row, col] = k[t, h, d].to(kc.dtype)
+                    vc[block, h, row, col] = v[t, h, d].to(vc.dtype)
+    return write
+
+
+LAYOUTS = {
+    "plain": lambda off, d: (off, d),
+    "keys transposed": lambda off, d: divmod(d * B + off, D),  # [dim, block_size] inside the block
+    "pairs packed": lambda off, d: divmod((off // 2) * 2 * D + d * 2 + off % 2, D),  # VNNI-like interleave
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_probe_learns_the_kernels_layout_and_reads_the_cache_back(name, dtype):
+    write = _kernel(LAYOUTS[name])
+    lk, lv = vllm_worker.learn_layout(write, B, H, D, dtype)
+    assert lk.shape == (B, H, D) and sorted(lk.flatten().tolist()) == list(range(B * H * D))
+    # a sequence of 13 positions over two non-adjacent blocks, read back through the block table
+    g = torch.Generator().manual_seed(0)
+    n, blocks = 13, [3, 1]
+    keys = torch.randn(n, H, D, generator=g).to(dtype).to(torch.float32)  # values the cache can hold exactly
+    values = torch.randn(n, H, D, generator=g).to(dtype).to(torch.float32)
+    cache = torch.zeros((5, H, 2 * B, D), dtype=dtype)
+    kc, vc = cache.chunk(2, dim=2)
+    slots = torch.tensor([blocks[p // B] * B + p % B for p in range(n)])
+    write(keys, values, kc, vc, slots)
+    got_k = vllm_worker.read_cache(kc, blocks, n, lk, lambda x: x.to(torch.float32))
+    got_v = vllm_worker.read_cache(vc, blocks, n, lv, lambda x: x.to(torch.float32))
+    np.testing.assert_array_equal(got_k, keys.permute(1, 0, 2).numpy())  # (heads, positions, dim)
+    np.testing.assert_array_equal(got_v, values.permute(1, 0, 2).numpy())
+
+
+def test_a_kernel_the_probe_does_not_understand_is_refused():
+    def lossy(k, v, kc, vc, slots):  # every element lands on one place: no bijection
+        for s in slots.tolist():
+            block, _ = divmod(s, kc.shape[2])
+            kc[block, 0, 0, 0] = k[0, 0, 0]
+            vc[block, 0, 0, 0] = v[0, 0, 0]
+    with pytest.raises(RuntimeError):
+        vllm_worker.learn_layout(lossy, B, H, D, torch.float32)
+
+
+def test_frames_round_trip_and_a_truncated_frame_is_refused(tmp_path):
+    import io
+    from prefill_diff.engine.vllm_engine import WorkerFailed, frames
+    buf = io.BytesIO()
+    ch = vllm_worker.Channel(buf)
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ch.send({"type": "sample", "index": 0}, {"x": a, "e": np.zeros((0, 4), np.float32)})
+    ch.send({"type": "done"})
+    got = list(frames(io.BytesIO(buf.getvalue())))
+    assert got[0][0]["type"] == "sample" and np.array_equal(got[0][1]["x"], a) and got[0][1]["e"].shape == (0, 4)
+    assert got[1][0] == {"type": "done"}
+    with pytest.raises(WorkerFailed, match="ended inside an array"):
+        list(frames(io.BytesIO(buf.getvalue()[:-60])))
+
+
+def test_the_worker_imports_nothing_of_ours():
+    import ast
+    tree = ast.parse(open(vllm_worker.__file__, encoding="utf-8").read())
+    names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
+        [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [m for m in names if m.startswith(("prefill_diff", "."))] and \
+        not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+
+
+# -- finding vLLM, and refusals before anything runs (no vLLM needed) --------------------------------------
+
+def test_no_vllm_anywhere_is_one_line_naming_both_ways(run_cli, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else
+                        importlib.machinery.PathFinder.find_spec(name))
+    res = run_cli("run", "reference", "vllm")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "[run.vllm] python" in res.output and ENV in res.output and "prefill-diff vllm-setup" in res.output
+
+
+def test_a_wrong_python_path_is_one_line(run_cli, monkeypatch, tmp_path):
+    monkeypatch.setenv(ENV, str(tmp_path / "nope" / "python"))
+    res = run_cli("run", "reference", "vllm")
+    assert res.exit_code == 2 and f"{ENV} must be an executable Python interpreter" in res.output
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'preset = "vllm"\n[run.vllm]\npython = "{tmp_path / "missing"}"\n')
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2 and "[run.vllm] python must be an executable" in res.output
+
+
+def test_an_environment_without_vllm_is_one_line(run_cli, monkeypatch):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this environment has vLLM")
+    monkeypatch.setenv(ENV, sys.executable)  # ours: no vLLM in it
+    res = run_cli("run", "reference", "vllm")
+    assert res.exit_code == 2 and "cannot import vLLM" in res.output and "vllm-setup" in res.output
+
+
+@pytest.mark.parametrize("toml, says", [
+    ('[run.vllm]\nengine_args = { model = "x" }\n', "engine_args may not set model (set by [model] source)"),
+    ('[run.vllm]\nengine_args = { trust_remote_code = true }\n', "trust_remote_code"),
+    ('[run.vllm]\nengine_args = { dtype = "half" }\n', "dtype (set by [run] dtype)"),
+    ('[run.vllm]\nwarm = true\n', "warm = true fills vLLM's prefix cache: it needs prefix_caching = true"),
+    ('[run]\nbatching = "left"\n', "vLLM never pads"),
+    ('[run]\ndtype = "float64"\n', "vLLM runs float32, bfloat16 or float16"),
+    ('[run]\ntp = 2\n', "does not shard over tensor-parallel ranks"),
+    ('[fault]\nname = "gqa-mapping"\n', "cannot inject fault gqa-mapping (it injects: cache-write, position-restart)"),
+    ('[reuse]\nprefix_len = 4\n', "vLLM's own prefix cache"),
+])
+def test_what_vllm_cannot_run_is_refused_before_anything_starts(toml, says, run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path / "never-started"))  # refused before the interpreter is even looked at
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "vllm"\n' + toml)
+    res = run_cli("run", "reference", cfg)
+    assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_the_interpreter_is_never_read_from_a_trace():
+    from prefill_diff.engine.config import load_side, run_from_dict
+    side = load_side("vllm")
+    d = side.run.as_dict()
+    assert "python" not in d["vllm"]
+    d["vllm"]["python"] = "/tmp/evil/python"  # a stranger's trace
+    assert run_from_dict(d, "trace").options.python is None
+
+
+# -- vLLM itself ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["vllm", "vllm-chunked", "vllm-prefix-cache", "vllm-bf16", "vllm-fp8-kv"])
+def test_each_vllm_preset_passes_against_the_reference(preset, vllm_python, run_cli, tmp_path):
+    res = run_cli("run", "reference", preset, "--json", "-", "--out", tmp_path)
+    rep = _json(res)
+    assert res.exit_code == 0, rep["verdict_line"]
+    assert len(rep["layers"]) == 4 and not rep["inconclusive"]
+    if preset in ("vllm-bf16", "vllm-fp8-kv"):  # below float32: judged against measured noise
+        assert rep["rule"].startswith("calibrated:") and "(run by our engine)" in rep["rule"], rep["rule"]
+    else:  # float32: vLLM agrees with our engine within the fixed float32 rule
+        assert rep["rule"].startswith("fixed float32 rule"), rep["rule"]
+    from prefill_diff.dumps.reader import Trace
+    with Trace(tmp_path / "cand.h5") as t:
+        v = t.meta["record"]["vllm"]
+        assert v["version"] and v["effective"]["block_size"] == 32 and len(v["samples"]) == 3
+        if preset == "vllm-chunked":  # the 70- and 45-token prompts take several steps each
+            steps = {s["sample"]: s["steps"] for s in v["samples"]}
+            assert steps[0] >= 3 and steps[1] >= 2, steps
+        if preset == "vllm-prefix-cache":
+            hits = {s["sample"]: s["num_cached_tokens"] for s in v["samples"]}
+            assert hits == {0: 64, 1: 32, 2: 0}, hits
+            assert any("tokens from the prefix cache: sample 0 64 of 70, sample 1 32 of 45" in n
+                       for n in rep["notes"]), rep["notes"]
+        if preset == "vllm-fp8-kv":
+            assert t.meta["layout"]["dtype"] == "fp8_e4m3"
+
+
+def test_cold_against_warm_vllm_against_itself(vllm_python, run_cli):
+    rep = _json(res := run_cli("run", "vllm", "vllm-prefix-cache", "--json", "-"))
+    assert res.exit_code == 0, rep["verdict_line"]
+    assert rep["rule"].startswith("fixed float32 rule")
+    # the reused positions are compared as cache entries, the computed suffix as residuals
+    assert any("positions 0..63 have residual states in the reference only" in n for n in rep["notes"])
+
+
+@pytest.mark.parametrize("fault, where", [
+    ("fault:vllm-cache-write", (2, "cache_keys", "value")),  # the middle layer, sample 0's last slot
+    ("fault:vllm-position-restart", (0, "cache_positions", "cache_positions")),  # §2.11 row 3, after a real hit
+])
+def test_faults_inside_vllm_are_localised(fault, where, vllm_python, run_cli):
+    rep = _json(res := run_cli("run", "reference", fault, "--json", "-"))
+    fb = rep["first_break"]
+    assert res.exit_code == 1 and (fb["layer"], fb["tensor"], fb["kind"]) == where, rep["verdict_line"]
+    assert fb["sample"] == 0
+
+
+def test_a_hugging_face_checkpoint_against_vllm(vllm_python, run_cli, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         tie_word_embeddings=False, max_position_embeddings=512))
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    rep = _json(res := run_cli("run", "reference", "vllm", "--model", f"hf:{tmp_path / 'hf'}", "--json", "-"))
+    assert res.exit_code == 0 and len(rep["layers"]) == 3, rep["verdict_line"]
+
+
+def test_vllm_refusals_and_crashes_are_one_line_exit_2_without_leftovers(vllm_python, run_cli, tmp_path):
+    out = tmp_path / "t.h5"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "vllm"\n[run.vllm]\nengine_args = { max_num_batched_tokenz = 8 }\n')
+    res = run_cli("record", cfg, "-o", out)
+    assert res.exit_code == 2 and "'max_num_batched_tokenz'" in res.output and "did you mean" in res.output
+    res = run_cli("record", "vllm", "--model", "seed-2.8", "-o", out)  # head_dim 4: vLLM's CPU attention refuses
+    assert res.exit_code == 2 and "vLLM" in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    crash = tmp_path / "crashing-python"  # vLLM dies in its first engine step
+    crash.write_text(f"#!/bin/sh\ncase \"$2\" in *vllm_worker.py) ;; *) exec {vllm_python} \"$@\";; esac\n"
+                     f"exec {vllm_python} -c 'import os, signal, sys, runpy\n"
+                     "from vllm.v1.engine.llm_engine import LLMEngine\n"
+                     "LLMEngine.step = lambda self: os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "sys.argv = sys.argv[1:]\n"
+                     "runpy.run_path(sys.argv[0], run_name=\"__main__\")' \"$2\" \"$3\"\n")
+    crash.chmod(crash.stat().st_mode | stat.S_IXUSR)
+    cfg.write_text(f'preset = "vllm"\n[run.vllm]\npython = "{crash}"\n')
+    res = run_cli("record", cfg, "-o", out)
+    assert res.exit_code == 2 and "killed by SIGKILL" in res.output, res.output
+    assert not out.exists() and not list(tmp_path.glob(".t.h5*"))  # no trace, no partial file
+    left = subprocess.run(["pgrep", "-f", "vllm_worker.py"], capture_output=True, text=True).stdout.split()
+    assert not left, left  # no orphan worker
