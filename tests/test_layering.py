@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ("engine", "dumps", "verify", "cli")  # the data flow; a package may import only from its left
 LEAF = "engine.errors"  # the shared error classes: the one engine module dumps and verify may import
-THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf")  # never imported by dumps or verify
+THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf", "vllm")  # never imported by dumps or verify
+VLLM_WORKER = "engine.vllm_worker"  # runs in vLLM's own environment, as a script: the one module that imports vllm
 
 
 def modules() -> dict[str, Path]:
@@ -92,6 +93,15 @@ def test_dumps_and_verify_import_neither_torch_nor_the_engine(pkg):
     bad = [f"{m} (line {ln}) imports {t}" for m, deps in imports().items() if m.split(".")[0] == pkg
            for t, ln in deps.items() if t in THIRD_PARTY_HEAVY or (t.startswith("engine") and t != LEAF)]
     assert not bad, "\n".join(bad)
+
+
+def test_only_the_vllm_worker_imports_vllm_and_it_imports_nothing_of_ours():
+    """vLLM changes process-wide state when imported: it never enters prefill-diff's process."""
+    bad = [f"{m} (line {ln})" for m, deps in imports().items() if m != VLLM_WORKER for t, ln in deps.items()
+           if t == "vllm"]
+    assert not bad, "\n".join(bad)
+    assert "vllm" in imports()[VLLM_WORKER]
+    assert not project_edges().get(VLLM_WORKER), project_edges().get(VLLM_WORKER)
 
 
 def test_the_shared_leaf_imports_nothing_of_ours():
