@@ -1,0 +1,110 @@
+"""Benchmark 8: what recording vLLM costs, against vLLM's own prefill of the same prompt.
+
+Side by side, alternated, each a whole process (the vLLM side always is one):
+
+    bare    a Python process of the vLLM environment: import vllm, LLM() with the arguments the worker uses,
+            generate one token of the prompt (what a user runs)
+    record  `prefill-diff record vllm --model M --tokens ... -o T.h5 --level full`: our process (model load,
+            the checkpoint written for vLLM), the worker (vLLM with the capture hooks), the transfer of every
+            tensor to our process and the HDF5 write
+
+Also: the worker's start-up (its ``import vllm`` and ``LLM()``, as it reports them) against a bare
+``python -c "import vllm"``; and, per vllm preset, the largest relative row error per layer against the
+float32 reference (the agreement behind each verdict).
+
+    PREFILL_DIFF_VLLM_PYTHON=... python tests/bench/run.py vllm [--smoke]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SMOKE = dict(model="synthetic", n=64, repeats=1, presets=("vllm",))
+FULL = dict(model="smollm2", n=1024, repeats=3,
+            presets=("vllm", "vllm-chunked", "vllm-prefix-cache", "vllm-bf16", "vllm-fp8-kv"))
+
+BARE = """
+import json, sys, time
+t0 = time.perf_counter()
+import vllm
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+t1 = time.perf_counter()
+args = json.loads(sys.argv[1])
+llm = LLM(**args["engine_args"])
+t2 = time.perf_counter()
+llm.generate([TokensPrompt(prompt_token_ids=args["ids"])], SamplingParams(max_tokens=1, temperature=0.0,
+             detokenize=False), use_tqdm=False)
+t3 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "generate_s": t3 - t2}))
+"""
+
+
+def _timed(cmd, env=None) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed: {out.stderr[-2000:]}")
+    return time.perf_counter() - t0, out.stdout
+
+
+def run(smoke: bool = False) -> dict:
+    from prefill_diff.dumps.reader import Trace
+    from prefill_diff.engine.config import Inputs, load_side
+    from prefill_diff.engine.runner import prepare
+    from prefill_diff.engine.spec import ModelSpec
+    from prefill_diff.engine.vllm_engine import ENV, interpreter, model_directory, request
+    cfg = SMOKE if smoke else FULL
+    python = interpreter(load_side("vllm").run.options)
+    env = {**os.environ, ENV: python, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    spec = ModelSpec(cfg["model"])
+    ids = [1 + (7 * i) % 90 for i in range(cfg["n"])]  # inside every built-in vocabulary
+    side = load_side("vllm", spec, Inputs(token_ids=(tuple(ids),)))
+    prep = prepare(side)
+    out = {"model": cfg["model"], "tokens": cfg["n"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        req = request(prep, model_directory(prep.snapshot, tmp))
+        args = dict(model=req["model_dir"], dtype=req["dtype"], kv_cache_dtype="auto", enforce_eager=True,
+                    skip_tokenizer_init=True, max_model_len=req["max_model_len"], block_size=req["block_size"],
+                    enable_prefix_caching=False, kv_cache_memory_bytes=req["kv_cache_bytes"])
+        bare, rec, worker = [], [], []
+        trace = os.path.join(tmp, "t.h5")
+        toks = ",".join(map(str, ids))
+        for _ in range(cfg["repeats"]):
+            dt, text = _timed([python, "-c", BARE, json.dumps({"engine_args": args, "ids": ids})], env)
+            bare.append((dt, json.loads(text.strip().splitlines()[-1])))
+            dt, _ = _timed([sys.executable, "-m", "prefill_diff", "record", "vllm", "--model", cfg["model"],
+                            "--tokens", toks, "-o", trace, "--level", "full", "--force"], env)
+            with Trace(trace) as t:
+                worker.append(t.meta["record"]["vllm"]["timing"])
+            rec.append(dt)
+        imp = [_timed([python, "-c", "import vllm"], env)[0] for _ in range(cfg["repeats"])]
+    med = statistics.median
+    out["bare_s"] = med(b[0] for b in bare)
+    out["record_s"] = med(rec)
+    out["record_over_bare"] = out["record_s"] / out["bare_s"]
+    out["bare_generate_s"] = med(b[1]["generate_s"] for b in bare)
+    out["worker_generate_s"] = med(w["generate_s"] for w in worker)
+    out["worker_startup_s"] = med(w["import_s"] + w["load_s"] for w in worker)
+    out["import_vllm_s"] = med(imp)
+    out["startup_over_import"] = out["worker_startup_s"] / out["import_vllm_s"]
+    out["agreement"] = _agreement(cfg, env)
+    return out
+
+
+def _agreement(cfg: dict, env: dict) -> dict:
+    """Per preset: the verdict and the largest relative row error of each layer against the float32 reference."""
+    got = {}
+    for preset in cfg["presets"]:
+        done = subprocess.run([sys.executable, "-m", "prefill_diff", "run", "reference", preset, "--model",
+                               cfg["model"], "--json", "-"], capture_output=True, text=True, env=env)
+        rep = json.loads(done.stdout)
+        got[preset] = {"verdict": rep["verdict"], "rule": rep["rule"].split(" (")[0],
+                       "max_row_rel_per_layer": [max(float(t["max_row_rel"]) for t in lr["tensors"].values())
+                                                 for lr in rep["layers"]]}
+    return got
