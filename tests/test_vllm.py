@@ -261,3 +261,14 @@ def test_vllm_refusals_and_crashes_are_one_line_exit_2_without_leftovers(vllm_py
     assert not out.exists() and not list(tmp_path.glob(".t.h5*"))  # no trace, no partial file
     left = subprocess.run(["pgrep", "-f", "vllm_worker.py"], capture_output=True, text=True).stdout.split()
     assert not left, left  # no orphan worker
+
+
+def test_an_hf_overrides_change_is_a_model_identity_difference(vllm_python, run_cli, tmp_path):
+    """The trace records the model config vLLM really ran: an override of the RoPE base is another model."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "vllm"\n[run.vllm]\nengine_args = { hf_overrides = { rope_parameters = '
+                   '{ rope_theta = 20000.0, rope_type = "default" } } }\n')
+    rep = _json(res := run_cli("run", "reference", cfg, "--json", "-"))
+    assert res.exit_code == 1 and rep["first_break"]["kind"] == "identity", rep["verdict_line"]
+    assert [d["key"] for d in rep["identity_differences"]] == ["rope_theta"]
+    assert rep["layers"][0]["first_break"]["tensor"] == "cache_keys"
