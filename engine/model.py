@@ -101,10 +101,11 @@ class ModelArgs:
 
 
 # Built-in seeded synthetic models. ``seed-2.8`` is the shape ledger model of contract §2.8;
-# ``synthetic`` is the default: every §2.11 fault can show on it (H_kv = 2).
+# ``synthetic`` is the default: every §2.11 fault can show on it (H_kv = 2), and its head size (32) is one every
+# engine's attention kernels take (vLLM's CPU attention refuses 16).
 MODEL_PRESETS = {
     "seed-2.8": ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, hidden_dim=16, vocab_size=20),
-    "synthetic": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128, vocab_size=96),
+    "synthetic": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256, vocab_size=96),
 }
 
 

@@ -21,14 +21,34 @@ from .prefill import Engine
 from .snapshot import Snapshot
 from .sources import load_snapshot
 
-DEFAULT_TEXT_PROMPTS = ("The capital of France is", "Hello, my name is", "In 1969, the first man on the moon was")
-DEFAULT_LENGTHS = (12, 5, 9)
+# Built-in text prompts: the first two share a preamble of more than one 32-token block and span two blocks on
+# SmolLM2's tokenizer (68 and 74 tokens there), so a prefix cache can hit on them; the third is short (5).
+_PREAMBLE = ("You are a careful assistant. Read the question below and answer it with a single word: no sentence, "
+             "no explanation and nothing else, because your answer will be checked by a program that reads only "
+             "the first word you write. ")
+DEFAULT_TEXT_PROMPTS = (
+    _PREAMBLE + "Question: which city is the capital of the country of France, in Europe? "
+                "Answer: The capital of France is",
+    _PREAMBLE + "Question: who was the first man to walk on the moon, in 1969? Answer: The first man on the moon was",
+    "Hello, my name is",
+)
+# Built-in token prompts: two span two or more 32-token blocks (vLLM's CPU block size) and share their first
+# block, so a prefix cache can hit on them; one is short.
+DEFAULT_LENGTHS = (70, 45, 9)
+DEFAULT_SHARED = 32
 
 
-def default_token_ids(vocab_size: int, lengths=DEFAULT_LENGTHS) -> tuple:
-    """Built-in prompts of unequal lengths for models without a tokenizer; seeded, never id 0 (the pad id)."""
+def default_token_ids(vocab_size: int, lengths=DEFAULT_LENGTHS, shared: int = 0) -> tuple:
+    """Built-in prompts of unequal lengths for models without a tokenizer; seeded, never id 0 (the pad id).
+
+    With ``shared``, the second prompt begins with the first prompt's first ``shared`` tokens.
+    """
     g = torch.Generator().manual_seed(2024)
-    return tuple(tuple(torch.randint(1, vocab_size, (n,), generator=g).tolist()) for n in lengths)
+    rows = [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths]
+    if shared and len(rows) > 1:
+        k = min(shared, len(rows[0]), len(rows[1]))
+        rows[1][:k] = rows[0][:k]
+    return tuple(tuple(r) for r in rows)
 
 
 def apply_mask(inputs: Inputs) -> Inputs:
@@ -67,7 +87,7 @@ def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | N
     prompts = inputs.prompts
     if not prompts:
         if snapshot.tokenizer is None:
-            return default_token_ids(snapshot.args.vocab_size), None
+            return default_token_ids(snapshot.args.vocab_size, shared=DEFAULT_SHARED), None
         prompts = DEFAULT_TEXT_PROMPTS
     if snapshot.tokenizer is None:
         raise ConfigError(f"text prompts need a tokenizer, and model {snapshot.source} has none "

@@ -32,6 +32,7 @@ reads back where each (slot, head, dim) landed. The same probe serves any kernel
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -341,7 +342,7 @@ def engine_args(request: dict) -> dict:
     given = dict(request.get("engine_args") or {})
     bad = sorted(set(given) - known)
     if bad:
-        near = {b: [k for k in known if k.replace("_", "") == b.replace("_", "").lower()] for b in bad}
+        near = {b: difflib.get_close_matches(b.lower(), sorted(known), n=1, cutoff=0.8) for b in bad}
         raise InputError(f"[run.vllm] engine_args: vLLM {_version()} has no engine argument "
                          + ", ".join(f"{b!r}" + (f" (did you mean {near[b][0]!r}?)" if near[b] else "") for b in bad))
     own = sorted(set(given) & set(OWN_ARGS))

@@ -84,7 +84,7 @@ def test_prefix_reuse_compares_prefix_as_cache_and_suffix_as_residuals(store):
     assert any("positions 0..3 have residual states in the reference only" in n for n in rep.notes)
     with Trace(store("prefix-reuse")) as t:
         cols, toks = t.cells(0)
-        assert toks[0] == 4 and int(t.layer(0).cache_lengths[0]) == 12
+        assert toks[0] == 4 and int(t.layer(0).cache_lengths[0]) == 70
         assert t.inputs["positions"][0, 0] == 4  # the suffix continues from the reused positions
 
 
@@ -101,14 +101,14 @@ def test_fault_last_column_changes_only_short_samples_final_logits(store):
     assert all(rep.layers) and len(rep.layers) == 4
     fb = rep.first_break
     assert (fb.stage, fb.kind, fb.tensor) == ("final", "value", "logits")
-    assert set(rep.final.tensor("logits").bad_samples) == {1, 2}  # sample 0 (12 tokens) fills the rectangle
+    assert set(rep.final.tensor("logits").bad_samples) == {1, 2}  # sample 0 (70 tokens) fills the rectangle
 
 
 def test_fault_skip_kv_changes_only_that_layers_cache_length(store):
     rep = compare(store("reference"), store("fault:skip-kv"), EXACT)
     assert all(rep.layers[:2]) and all(rep.layers[3:])
     fb = rep.layers[2].first_break
-    assert (fb.kind, fb.sample, fb.position) == ("cache_length", 0, 11)
+    assert (fb.kind, fb.sample, fb.position) == ("cache_length", 0, 69)
     for t in rep.layers[2].tensors:  # residual states untouched
         if not t.tensor.startswith("cache"):
             assert t.max_abs == 0.0
@@ -120,8 +120,8 @@ def test_fault_position_restart_breaks_suffix_positions_from_layer_0(store):
     fb = rep.first_break
     assert (fb.layer, fb.kind, fb.position) == (0, "cache_positions", 4)
     with Trace(store("fault:position-restart")) as t:
-        pos = t.layer(0).cache_positions[0, :12].tolist()
-    assert pos == [0, 1, 2, 3] + list(range(8))
+        pos = t.layer(0).cache_positions[0, :70].tolist()
+    assert pos == [0, 1, 2, 3] + list(range(66))
 
 
 def test_fault_gqa_mapping_changes_only_query_head_0_at_layer_0(store):

@@ -35,7 +35,7 @@ def test_run_unmasked_padding_breaks_layer_0_on_padded_samples_only(run_cli, tmp
     assert SPEC_KEYS <= set(fb)
     assert (fb["stage"], fb["layer"], fb["kind"], fb["tensor"]) == ("layer", 0, "value", "attn_update")
     assert fb["max_abs_error"] > fb["atol"]
-    # the built-in prompts have lengths 12, 5, 9: samples 1 and 2 are padded, sample 0 is not
+    # the built-in prompts have lengths 70, 45, 9: samples 1 and 2 are padded, sample 0 is not
     assert set(fb["samples"]) == {1, 2}
     layer0 = rep["layers"][0]["tensors"]["attn_update"]
     assert 0 not in layer0["bad_samples"]

@@ -35,8 +35,8 @@ def test_batched_aligned_with_unbatched_by_logical_position(traces):
     rep = compare(traces["reference"], traces["batched-left"])
     assert rep
     lr = rep.layers[0]
-    # every valid token of every sample was compared: 12 + 5 + 9 tokens x 64 channels
-    assert lr.tensor("layer_input").compared == 26 * 64
+    # every valid token of every sample was compared: 70 + 45 + 9 tokens x 128 channels
+    assert lr.tensor("layer_input").compared == 124 * 128
     assert lr.tensor("layer_input").max_abs == 0.0  # embeddings are exact
     assert 0 < lr.tensor("layer_output").max_abs < 1e-4
 
@@ -50,8 +50,8 @@ def edited(src, tmp_path, edit):
 
 
 def test_value_break_points_at_layer_tensor_sample_position_channel(traces, tmp_path):
-    def bump(f):  # batched-left: sample 1 has 5 tokens in a 12-column rectangle; token 3 is column 10
-        f["layers/002/mlp_update"][1, 10, 7] += 0.5
+    def bump(f):  # batched-left: sample 1 has 45 tokens in a 70-column rectangle; token 3 is column 28
+        f["layers/002/mlp_update"][1, 28, 7] += 0.5
     rep = compare(traces["reference"], edited(traces["batched-left"], tmp_path, bump))
     fb = rep.first_break
     assert (fb.stage, fb.layer, fb.kind, fb.tensor, fb.sample, fb.position, fb.channel) == \

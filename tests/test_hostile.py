@@ -437,7 +437,7 @@ def test_memory_estimate_uses_the_machine_and_can_be_overridden(run_cli, tmp_pat
     cfg.write_text("[model]\nn_layers = 100000\n")  # ran for minutes before: refused at once
     monkeypatch.setattr(budget, "available_bytes", lambda: 8 << 30)
     out = _one_line(run_cli("record", cfg, "-o", tmp_path / "t.h5"))
-    assert "3,699,212,352 parameters" in out and "n_layers=100000" in out and "7.2 GiB" in out
+    assert "14,771,224,704 parameters" in out and "n_layers=100000" in out and "165 GiB" in out
     monkeypatch.setattr(budget, "available_bytes", lambda: 1 << 20)  # 1 MiB: even the default model is too big
     out = _one_line(run_cli("record", "reference", "-o", tmp_path / "t.h5", "--level", "stats"))
     assert "needs about" in out

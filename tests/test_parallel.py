@@ -47,9 +47,9 @@ def test_tp_sizes_that_do_not_divide_the_heads_are_refused_naming_them():
     parallel.check_tp(3, smol)  # heads fit; our engine also splits the MLP rows (its own check):
     from types import SimpleNamespace as NS
     from prefill_diff.engine import native_engine
-    native_engine.check(NS(side=NS(run=NS(tp=3)), snapshot=NS(args=smol.replace(hidden_dim=129))))
+    native_engine.check(NS(side=NS(run=NS(tp=3, fault=None)), snapshot=NS(args=smol.replace(hidden_dim=129))))
     with pytest.raises(ConfigError, match="hidden_dim=128"):
-        native_engine.check(NS(side=NS(run=NS(tp=3)), snapshot=NS(args=smol)))
+        native_engine.check(NS(side=NS(run=NS(tp=3, fault=None)), snapshot=NS(args=smol.replace(hidden_dim=128))))
     with pytest.raises(ConfigError, match=r"n_kv_heads=2 is not divisible by 4"):
         parallel.check_tp(4, MODEL_PRESETS["synthetic"])
     with pytest.raises(ConfigError, match="needs a tensor-parallel run"):
@@ -88,14 +88,14 @@ def test_tp2_passes_and_each_rank_holds_its_heads_of_the_unsharded_run(runs):
                 full, mine = r.layer(layer), t.layer(layer)
                 # its query heads' attention output: the unsharded run's channels of those heads
                 np.testing.assert_allclose(mine.state("attn_heads")[()],
-                                           full.state("attn_heads")[:, :, 32 * rank:32 * rank + 32], atol=2e-5)
+                                           full.state("attn_heads")[:, :, 64 * rank:64 * rank + 64], atol=2e-5)
                 np.testing.assert_allclose(mine.cache("keys")[()], full.cache("keys")[:, rank:rank + 1], atol=2e-5)
                 np.testing.assert_allclose(mine.cache("values")[()], full.cache("values")[:, rank:rank + 1],
                                            atol=2e-5)
                 np.testing.assert_allclose(mine.state("mlp_update")[()], full.state("mlp_update")[()], atol=2e-5)
                 ds = mine.state("attn_heads")
                 assert ds.attrs["placement"] == b"sharded" and int(ds.attrs["shard_axis"]) == 2
-                assert (int(ds.attrs["shard_start"]), int(ds.attrs["shard_stop"])) == (32 * rank, 32 * rank + 32)
+                assert (int(ds.attrs["shard_start"]), int(ds.attrs["shard_stop"])) == (64 * rank, 64 * rank + 64)
                 assert mine.state("mid").attrs["placement"] == b"replicated"
         for layer in range(4):  # gloo's all-reduce hands both ranks the same bits
             for name in STATES:
@@ -156,11 +156,11 @@ def test_shards_that_do_not_tile_are_a_shape_break(runs, tmp_path):
     d = _copy(runs("tp2"), tmp_path)
     with h5py.File(d / "rank1.h5", "r+") as f:  # rank 1 claims rank 0's heads: overlap, and a gap
         f["layers/002/attn_heads"].attrs["shard_start"] = 0
-        f["layers/002/attn_heads"].attrs["shard_stop"] = 32
+        f["layers/002/attn_heads"].attrs["shard_stop"] = 64
     rep = compare_files(runs("reference"), d).report
     fb = rep.first_break
     assert (fb.kind, fb.layer, fb.tensor) == ("shape", 2, "attn_heads"), rep.verdict_line()
-    assert "do not tile its 64 channels" in fb.message and "32..64 held by no rank" in fb.message
+    assert "do not tile its 128 channels" in fb.message and "64..128 held by no rank" in fb.message
 
 
 def test_replicas_that_disagree_are_a_rank_divergence_naming_the_ranks(runs, tmp_path):

@@ -60,7 +60,7 @@ def test_verdict_is_one_unwrapped_line_when_piped_at_any_width():
         assert out.returncode == 1
         assert out.stdout.endswith("\n") and out.stdout.count("\n") == 1, out.stdout
         line = out.stdout.rstrip("\n")
-        assert line == line.rstrip() and line.startswith("FAILED | layer 2 cache length | sample 0 pos 11 |")
+        assert line == line.rstrip() and line.startswith("FAILED | layer 2 cache length | sample 0 pos 69 |")
         assert out.stderr == ""  # no progress display when stderr is not a terminal
 
 

@@ -170,7 +170,7 @@ def test_flipped_data_bytes_are_a_break_never_a_pass(small_trace, tmp_path):
     with h5py.File(bad, "a") as f:
         off = f["layers/002/mlp_update"].id.get_chunk_info_by_coord((1, 0, 0)).byte_offset  # sample 1's chunk
     raw = bytearray(bad.read_bytes())
-    raw[off + 4 * (10 * 64 + 3) + 3] ^= 0x40  # an exponent bit of column 10, channel 3
+    raw[off + 4 * (40 * 128 + 3) + 3] ^= 0x40  # an exponent bit of column 40 (a valid token), channel 3
     bad.write_bytes(bytes(raw))
     with Trace(small_trace) as g, Trace(bad) as t:
         rep = compare_traces(g, t)
@@ -183,7 +183,7 @@ def test_hostile_declared_sizes_are_refused(small_trace, tmp_path):
     with h5py.File(bad, "a") as f:
         del f["layers/001/mid"]
         f.create_dataset("layers/001/mid", shape=(3, 12, 1 << 26), dtype="f4")  # declares 3 GiB rows
-    with pytest.raises(TraceError, match="the model says width 64|larger than a reader allocates"):
+    with pytest.raises(TraceError, match="the model says width 128|larger than a reader allocates"):
         Trace(bad)
     meta = tmp_path / "meta.h5"
     shutil.copy(small_trace, meta)

@@ -68,7 +68,7 @@ def test_junit_is_valid_and_carries_the_first_break(run_cli, tmp_path):
     failed = [c for c in cases if any(isinstance(r, Failure) for r in c.result)]
     assert [c.name for c in failed] == ["layer 002"]
     msg = failed[0].result[0].message
-    assert msg.startswith("layer 2 cache length | sample 0 pos 11")
+    assert msg.startswith("layer 2 cache length | sample 0 pos 69")
     out2 = tmp_path / "ok.xml"
     assert run_cli("run", "reference", "batched-left", "--junit", out2).exit_code == 0
     assert all(not c.result for suite in JUnitXml.fromfile(str(out2)) for c in suite)
@@ -159,7 +159,7 @@ def test_metadata_break_for_different_architectures(run_cli, tmp_path):
     res = run_cli("compare", a, b, "--json", out)
     rep = json.loads(out.read_text())
     assert res.exit_code == 2 and rep["first_break"]["stage"] == "metadata"  # incomparable: bad input
-    assert rep["first_break"]["kind"] == "metadata" and "dim 64 vs 8" in rep["first_break"]["message"]
+    assert rep["first_break"]["kind"] == "metadata" and "dim 128 vs 8" in rep["first_break"]["message"]
 
 
 def test_samples_matched_by_token_ids_not_batch_index(run_cli, tmp_path):

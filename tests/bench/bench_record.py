@@ -24,7 +24,7 @@ from prefill_diff.dumps import native
 from prefill_diff.dumps.recorder import Recorder, _slot_rows, slab_stats
 from prefill_diff.engine.model import ModelArgs
 from prefill_diff.engine.prefill import Engine, NumericalConfig
-from prefill_diff.engine.runner import Placement
+from prefill_diff.engine.calls import Placement
 from prefill_diff.engine.snapshot import Snapshot
 from prefill_diff.engine.synthetic import synthetic_state
 

@@ -5,7 +5,7 @@ and the size of each rank's trace against the unsharded trace.
 
     python tests/bench/bench_tp.py [--repeats 3] [--smoke]
 
-Sizes: the default synthetic model with the built-in prompts (12, 5, 9 tokens), and a medium synthetic
+Sizes: the default synthetic model with the built-in prompts (70, 45, 9 tokens), and a medium synthetic
 model (dim 512, 8 layers, 8 query / 4 KV heads, MLP 1536) with three prompts of 256 tokens.
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main():
     import torch
     out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "torch_threads_tp1": torch.get_num_threads(), "torch_threads_per_rank": 1}}
-    out["small"] = measure("synthetic, 3 prompts (12, 5, 9 tokens)", None, None, 1 if a.smoke else a.repeats)
+    out["small"] = measure("synthetic, 3 prompts (70, 45, 9 tokens)", None, None, 1 if a.smoke else a.repeats)
     if not a.smoke:
         toks = tuple(tuple((7 * s + 3 * i) % 4000 + 1 for i in range(256)) for s in range(3))
         out["medium"] = measure("synthetic dim 512 x 8 layers, 3 prompts of 256 tokens", MEDIUM,

@@ -1,4 +1,4 @@
-"""Benchmark 8: what recording vLLM costs, against vLLM's own prefill of the same prompt.
+"""Benchmark 9: what recording vLLM costs, against vLLM's own prefill of the same prompt.
 
 Side by side, alternated, each a whole process (the vLLM side always is one):
 
