@@ -103,6 +103,9 @@ def _agreement(cfg: dict, env: dict) -> dict:
     for preset in cfg["presets"]:
         done = subprocess.run([sys.executable, "-m", "prefill_diff", "run", "reference", preset, "--model",
                                cfg["model"], "--json", "-"], capture_output=True, text=True, env=env)
+        if done.returncode == 2:  # refused before anything ran (vLLM's CPU fp8 cache needs AVX-512 or AMX)
+            got[preset] = {"verdict": "refused", "why": done.stdout.strip() or done.stderr.strip()}
+            continue
         rep = json.loads(done.stdout)
         got[preset] = {"verdict": rep["verdict"], "rule": rep["rule"].split(" (")[0],
                        "max_row_rel_per_layer": [max(float(t["max_row_rel"]) for t in lr["tensors"].values())
