@@ -25,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..engine.errors import visible
+from ..verify.markdown import fmt_error
 
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
 # (the same name folded at its underscore), priority (lower is dropped last when the width is short).
@@ -82,14 +83,6 @@ def fold(text: Text, width: int, seps: tuple = (), indent: int = 2) -> Text:
 def print_line(console, text, seps: tuple = ()) -> None:
     """Print one line of fields (``Fields``): whole off a terminal, folded at its fields on one."""
     console.print(text if isinstance(text, Fields) else Fields(text, seps), soft_wrap=True)
-
-
-def _fmt(x) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return str(x)
-    return f"{x:.1e}" if x else "0"
 
 
 def _g(x) -> str:
@@ -184,7 +177,7 @@ PAD = "pad"  # a cell whose only non-finite values are in padding rows: the numb
 def _cell(tr) -> Text:
     if tr is None or tr.level == "none":
         return Text("- ")
-    value = _fmt(tr.max_abs) if tr.finite_ok else f"{_fmt(tr.max_abs)} {PAD}" if tr.finite.valid_ok else "NaN"
+    value = fmt_error(tr.max_abs) if tr.finite_ok else f"{fmt_error(tr.max_abs)} {PAD}" if tr.finite.valid_ok else "NaN"
     if tr.shape_detail is not None:
         value = "shape"
     return Text(value + BAD, style="red") if not tr else Text(value + " ")
@@ -284,7 +277,7 @@ def calibration_table(report) -> Table:
         k = w.calib
         num = "-" if lr.numerics is None else ("ok" if lr.numerics else Text("broken ✗", style="red"))
         ratio = f"{k.max_ratio:.2g}x"
-        t.add_row(str(lr.layer), w.tensor, _fmt(k.cand_error), _fmt(k.noise), _fmt(k.allowed),
+        t.add_row(str(lr.layer), w.tensor, fmt_error(k.cand_error), fmt_error(k.noise), fmt_error(k.allowed),
                   Text(ratio + " ✗", style="red") if not k else ratio, num)
     return t
 
@@ -317,7 +310,7 @@ def final_table(report, width: int = 120):
         t.add_column("reference top", overflow="fold")
         t.add_column("candidate top", overflow="fold")
     for s, r, c in report.final.top:
-        err = _fmt(errs.get(s))
+        err = fmt_error(errs.get(s))
         cells = [str(s), Text(err + " " + BAD, style="red") if s in bad else Text(err + "  ")]
         cells += [Text.assemble("ref  ", plain(show(r, c)), "\ncand ", plain(show(c, r)))] if narrow else \
             [plain(show(r, c)), plain(show(c, r))]

@@ -75,7 +75,8 @@ def _first_break(report: Report) -> str:
     return "\n".join(lines)
 
 
-def _fmt(x) -> str:
+def fmt_error(x) -> str:
+    """An error figure as the report tables show it: two significant digits, "0", "-" when absent."""
     if x is None:
         return "-"
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
@@ -86,7 +87,7 @@ def _fmt(x) -> str:
 def _cell(tr) -> str:
     if tr is None or tr.level == "none":
         return "-"
-    value = "shape" if tr.shape_detail is not None else _fmt(tr.max_abs) if tr.finite_ok else "NaN"
+    value = "shape" if tr.shape_detail is not None else fmt_error(tr.max_abs) if tr.finite_ok else "NaN"
     return value if tr else f"{value} {BAD}"
 
 
@@ -134,6 +135,6 @@ def _final_table(report: Report) -> str:
     rows = ["#### Final logits and top ids", "", "| sample | logits max abs | reference top | candidate top |",
             "|---:|---:|---|---|"]
     for s, r, c in report.final.top:
-        err = _fmt(errs.get(s)) + (f" {BAD}" if s in bad else "")
+        err = fmt_error(errs.get(s)) + (f" {BAD}" if s in bad else "")
         rows.append(f"| {s} | {err} | {ids(r)} | {ids(c)} |")
     return "\n".join(rows)
