@@ -1,6 +1,6 @@
 """Rich renderables for people. Functions return renderables or print through a given console.
 
-Rules (issue 17): the header, the verdict and every line a machine may grep are ``Fields``: one unwrapped
+Rules: the header, the verdict and every line a machine may grep are ``Fields``: one unwrapped
 line where the output is not a terminal (pipes, CI logs), folded on a terminal at its fields' boundaries
 (else at spaces) onto indented continuation lines, never inside a word or a number; tables are fitted to
 the console's width by dropping low-priority columns, never by cutting a number; an out-of-tolerance cell

@@ -138,7 +138,7 @@ def _new_dataset(group, rel: str, data: np.ndarray, shape: tuple, fill=None, chu
                  maxshape=None) -> h5py.h5d.DatasetID:
     """A new dataset ``rel`` (its parent group exists) of ``shape`` holding ``data``: what
     ``group.create_dataset(rel, shape, data=data, fillvalue=fill, chunks=chunks, maxshape=maxshape)`` makes,
-    through h5py's low-level API in a quarter of the time (issue 18: a layer has 18 small datasets, 26 at the
+    through h5py's low-level API in a quarter of the time (a layer has 18 small datasets, 26 at the
     sampled level). ``group``: an h5py group or its low-level id (a bare name in the group it is made in
     skips a path lookup per dataset). ``fill``: an integer or NaN."""
     if data.shape != tuple(shape):
@@ -364,7 +364,7 @@ def slab_stats(x) -> tuple:
 
     A CPU tensor is reduced with numpy on a zero-copy view: torch's reductions fan out to its thread
     pool, and on an oversubscribed machine each of the ~40 small reductions per layer waits for a
-    descheduled thread (27-78 ms against 3 ms per state of 4 x 256 x 1024 at load 6; issue 18). A tensor
+    descheduled thread (27-78 ms against 3 ms per state of 4 x 256 x 1024 at load 6). A tensor
     on an accelerator is reduced there.
     """
     n = math.prod(x.shape)
@@ -583,7 +583,7 @@ class _Stats:
 
 def _stat_tables(stats: list) -> np.ndarray:
     """The rows of STAT_COLUMNS of several tensors' _Stats, (tensors, samples, columns), computed together (a
-    table per tensor was a dozen small numpy calls, for 16 tensors a layer; issue 18)."""
+    table per tensor was a dozen small numpy calls, for 16 tensors a layer)."""
     v = np.array([st.valid for st in stats], dtype=np.float64)
     out = np.empty(v.shape[:2] + (len(STAT_COLUMNS),))
     out[..., :4] = v[..., :4]
@@ -660,7 +660,7 @@ class _Sampled:
 class _LayerBuffers:
     """What a layer accumulates in memory and ``flush`` writes, one dataset write each: creating a few
     hundred small datasets and writing them piecemeal (per sample, by fancy index) was most of what the
-    stats and sampled levels cost (issue 18). Kept after the layer is written: a later prefill call that
+    stats and sampled levels cost. Kept after the layer is written: a later prefill call that
     reaches the same layer adds to them and the layer is rewritten whole."""
     positions: np.ndarray | None = None  # (S, T) cache positions, -1 past a sample's length
     lengths: np.ndarray | None = None  # (S,) cache lengths
@@ -891,7 +891,7 @@ class Recorder:
 
     def _slab(self, layer: int, name: str, x) -> tuple:
         """slab_stats(x), except that layer l's layer_output statistics serve layer l+1's layer_input when the
-        engine hands both the very same torch tensor (one state in six; issue 18): the same root tensor object,
+        engine hands both the very same torch tensor (one state in six): the same root tensor object,
         offset, shape and strides, and its version counter unchanged (an in-place change in between bumps it;
         only writes that bypass it, through ``.data`` or a numpy alias, would go unseen)."""
         if name not in ("layer_output", "layer_input") or not _is_torch(x):
@@ -996,7 +996,7 @@ class Recorder:
     def layer_done(self, layer: int) -> None:
         """A layer is complete. What it kept in memory (its statistics, cache positions and sampled values) is
         written by ``flush`` or ``close``, all layers in one go: written here, between the prefill's layers,
-        the same HDF5 calls took twice as long (caches cold after the engine's work; issue 18)."""
+        the same HDF5 calls took twice as long (caches cold after the engine's work)."""
         _check_interrupt()
         self._dirty.add(layer)
 
@@ -1091,7 +1091,7 @@ class Recorder:
         _want(f"final norm_last of sample {sample}", norm_last, (self.args["dim"],))
         _want(f"final logits of sample {sample}", logits, (self.args["vocab_size"],))
         h, z = to_numpy(norm_last), to_numpy(logits)
-        if self._final is None:  # kept in memory, written by close in one write per dataset (issue 18)
+        if self._final is None:  # kept in memory, written by close in one write per dataset
             self.dims["k"] = min(self.topk, z.shape[0])
             own = {"norm_last": h.dtype, "logits": z.dtype, "topk_logits": z.dtype}  # float elements: the tensor's
             self._final = {key: np.full(el.shape_for(self.dims), 0 if el.fill is None else el.fill,

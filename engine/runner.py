@@ -182,7 +182,7 @@ def set_deterministic(mode: bool, compiling: bool) -> None:
     """ATen's deterministic-algorithms flag (warnings, not errors, where an op has no deterministic kernel).
 
     torch.use_deterministic_algorithms also sets inductor's flag, importing torch._inductor and
-    torch._dynamo (seconds of start-up on a busy machine, issue 18): only runs that compile need it.
+    torch._dynamo (seconds of start-up on a busy machine): only runs that compile need it.
     """
     if compiling:
         torch.use_deterministic_algorithms(mode, warn_only=True)

@@ -2,7 +2,7 @@
 
 Built on the meta device with torch.nn.init's random initialisers switched off, as transformers'
 ``no_init_weights`` does: initialising a meta tensor goes through torch._refs and imports
-torch._dynamo (0.7 s of every start-up, issue 18), and a snapshot's weights replace them anyway.
+torch._dynamo (0.7 s of every start-up), and a snapshot's weights replace them anyway.
 """
 from __future__ import annotations
 
