@@ -127,7 +127,7 @@ def test_h5dump_reads_a_gzip_trace(tmp_path, run_cli):
     head = subprocess.run([exe, "-H", str(path)], capture_output=True, text=True)
     assert head.returncode == 0, head.stderr
     assert 'DATASET "layer_output"' in head.stdout and 'ATTRIBUTE "format_version"' in head.stdout
-    data = subprocess.run([exe, "-d", "/layers/003/layer_output", str(path)], capture_output=True, text=True)
+    data = subprocess.run([exe, "-m", "%.9g", "-d", "/layers/003/layer_output", str(path)], capture_output=True, text=True)
     assert data.returncode == 0 and "DATA {" in data.stdout
     with Trace(path) as t:  # and our reader reads the same numbers
         first = float(t.layer(3).state("layer_output")[0, 0, 0])
