@@ -177,7 +177,8 @@ PAD = "pad"  # a cell whose only non-finite values are in padding rows: the numb
 def _cell(tr) -> Text:
     if tr is None or tr.level == "none":
         return Text("- ")
-    value = fmt_error(tr.max_abs) if tr.finite_ok else f"{fmt_error(tr.max_abs)} {PAD}" if tr.finite.valid_ok else "NaN"
+    err = fmt_error(tr.max_abs)
+    value = err if tr.finite_ok else f"{err} {PAD}" if tr.finite.valid_ok else "NaN"
     if tr.shape_detail is not None:
         value = "shape"
     return Text(value + BAD, style="red") if not tr else Text(value + " ")
