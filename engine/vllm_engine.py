@@ -137,8 +137,7 @@ def execute(prep, recorder):
     python = prep.extras.get("python") or interpreter(prep.side.run.options)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-vllm-")
     try:
-        model_dir = model_directory(prep.snapshot, tmp)
-        meta, samples = run_worker(python, request(prep, model_dir), tmp)
+        meta, samples = run_worker(python, lambda: request(prep, model_directory(prep.snapshot, tmp)), tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _record(recorder, prep, meta, samples)
@@ -189,9 +188,11 @@ def model_directory(snapshot, tmp: str) -> str:
     return d
 
 
-def run_worker(python: str, req: dict, tmp: str) -> tuple[dict, list]:
-    """Run the worker to the end; returns its meta frame and one (header, arrays) per sample. The worker's
-    process group is killed on any way out (an interrupt included): nothing is left running."""
+def run_worker(python: str, make_request, tmp: str) -> tuple[dict, list]:
+    """Run the worker to the end; returns its meta frame and one (header, arrays) per sample. The worker starts
+    first (its ``import vllm`` takes seconds) and ``make_request()`` (writing the model it names) runs while it
+    imports. The worker's process group is killed on any way out (an interrupt included): nothing is left
+    running."""
     log = os.path.join(tmp, "worker.log")
     r, w = os.pipe()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
@@ -201,9 +202,13 @@ def run_worker(python: str, req: dict, tmp: str) -> tuple[dict, list]:
                                 pass_fds=(w,), start_new_session=True, env=env)
     os.close(w)
     try:
-        proc.stdin.write(json.dumps(req).encode("utf-8"))
-        proc.stdin.close()
         with os.fdopen(r, "rb") as stream:
+            req = make_request()
+            try:
+                proc.stdin.write(json.dumps(req).encode("utf-8"))
+                proc.stdin.close()
+            except BrokenPipeError:  # the worker stopped before reading it: its frames (or their absence) say why
+                pass
             meta, samples, error = _read(stream)
         status = proc.wait()
     finally:
@@ -324,7 +329,7 @@ def _run_meta(recorder, prep, meta: dict, samples: list) -> None:
     prep.record["vllm"] = {
         "version": meta.get("vllm"), "torch": meta.get("torch"), "python": meta.get("python"),
         "engine_args": meta.get("engine_args"), "effective": eff, "attention_backend": meta.get("attention_backend"),
-        "isa": meta.get("isa"), "timing": meta.get("timing"),
+        "isa": meta.get("isa"), "bf16_rounding": meta.get("bf16_rounding"), "timing": meta.get("timing"),
         "samples": [{"sample": h["index"], "steps": h["steps"], "num_cached_tokens": h["num_cached_tokens"]}
                     for h, _ in samples]}
     m = recorder.meta

@@ -11,11 +11,11 @@ recorder and the trace; the two talk in plain arrays:
 - the answer goes to the file descriptor given as the first argument, as frames: an 8-byte little-endian
   length, a JSON header, then the raw bytes of the arrays the header lists (name, dtype, shape), in order.
   Frames: ``meta`` (what vLLM ran: versions, effective engine arguments and model config, block size, KV
-  dtype, attention backend), one ``sample`` per prompt (per layer the five residual-stream states and the
-  per-head attention output at the positions vLLM computed, the KV cache as stored for every position,
-  read back through the block table in the step where the sample's prefill completed, the positions, the
-  final norm and the raw logits at the last token), then ``done``; or one ``error`` (``kind`` input: vLLM
-  refused the request or the model; internal: anything else).
+  dtype, attention backend, how its kernels round to bfloat16), one ``sample`` per prompt (per layer the
+  five residual-stream states and the per-head attention output at the positions vLLM computed, the KV
+  cache as stored for every position, read back through the block table in the step where the sample's
+  prefill completed, the positions, the final norm and the raw logits at the last token), then ``done``;
+  or one ``error`` (``kind`` input: vLLM refused the request or the model; internal: anything else).
 
 Capture is through forward hooks on the real model object (the engine core runs in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a decoder layer is ``forward(positions, hidden_states, residual) ->
@@ -142,6 +142,55 @@ def read_cache(region: torch.Tensor, blocks, n: int, layout, as_float) -> np.nda
     flat = region[torch.as_tensor(list(blocks[:need]), dtype=torch.int64)].reshape(need, -1)
     got = flat[:, layout.reshape(-1)].reshape(need * block_size, n_heads, head_dim)[:n]
     return as_float(got).permute(1, 0, 2).contiguous().numpy()
+
+
+# -- how the kernels round to bfloat16, taught by the rotary embedding ---------------------------------
+
+def _truncate(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 toward zero: the upper 16 bits."""
+    return (x.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def learn_rounding(rotate, cos_sin: torch.Tensor, head_size: int, neox: bool) -> str:
+    """How the kernel ``rotate(positions, query, key) -> (query, key)`` rounds its float32 result to bfloat16:
+    ``nearest`` (to nearest even, as torch does), ``truncate`` (toward zero: the upper 16 bits, as vLLM's x86
+    CPU kernels do where AVX512-BF16 is missing), ``other``, or ``unknown`` (too few elements told them apart).
+
+    ``cos_sin`` is the kernel's table [positions, rotary_dim] (cos half, then sin half), which vLLM's kernels
+    read in the query's dtype. The float32 result is recomputed from those bfloat16 inputs: a product of two
+    bfloat16 values is exact in float32, so the two ways of rounding differ only in the final conversion."""
+    g = torch.Generator().manual_seed(0)
+    n, r = 256, cos_sin.shape[-1]
+    pos = torch.randint(1, cos_sin.shape[0], (n,), generator=g)
+    q = torch.randn(n, head_size, generator=g).to(torch.bfloat16)
+    dev = cos_sin.device
+    got, _ = rotate(pos.to(dev), q.clone().to(dev), q.clone().to(dev))
+    got = got.reshape(n, head_size)[:, :r].cpu()
+    cos, sin = cos_sin[pos.to(dev)].cpu().to(torch.bfloat16).float().chunk(2, dim=-1)
+    x = q[:, :r].float()
+    x1, x2 = (x[:, :r // 2], x[:, r // 2:]) if neox else (x[:, 0::2], x[:, 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    exact = torch.cat((o1, o2), dim=-1) if neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+    near, down = exact.to(torch.bfloat16), _truncate(exact)
+    tells = near != down
+    if int(tells.sum()) < 32:
+        return "unknown"
+    for name, want in (("nearest", near), ("truncate", down)):
+        if float((got[tells] == want[tells]).float().mean()) >= 0.95:
+            return name
+    return "other"
+
+
+def _rounding(model, dtype) -> str | None:
+    """The bfloat16 rounding of the model's own rotary kernel; None when the model does not compute in
+    bfloat16 or has no rotary embedding this probe reads."""
+    if dtype != torch.bfloat16:
+        return None
+    try:
+        rope = model.model.layers[0].self_attn.rotary_emb
+        return learn_rounding(rope, rope.cos_sin_cache, int(rope.head_size), bool(rope.is_neox_style))
+    except Exception:  # a model whose rotary embedding differs: the trace says so instead of guessing
+        return "unknown"
 
 
 # -- capture ------------------------------------------------------------------------------------------
@@ -396,7 +445,9 @@ def _drain(engine) -> list:
     return outs
 
 
-def run(request: dict, channel: Channel) -> None:
+def run(read_request, channel: Channel) -> None:
+    """Import vLLM, then read the request (``read_request()``: prefill-diff writes the model it names while
+    the import runs), run it and send the answer."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
@@ -404,6 +455,7 @@ def run(request: dict, channel: Channel) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     t_import = time.perf_counter() - t0
+    request = read_request()
     args = engine_args(request)
     try:
         llm = LLM(**args)
@@ -436,11 +488,12 @@ def run(request: dict, channel: Channel) -> None:
     t_run = time.perf_counter() - t1
     for h in cap.handles:
         h.remove()
+    rounding = _rounding(model, cap.model_dtype)
     by_sample = {int(re.match(r"pd-(\d+)", o.request_id).group(1)): o for o in outputs}
     channel.send({"type": "meta", "vllm": vllm.__version__, "torch": torch.__version__,
                   "python": sys.version.split()[0], "engine_args": _jsonable(args), "effective": _effective(llm),
                   "attention_backend": type(model.model.layers[0].self_attn.attn.impl).__name__,
-                  "isa": getattr(model.model.layers[0].self_attn.attn, "isa", None),
+                  "isa": getattr(model.model.layers[0].self_attn.attn, "isa", None), "bf16_rounding": rounding,
                   "timing": {"import_s": t_import, "load_s": t_load, "generate_s": t_run}})
     for i in range(len(prompts)):
         _send_sample(channel, cap, i, by_sample.get(i), len(cap.layers))
@@ -472,8 +525,7 @@ def main(argv) -> int:
     out = os.fdopen(int(argv[1]), "wb")
     channel = Channel(out)
     try:
-        request = json.loads(sys.stdin.read())
-        run(request, channel)
+        run(lambda: json.loads(sys.stdin.read()), channel)
         return 0
     except InputError as e:
         channel.send({"type": "error", "kind": "input", "message": str(e)})
@@ -491,4 +543,7 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the answer is sent; vLLM's own teardown (about 6 s with SmolLM2 here) serves nobody

@@ -40,13 +40,18 @@ def vllm_python():
     return py
 
 
-def _cpu_runs_fp8_kv() -> bool:
-    """Whether vLLM's CPU build can store an fp8 KV cache here (it needs AVX-512 or AMX)."""
+def _cpu_has(*flags: str) -> bool:
+    """Whether this CPU reports any of ``flags`` in /proc/cpuinfo."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return bool(re.search(r"\b(avx512f|amx_tile)\b", flags))
+    return bool(re.search(r"\b(" + "|".join(flags) + r")\b", text))
+
+
+def _cpu_runs_fp8_kv() -> bool:
+    """Whether vLLM's CPU build can store an fp8 KV cache here (it needs AVX-512 or AMX)."""
+    return _cpu_has("avx512f", "amx_tile")
 
 
 def _json(res) -> dict:
@@ -109,6 +114,39 @@ def test_a_kernel_the_probe_does_not_understand_is_refused():
             vc[block, 0, 0, 0] = v[0, 0, 0]
     with pytest.raises(RuntimeError):
         vllm_worker.learn_layout(lossy, B, H, D, torch.float32)
+
+
+def _rotary(rounding, neox):
+    """A fake rotary kernel with vLLM's signature: float32 arithmetic on a bfloat16 table, then ``rounding``."""
+    r = 32
+    inv = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    f = torch.arange(512, dtype=torch.float32)[:, None] * inv
+    table = torch.cat((f.cos(), f.sin()), dim=-1)
+
+    def rotate(pos, q, k):
+        cos, sin = table[pos].to(torch.bfloat16).float().chunk(2, dim=-1)
+        x = q.float()
+        x1, x2 = (x[:, :r // 2], x[:, r // 2:r]) if neox else (x[:, 0:r:2], x[:, 1:r:2])
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        o = torch.cat((o1, o2), -1) if neox else torch.stack((o1, o2), -1).flatten(-2)
+        out = q.clone()
+        out[:, :r] = rounding(o)
+        return out, k
+    return rotate, table
+
+
+ROUNDINGS = {
+    "nearest": lambda o: o.to(torch.bfloat16),
+    "truncate": lambda o: (o.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16),
+    "other": lambda o: (o.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16),  # one step further out
+}
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("rounding", sorted(ROUNDINGS))
+def test_the_probe_learns_how_a_kernel_rounds_to_bfloat16(rounding, neox):
+    rotate, table = _rotary(ROUNDINGS[rounding], neox)
+    assert vllm_worker.learn_rounding(rotate, table, 48, neox) == rounding  # partial rotary: 32 of 48 dims
 
 
 def test_frames_round_trip_and_a_truncated_frame_is_refused(tmp_path):
@@ -226,6 +264,12 @@ def test_each_vllm_preset_passes_against_the_reference(preset, vllm_python, run_
                        for n in rep["notes"]), rep["notes"]
         if preset == "vllm-fp8-kv":
             assert t.meta["layout"]["dtype"] == "fp8_e4m3"
+        if preset == "vllm":
+            assert v["bf16_rounding"] is None
+        if preset == "vllm-bf16":  # its x86 CPU kernels round toward zero without AVX512-BF16, and the report says so
+            assert v["bf16_rounding"] in (("truncate",) if not _cpu_has("avx512_bf16") else ("nearest", "truncate"))
+            said = any("round float32 to bfloat16 toward zero" in n for n in rep["notes"])
+            assert said == (v["bf16_rounding"] == "truncate"), rep["notes"]
 
 
 def test_cold_against_warm_vllm_against_itself(vllm_python, run_cli):

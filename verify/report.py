@@ -172,8 +172,8 @@ def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
 
 
 def record_notes(t: Trace, side: str) -> tuple[list, list]:
-    """Notes from what the engine recorded: reuse decisions, invariant violations, compile time, unshowable
-    faults."""
+    """Notes from what the engine recorded: reuse decisions, invariant violations, compile time, kernels that
+    round bfloat16 toward zero, unshowable faults."""
     rec = t.meta.get("record") or {}
     notes, inconclusive = [], []
     reuse = [o for o in rec.get("reuse") or () if isinstance(o, dict)]
@@ -189,6 +189,8 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     timing = rec.get("timing") or {}
     if timing.get("compile_s") is not None:
         notes.append(wording.compile_time(side, timing["compile_s"], timing.get("prefill_s")))
+    if ((rec.get("vllm") or {}).get("bf16_rounding")) == "truncate":
+        notes.append(wording.truncating_kernels(side))
     fault = rec.get("fault") or {}
     if fault.get("cannot_show"):
         inconclusive.append(fault["cannot_show"])

@@ -261,6 +261,13 @@ def compile_time(side: str, compile_s: float, prefill_s: float | None) -> str:
     return f"{side}: torch.compile took {compile_s:.1f} s before the prefill (not in the prefill's time{then})"
 
 
+def truncating_kernels(side: str) -> str:
+    return (f"{side}: vLLM's kernels here round float32 to bfloat16 toward zero, not to nearest (learned from "
+            f"its rotary embedding; its x86 CPU kernels do so without AVX512-BF16): its RoPE and attention "
+            f"outputs carry about twice bfloat16's rounding error, biased, and the calibrated twin rounds to "
+            f"nearest (docs/tolerances.md)")
+
+
 def identity_differs(diffs) -> str:
     """An identity break's message: every field that differs, with both values."""
     return "model identity differs: " + "; ".join(
