@@ -5,8 +5,10 @@ observe the nodes we need and copy each after it is computed (CPU backend, f32):
 
     inp_embd (layer 0) / l_out-(i-1)    -> layer_input
     the matmul by blk.i.attn_output    -> attn_update      kqv_out-i -> attn_heads (per-head output)
+      (+ its bias, where the file has one)
     ffn_inp-i                          -> mid (the residual after attention)
     the matmul by blk.i.ffn_down       -> mlp_update (llama's "ffn_out-i" already has the residual added)
+      (+ its bias, where the file has one)
     l_out-i                            -> layer_output
     Kcur-i / Vcur-i (last node of each name: keys after RoPE) -> the cache, rounded to the cache type
     result_norm, llama_get_logits_ith  -> final norm and logits at each sequence's last token
@@ -321,10 +323,15 @@ class Capture:
             s = GgmlTensor.from_address(src0).name.decode("utf-8", "replace")
             if s == "token_embd.weight":  # the embedding lookup ("inp_embd"/"embd"; tied output is "result_output")
                 return ("inp_embd", None)
-            if s.startswith("blk.") and s.endswith(".ffn_down.weight"):
-                return ("ffn_down", int(s.split(".")[1]))
-            if s.startswith("blk.") and s.endswith(".attn_output.weight"):  # o_proj: named attn_out-i by llama only
-                return ("attn_out", int(s.split(".")[1]))
+            # o_proj and the MLP's down projection: the matmul by the weight, then (a later node, which wins) the
+            # addition of the bias where the model has one
+            src1 = t.src[1]
+            s1 = GgmlTensor.from_address(src1).name.decode("utf-8", "replace") if src1 else ""
+            for which in (s, s1):
+                if which.startswith("blk.") and which.endswith((".ffn_down.weight", ".ffn_down.bias")):
+                    return ("ffn_down", int(which.split(".")[1]))
+                if which.startswith("blk.") and which.endswith((".attn_output.weight", ".attn_output.bias")):
+                    return ("attn_out", int(which.split(".")[1]))
         return None
 
     def _check_layout(self, t: GgmlTensor, addr: int) -> None:
