@@ -86,8 +86,9 @@ def model_options(f):
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
         click.option("--model", "model", default=None, metavar="SOURCE",
-                     help="The model to prefill: synthetic (default), seed-2.8, hf:DIR, gguf:FILE or smollm2 "
-                          "(a config file's own [model] wins)."),
+                     help="The model to prefill: synthetic (default), synthetic:FAMILY (qwen2, qwen3, "
+                          "llama-biased: the same sizes), seed-2.8, hf:DIR, gguf:FILE or smollm2 (a config "
+                          "file's own [model] wins)."),
         model_cache_option,
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
                      help="A text prompt to prefill (repeatable; a config file's own [inputs] win); needs a "

@@ -20,8 +20,9 @@ _NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "n
           "output.weight": "output.weight"}
 _LAYER = {"attn_norm": "attention_norm", "attn_q": "attention.wq", "attn_k": "attention.wk",
           "attn_v": "attention.wv", "attn_output": "attention.wo", "ffn_norm": "ffn_norm",
-          "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
-SUPPORTED = ("llama", "qwen2")
+          "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+          "attn_q_norm": "attention.q_norm", "attn_k_norm": "attention.k_norm"}
+SUPPORTED = ("llama", "qwen2", "qwen3")
 
 
 def smollm2_path() -> str:
@@ -143,7 +144,9 @@ def load_gguf(path: str, source: str) -> Snapshot:
     state = {}
     for t in reader.tensors:
         ours = _our_name(t.name)
-        if ours is None:  # e.g. rope_freqs (llama3 RoPE scaling), attn_q_norm (QK-norm), ffn_gate_inp (MoE)
+        if ours is not None and arch != "qwen3" and ours.endswith(("q_norm.weight", "k_norm.weight")):
+            ours = None  # QK-norm is qwen3's: llama.cpp's llama and qwen2 graphs would not apply it
+        if ours is None:  # e.g. rope_freqs (llama3 RoPE scaling), ffn_gate_inp (MoE)
             raise ModelLoadError(f"{source}: tensor {t.name!r} is not part of the model our engine implements")
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if permuted and ours.endswith("wq.weight"):
@@ -160,7 +163,10 @@ def load_gguf(path: str, source: str) -> Snapshot:
                      head_dim=_head_dim(g), hidden_dim=int(g("feed_forward_length")),
                      vocab_size=vocab, norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
                      rope_theta=float(g("rope.freq_base", 10000.0)), tie_embeddings=tied,
-                     qkv_bias=arch == "qwen2", max_position=int(g("context_length", 8192)), arch=arch)
+                     qkv_bias="layers.0.attention.wq.bias" in state, o_bias="layers.0.attention.wo.bias" in state,
+                     mlp_bias="layers.0.feed_forward.w1.bias" in state,
+                     qk_norm="head" if arch == "qwen3" else "none",
+                     max_position=int(g("context_length", 8192)), arch=arch)
     check_state(args, state, source)
     tokenizer = _gguf_tokenizer(path, source)
     if tokenizer is not None:

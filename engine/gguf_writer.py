@@ -1,8 +1,9 @@
 """Write a snapshot as a llama.cpp GGUF file (F32 or F16 weights), so llama.cpp can run any model the tool can.
 
-The inverse of gguf_loader: our names -> GGUF names; for the "llama" architecture the Q/K rows are
-permuted into llama.cpp's RoPE layout, as llama.cpp's own converter does. Models with a QKV bias are
-written as "qwen2" (Hugging Face's RoPE layout, rows kept). The vocabulary is written as "no_vocab"
+The inverse of gguf_loader: our names -> GGUF names; for the "llama" architecture the Q/K rows (and
+their biases) are permuted into llama.cpp's RoPE layout, as llama.cpp's own converter does. Models with
+Q/K/V biases alone are written as "qwen2" and models with QK-norm as "qwen3" (Hugging Face's RoPE
+layout, rows kept). The vocabulary is written as "no_vocab"
 with the vocabulary size: llama.cpp is fed token ids, never text.
 """
 from __future__ import annotations
@@ -22,7 +23,13 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_arch(args) -> str:
-    return "qwen2" if args.qkv_bias else "llama"
+    """llama.cpp's graph for the model: qwen3 with QK-norm, qwen2 with Q/K/V biases alone, else llama (whose
+    graph adds any Q/K/V, output and MLP biases the file holds)."""
+    if args.qk_norm == "head":
+        return "qwen3"
+    if args.qkv_bias and not (args.o_bias or args.mlp_bias):
+        return "qwen2"
+    return "llama"
 
 
 def check_convertible(snapshot) -> None:
@@ -33,6 +40,8 @@ def check_convertible(snapshot) -> None:
         why.append(f"RoPE scaling {dict(a.rope_scaling)}")
     if a.lm_head_bias:
         why.append("an output-layer bias")
+    if a.qk_norm != "none" and (a.o_bias or a.qkv_bias or a.mlp_bias):
+        why.append("QK-norm with biases (llama.cpp's qwen3 graph has none)")
     if a.dropout:
         why.append(f"dropout={a.dropout}")
     if snapshot.adapter is not None:
@@ -80,9 +89,9 @@ def write_gguf(snapshot, path: str, wtype: str = "f32") -> None:
         if ours == "output.weight" and a.tie_embeddings:
             continue  # llama.cpp reuses token_embd.weight when output.weight is absent
         t = snapshot.state[ours].detach().float().cpu().numpy()
-        if arch == "llama" and ours.endswith("wq.weight"):
+        if arch == "llama" and ours.endswith(("wq.weight", "wq.bias")):
             t = permute(t, a.n_heads)
-        elif arch == "llama" and ours.endswith("wk.weight"):
+        elif arch == "llama" and ours.endswith(("wk.weight", "wk.bias")):
             t = permute(t, a.n_kv_heads)
         if wtype == "f16" and t.ndim == 2:
             t = t.astype(np.float16)

@@ -51,17 +51,31 @@ def check(prep) -> None:
 
 
 def hf_config(args):
-    """A transformers config for our ModelArgs (Llama, or Qwen2 when there is a QKV bias)."""
-    from transformers import LlamaConfig, Qwen2Config  # transformers is optional: imported when used
+    """A transformers config for our ModelArgs: Qwen3 with QK-norm, Qwen2 with Q/K/V biases alone, else Llama
+    (its attention_bias puts biases on Q/K/V and the output projection together, mlp_bias on the MLP). A
+    combination no transformers class computes is refused."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config  # optional: imported when used
     rope = {"rope_theta": args.rope_theta, "rope_type": "default", **dict(args.rope_scaling)}
     common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
                   num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
                   num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
                   rope_parameters=rope, tie_word_embeddings=args.tie_embeddings,
                   max_position_embeddings=args.max_position)
-    if args.qkv_bias:
+    qwen2 = args.qkv_bias and not args.o_bias
+    why = []
+    if args.o_bias and not args.qkv_bias:
+        why.append("an output-projection bias without Q/K/V biases")
+    if args.mlp_bias and (qwen2 or args.qk_norm != "none"):
+        why.append("MLP biases " + ("with QK-norm" if args.qk_norm != "none" else "with Q/K/V biases alone"))
+    if qwen2 and args.qk_norm != "none":
+        why.append("QK-norm with Q/K/V biases but no output-projection bias")
+    if why:
+        raise ConfigError(f"no transformers model class computes {'; '.join(why)} (model {args.arch})")
+    if args.qk_norm == "head":
+        return Qwen3Config(attention_bias=args.o_bias, **common)
+    if qwen2:
         return Qwen2Config(**common)
-    return LlamaConfig(attention_bias=False, **common)
+    return LlamaConfig(attention_bias=args.o_bias, mlp_bias=args.mlp_bias, **common)
 
 
 def build_model(snapshot, dtype: str, attn: str):

@@ -14,17 +14,20 @@ from .model import ModelArgs
 from .skeleton import state_shapes
 from .snapshot import Snapshot
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                   "Qwen3ForCausalLM": "qwen3"}
 
 # our name <- Hugging Face name (per layer with {i})
 _LAYER_MAP = {
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
     "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias", "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
     "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight", "feed_forward.w1.bias": "mlp.gate_proj.bias",
+    "feed_forward.w3.bias": "mlp.up_proj.bias", "feed_forward.w2.bias": "mlp.down_proj.bias",
 }
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "output.weight": "lm_head.weight", "output.bias": "lm_head.bias"}
@@ -84,8 +87,8 @@ def _head_dim(v, cfg, arch):
 def _sliding_window(v, cfg, arch):
     if v is None:
         return None
-    if arch == "qwen2" and not cfg.get("use_sliding_window"):
-        return None  # Qwen2 applies the window only with use_sliding_window
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        return None  # Qwen2 and Qwen3 apply the window only with use_sliding_window
     return "null (sliding-window attention is not implemented)"
 
 
@@ -130,7 +133,7 @@ _BOOKKEEPING = "bookkeeping: does not change what the model computes"
 # never blacklist, so a config that asks for something we do not implement is never run as something else.
 HF_FIELDS = {
     # -- the architecture and its sizes, read into ModelArgs
-    "architectures": (_USED, "picks llama, mistral or qwen2; anything else is refused before this table"),
+    "architectures": (_USED, "picks llama, mistral, qwen2 or qwen3; anything else is refused before this table"),
     "model_type": (_model_type, "transformers builds the model from model_type: it must name the same class"),
     "hidden_size": (_positive_int, "d, read into ModelArgs.dim"),
     "num_hidden_layers": (_positive_int, "L, ModelArgs.n_layers"),
@@ -145,10 +148,11 @@ HF_FIELDS = {
     "tie_word_embeddings": (_one_of(True, False), "both implemented; false needs an lm_head.weight in the checkpoint"),
     # -- what each layer computes
     "hidden_act": (_one_of("silu"), "the MLP is silu(x·W_g) ⊙ x·W_u: only silu is implemented"),
-    "attention_bias": (_arch_only(("llama",), _one_of(False)),
-                       "Llama: true adds q/k/v AND o_proj biases (no o_proj bias is implemented); Qwen2 always "
-                       "has q/k/v biases and no o_proj bias, Mistral none: their code ignores the field"),
-    "mlp_bias": (_arch_only(("llama",), _one_of(False)), "Llama: MLP biases are not implemented; others ignore it"),
+    "attention_bias": (_arch_only(("llama", "qwen3"), _one_of(True, False)),
+                       "Llama and Qwen3: true adds q/k/v and o_proj biases; Qwen2 always has q/k/v biases and no "
+                       "o_proj bias, Mistral none: their code ignores the field"),
+    "mlp_bias": (_arch_only(("llama",), _one_of(True, False)), "Llama: biases on the MLP's three projections; "
+                                                               "the others' code ignores it"),
     "partial_rotary_factor": (_one_of(1.0, 1, None), "RoPE over the whole head: partial rotary is not implemented"),
     "rope_interleaved": (_one_of(False), "RoPE is rotate-half, never interleaved pairs"),
     "use_qk_norm": (_one_of(False), "QK-norm (a norm on queries and keys) is not implemented"),
@@ -159,8 +163,8 @@ HF_FIELDS = {
     "rope_parameters": (_rope_dict, "transformers 5: rope_theta and rope_type default, linear or llama3"),
     "rope_scaling": (_rope_dict, "transformers 4: rope_type (or type) default, linear or llama3; null"),
     "sliding_window": (_sliding_window, "sliding-window attention is not implemented (Qwen2: unless enabled)"),
-    "use_sliding_window": (_one_of(False), "Qwen2: sliding-window attention is not implemented"),
-    "max_window_layers": (_NO_EFFECT, "Qwen2: which layers use the window, only with use_sliding_window"),
+    "use_sliding_window": (_one_of(False), "Qwen2, Qwen3: sliding-window attention is not implemented"),
+    "max_window_layers": (_NO_EFFECT, "Qwen2, Qwen3: which layers use the window, only with use_sliding_window"),
     "layer_types": (_layer_types, "every layer full causal attention"),
     "pretraining_tp": (_positive_int, "transformers 4 slices the same matmuls into this many parts (the same "
                                       "function; transformers 5 ignores it)"),
@@ -242,8 +246,11 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
                          vocab_size=cfg["vocab_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                          rope_theta=theta, rope_scaling=scaling,
                          tie_embeddings=bool(cfg.get("tie_word_embeddings")), hidden_act=cfg.get("hidden_act", "silu"),
-                         qkv_bias=arch == "qwen2", max_position=int(cfg.get("max_position_embeddings", 8192)),
-                         arch=arch)
+                         qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3") and bool(cfg.get("attention_bias"))),
+                         o_bias=arch in ("llama", "qwen3") and bool(cfg.get("attention_bias")),
+                         mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias")),
+                         qk_norm="head" if arch == "qwen3" else "none",
+                         max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch)
     except ConfigError as e:
         raise ModelLoadError(f"{where}: {e}") from None
 
@@ -254,7 +261,9 @@ def check_state(args: ModelArgs, state: dict, where: str) -> None:
     for name, t in state.items():
         if name not in want:
             raise ModelLoadError(f"{where}: tensor {name!r} is not part of the model our engine implements "
-                                 f"(arch {args.arch}, qkv_bias={args.qkv_bias}, lm_head_bias={args.lm_head_bias})")
+                                 f"(arch {args.arch}, qkv_bias={args.qkv_bias}, o_bias={args.o_bias}, "
+                                 f"mlp_bias={args.mlp_bias}, qk_norm={args.qk_norm}, "
+                                 f"lm_head_bias={args.lm_head_bias})")
         if tuple(t.shape) != want[name]:
             raise ModelLoadError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
                                  f"{want[name]}")

@@ -6,6 +6,10 @@ This file is the readable statement of one layer:
     query head h reads KV head g(h) = ⌊h·H_kv/H_q⌋;  O = softmax(Q̃K̃ᵀ/√d_h + M)·V
     U = R + OutProj(concat(O));  R' = U + (silu(Norm(U)·W_g) ⊙ Norm(U)·W_u)·W_d
 
+Family variants, each a field of ModelArgs: biases on Q/K/V (Qwen2), on OutProj and on the MLP's
+projections (Llama's attention_bias and mlp_bias); QK-norm, Q and K each normalised per head before
+RoPE (Qwen3: Q, K = Norm_q(R̂·Wq), Norm_k(R̂·Wk), so the cache holds RoPE of the normalised keys).
+
 Attention kernels, the KV cache, recording, faults and chunking change the model from
 outside (``prefill.py``'s ForwardStep, ``cache.py``, ``faults.py``); adapters and
 quantisation replace its linear layers (``adapters.py``, ``quantize.py``). Here the
@@ -42,6 +46,9 @@ class ModelArgs:
     rope_scaling: tuple = ()  # sorted (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"))
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention's output projection (Llama's attention_bias, with qkv_bias)
+    mlp_bias: bool = False  # biases on the MLP's three projections (Llama's mlp_bias)
+    qk_norm: str = "none"  # "head": an RMSNorm over each head's d_h on Q and K before RoPE (Qwen3)
     lm_head_bias: bool = False
     dropout: float = 0.0
     max_position: int = 8192
@@ -71,6 +78,8 @@ class ModelArgs:
                               f"(got tokenizer_vocab_size={self.tokenizer_vocab_size})")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu', the only activation implemented (got {self.hidden_act!r})")
+        if self.qk_norm not in ("none", "head"):
+            raise ConfigError(f"qk_norm must be 'none' or 'head' (got {self.qk_norm!r})")
         if self.attention_rule != "causal":
             raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
 
@@ -103,9 +112,14 @@ class ModelArgs:
 # Built-in seeded synthetic models. ``seed-2.8`` is the shape ledger model of contract §2.8;
 # ``synthetic`` is the default: every §2.11 fault can show on it (H_kv = 2), and its head size (32) is one every
 # engine's attention kernels take (vLLM's CPU attention refuses 16).
+_SYNTHETIC = ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256, vocab_size=96)
 MODEL_PRESETS = {
     "seed-2.8": ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, hidden_dim=16, vocab_size=20),
-    "synthetic": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256, vocab_size=96),
+    "synthetic": _SYNTHETIC,
+    # one per family (synthetic:FAMILY), the same sizes: each can be tried on every engine without a file
+    "synthetic:qwen2": _SYNTHETIC.replace(qkv_bias=True, arch="qwen2"),
+    "synthetic:qwen3": _SYNTHETIC.replace(qk_norm="head", arch="qwen3"),
+    "synthetic:llama-biased": _SYNTHETIC.replace(qkv_bias=True, o_bias=True, mlp_bias=True),
 }
 
 
@@ -168,12 +182,19 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        if args.qk_norm == "head":  # Qwen3: Q and K normalised per head, before RoPE
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, S, head_dim)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # (B, n_heads, S, head_dim)
+        k = k.transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
         cos, sin = step.rope
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -187,9 +208,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -50,8 +50,8 @@ def load_source(spec: ModelSpec) -> Snapshot:
         budget.check_model(args, src)  # before a single weight is allocated
         return Snapshot(src, args, synthetic_state(args, spec.seed))
     if not (src.startswith(("hf:", "gguf:")) or src == "smollm2"):
-        raise ConfigError("model source must be one of synthetic, seed-2.8, hf:<dir>, gguf:<file>, smollm2 "
-                          f"(got {src!r})")
+        raise ConfigError(f"model source must be one of {', '.join(MODEL_PRESETS)}, hf:<dir>, gguf:<file>, "
+                          f"smollm2 (got {src!r})")
     if spec.overrides:
         raise ConfigError(f"model size overrides apply to synthetic models only (source {src!r})")
     if src.startswith("hf:"):

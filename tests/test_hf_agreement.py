@@ -18,10 +18,17 @@ ARGS = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, hidde
 
 
 def hf_model(args: ModelArgs, state: dict, attn: str = "eager"):
-    """LlamaForCausalLM, or Qwen2ForCausalLM when the model has a QKV bias."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if args.qkv_bias else (LlamaConfig, LlamaForCausalLM)
-    extra = {} if args.qkv_bias else {"attention_bias": False}
+    """transformers' own class for the family: Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with Q/K/V biases
+    alone, else LlamaForCausalLM (its attention_bias and mlp_bias as the model has them)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+    if args.qk_norm == "head":
+        config_cls, model_cls, extra = Qwen3Config, Qwen3ForCausalLM, {"attention_bias": args.o_bias}
+    elif args.qkv_bias and not args.o_bias:
+        config_cls, model_cls, extra = Qwen2Config, Qwen2ForCausalLM, {}
+    else:
+        config_cls, model_cls = LlamaConfig, LlamaForCausalLM
+        extra = {"attention_bias": args.o_bias, "mlp_bias": args.mlp_bias}
     cfg = config_cls(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
                       num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
                       num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
@@ -67,17 +74,27 @@ def hf_run(model, ids, mask, pos):
     return states, out
 
 
-def test_engine_agrees_with_transformers_left_padded_batch():
-    state = synthetic_state(ARGS, seed=11)
-    snap = Snapshot("test", ARGS, state)
+FAMILIES = {
+    "llama": ARGS,
+    "qwen3": ARGS.replace(qk_norm="head", arch="qwen3"),
+    "qwen3 with attention_bias": ARGS.replace(qk_norm="head", qkv_bias=True, o_bias=True, arch="qwen3"),
+    "llama with attention_bias and mlp_bias": ARGS.replace(qkv_bias=True, o_bias=True, mlp_bias=True),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_engine_agrees_with_transformers_left_padded_batch(family):
+    args = FAMILIES[family]
+    state = synthetic_state(args, seed=11)
+    snap = Snapshot("test", args, state)
     prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46], [26, 43, 38, 32], [79, 50, 28, 84, 19, 71, 69]]
     ids, mask, pos = padded(prompts, "left")
     cap = Capture()
     ours = Engine(snap, NumericalConfig(dtype="float32")).prefill(ids, mask, pos, recorder=cap)
-    states, out = hf_run(hf_model(ARGS, state), ids, mask, pos)
+    states, out = hf_run(hf_model(args, state), ids, mask, pos)
     valid = mask.bool()
     atol, rtol = 1e-5, 1e-5
-    for layer in range(ARGS.n_layers):
+    for layer in range(args.n_layers):
         for name in ("layer_input", "attn_update", "mlp_update", "layer_output"):
             a, b = cap.states[(layer, name)][valid], states[(layer, name)][valid]
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=f"layer {layer} {name}")

@@ -297,8 +297,6 @@ def test_gelu_llama_is_refused_naming_the_field(llama_dir, tmp_path, run_cli):
 
 
 UNSUPPORTED = [  # (field, value, words the refusal must contain)
-    ("attention_bias", True, "attention_bias=true"),  # Llama: q/k/v and o_proj biases
-    ("mlp_bias", True, "mlp_bias=true"),
     ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
     ("use_qk_norm", True, "use_qk_norm=true"),
     ("rope_parameters", {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0}, "rope_parameters="),

@@ -21,6 +21,9 @@ IDENTITY_KEYS = {
     "norm_eps": ("RMSNorm epsilon", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
     "hidden_act": ("MLP activation", ("mlp_update",)),
     "qkv_bias": ("Q/K/V bias", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
+    "qk_norm": ("QK-norm", ("cache_keys", "attn_update", "attn_heads")),
+    "o_bias": ("attention output bias", ("attn_update",)),
+    "mlp_bias": ("MLP biases", ("mlp_update",)),
     "lm_head_bias": ("unembedding bias", "final"),
     "tie_embeddings": ("tied embeddings", "final"),
 }
