@@ -86,7 +86,7 @@ def model_options(f):
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
         click.option("--model", "model", default=None, metavar="SOURCE",
-                     help="The model to prefill: synthetic (default), synthetic:FAMILY (qwen2, qwen3, "
+                     help="The model to prefill: synthetic (default), synthetic:FAMILY (qwen2, qwen3, olmo2, "
                           "llama-biased: the same sizes), seed-2.8, hf:DIR, gguf:FILE or smollm2 (a config "
                           "file's own [model] wins)."),
         model_cache_option,

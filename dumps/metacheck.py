@@ -144,7 +144,7 @@ MODEL_ARGS = {
                            array(array(anything, limit=2), limit=64),
                            rule="must be a JSON object of rope scaling parameters"),
     "tie_embeddings": boolean(), "qkv_bias": boolean(), "o_bias": boolean(), "mlp_bias": boolean(),
-    "qk_norm": text(), "lm_head_bias": boolean(),
+    "qk_norm": text(), "norm_placement": text(), "norm_scale": text(), "lm_head_bias": boolean(),
     "dropout": number(0, 1, hi_open=True), "max_position": integer(1, 1 << 40),
     "tokenizer_vocab_size": integer(1, 1 << 26, none=True), "attention_rule": text(), "arch": text(),
     "hidden_act": text(),

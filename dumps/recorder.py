@@ -34,8 +34,8 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
       model.rope_inv_freq   head_dim/2 inverse frequencies: the reader rotates pre-RoPE keys with them
     optional (compared or shown when present)
       model.args.hidden_dim, .norm_eps, .rope_theta, .rope_scaling (table), .hidden_act, .qkv_bias,
-          .o_bias, .mlp_bias, .qk_norm, .lm_head_bias, .tie_embeddings, .arch   the model's identity: a
-          difference is an identity break
+          .o_bias, .mlp_bias, .qk_norm, .norm_placement, .norm_scale, .lm_head_bias, .tie_embeddings, .arch
+          the model's identity: a difference is an identity break
       model.source, model.spec, model.weights_digest ("sha256:..."), model.adapter ({id, digest, rank})
       engine.name, .kernel, .batching, .chunk_size
       layout.kind, .dtype (the KV-cache dtype, picks the cache tolerance), .key_rotation ("post": keys as

@@ -19,8 +19,9 @@ import torch
 
 def compile_layers(model) -> None:
     for block in model.layers:
-        for name in ("attention_norm", "ffn_norm", "feed_forward"):
-            getattr(block, name).compile(backend="inductor")
+        for name in ("attention_norm", "ffn_norm", "attention_post_norm", "ffn_post_norm", "feed_forward"):
+            if hasattr(block, name):  # pre-norms or post-norms, as the family places them
+                getattr(block, name).compile(backend="inductor")
 
 
 def warm_up(prep) -> float:

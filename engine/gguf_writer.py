@@ -40,7 +40,10 @@ def check_convertible(snapshot) -> None:
         why.append(f"RoPE scaling {dict(a.rope_scaling)}")
     if a.lm_head_bias:
         why.append("an output-layer bias")
-    if a.qk_norm != "none" and (a.o_bias or a.qkv_bias or a.mlp_bias):
+    if a.norm_placement != "pre" or a.qk_norm == "proj" or a.norm_scale != "activation":
+        why.append(f"post-norms and whole-projection QK-norm ({a.arch}: the GGUF writer emits llama, qwen2 and "
+                   "qwen3 only)")
+    if a.qk_norm == "head" and (a.o_bias or a.qkv_bias or a.mlp_bias):
         why.append("QK-norm with biases (llama.cpp's qwen3 graph has none)")
     if a.dropout:
         why.append(f"dropout={a.dropout}")

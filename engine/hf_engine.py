@@ -6,6 +6,7 @@ engine uses, and its returned cache gives the keys (after RoPE) and values:
     decoder layer  -> layer_input (its input), layer_output (its output)
     self_attn      -> attn_update (o_proj output);  o_proj input -> attn_heads
     mlp            -> mlp_update;  mid = layer_input + attn_update, as the layer adds them
+    (post-norm families: post_attention_layernorm and post_feedforward_layernorm's outputs are the updates)
     cache.layers[l].keys / .values -> the cache, at each sample's valid positions
 """
 from __future__ import annotations
@@ -51,10 +52,11 @@ def check(prep) -> None:
 
 
 def hf_config(args):
-    """A transformers config for our ModelArgs: Qwen3 with QK-norm, Qwen2 with Q/K/V biases alone, else Llama
+    """A transformers config for our ModelArgs: OLMo 2 with post-norms, Qwen3 with per-head QK-norm, Qwen2 with
+    Q/K/V biases alone, else Llama
     (its attention_bias puts biases on Q/K/V and the output projection together, mlp_bias on the MLP). A
     combination no transformers class computes is refused."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config  # optional: imported when used
+    from transformers import LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config  # optional: imported when used
     rope = {"rope_theta": args.rope_theta, "rope_type": "default", **dict(args.rope_scaling)}
     common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
                   num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
@@ -69,8 +71,16 @@ def hf_config(args):
         why.append("MLP biases " + ("with QK-norm" if args.qk_norm != "none" else "with Q/K/V biases alone"))
     if qwen2 and args.qk_norm != "none":
         why.append("QK-norm with Q/K/V biases but no output-projection bias")
+    olmo2 = (args.norm_placement, args.qk_norm, args.norm_scale) == ("post", "proj", "float32")
+    if not olmo2 and (args.norm_placement != "pre" or args.qk_norm == "proj" or args.norm_scale != "activation"):
+        why.append(f"norm_placement={args.norm_placement} with qk_norm={args.qk_norm} and "
+                   f"norm_scale={args.norm_scale} (OLMo 2 has post, proj and float32 together)")
+    if olmo2 and (args.mlp_bias or args.qkv_bias != args.o_bias):
+        why.append("OLMo 2 with MLP biases, or with Q/K/V biases apart from the output projection's")
     if why:
         raise ConfigError(f"no transformers model class computes {'; '.join(why)} (model {args.arch})")
+    if olmo2:
+        return Olmo2Config(attention_bias=args.o_bias, **common)
     if args.qk_norm == "head":
         return Qwen3Config(attention_bias=args.o_bias, **common)
     if qwen2:
@@ -169,10 +179,15 @@ def _hooks(model, rec, states):
 
     handles = []
     for i, layer in enumerate(model.model.layers):
+        # what each sub-layer adds to the residual: its output, or where the family normalises that output
+        # (OLMo 2, Gemma: post_attention_layernorm and post_feedforward_layernorm) the norm's output
+        post = hasattr(layer, "post_feedforward_layernorm")
+        attn, mlp = ((layer.post_attention_layernorm, layer.post_feedforward_layernorm) if post else
+                     (layer.self_attn, layer.mlp))
         handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(keep(("attn", i))))
+        handles.append(attn.register_forward_hook(keep(("attn", i))))
         handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads(i)))
-        handles.append(layer.mlp.register_forward_hook(keep(("mlp", i))))
+        handles.append(mlp.register_forward_hook(keep(("mlp", i))))
     handles.append(model.model.norm.register_forward_hook(keep("norm")))
     return handles
 

@@ -15,7 +15,7 @@ from .skeleton import state_shapes
 from .snapshot import Snapshot
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                   "Qwen3ForCausalLM": "qwen3"}
+                   "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2"}
 
 # our name <- Hugging Face name (per layer with {i})
 _LAYER_MAP = {
@@ -24,31 +24,41 @@ _LAYER_MAP = {
     "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.bias": "self_attn.v_proj.bias", "attention.wo.bias": "self_attn.o_proj.bias",
     "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight", "feed_forward.w1.bias": "mlp.gate_proj.bias",
     "feed_forward.w3.bias": "mlp.up_proj.bias", "feed_forward.w2.bias": "mlp.down_proj.bias",
 }
+# the norms' names depend on where the family puts them: Llama's "post_attention_layernorm" is the norm before
+# the MLP, OLMo 2's the norm on the attention's output
+_PRE_NORMS = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
+_POST_NORMS = {"attention_post_norm.weight": "post_attention_layernorm.weight",
+               "ffn_post_norm.weight": "post_feedforward_layernorm.weight"}
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "output.weight": "lm_head.weight", "output.bias": "lm_head.bias"}
 
 
-def ours_to_hf(name: str) -> str:
+def _layer_map(post: bool) -> dict:
+    return {**_LAYER_MAP, **(_POST_NORMS if post else _PRE_NORMS)}
+
+
+def ours_to_hf(name: str, post: bool = False) -> str:
+    """Our tensor name under Hugging Face's (``post``: the family places its norms after the sub-layers)."""
     if name in _TOP_MAP:
         return _TOP_MAP[name]
     m = re.match(r"layers\.(\d+)\.(.+)", name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    names = _layer_map(post)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise KeyError(name)
 
 
-def hf_to_ours(name: str) -> str | None:
+def hf_to_ours(name: str, post: bool = False) -> str | None:
     for ours, hf in _TOP_MAP.items():
         if name == hf:
             return ours
     m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
-        for ours, hf in _LAYER_MAP.items():
+        for ours, hf in _layer_map(post).items():
             if m.group(2) == hf:
                 return f"layers.{m.group(1)}.{ours}"
     return None
@@ -56,7 +66,8 @@ def hf_to_ours(name: str) -> str | None:
 
 def hf_state_dict(state: dict) -> dict:
     """Our snapshot state under Hugging Face names (for loading into transformers)."""
-    return {ours_to_hf(k): v for k, v in state.items()}
+    post = any(k.endswith("attention_post_norm.weight") for k in state)
+    return {ours_to_hf(k, post): v for k, v in state.items()}
 
 
 def _one_of(*values):
@@ -133,7 +144,8 @@ _BOOKKEEPING = "bookkeeping: does not change what the model computes"
 # never blacklist, so a config that asks for something we do not implement is never run as something else.
 HF_FIELDS = {
     # -- the architecture and its sizes, read into ModelArgs
-    "architectures": (_USED, "picks llama, mistral, qwen2 or qwen3; anything else is refused before this table"),
+    "architectures": (_USED, "picks llama, mistral, qwen2, qwen3 or olmo2; anything else is refused before this "
+                             "table"),
     "model_type": (_model_type, "transformers builds the model from model_type: it must name the same class"),
     "hidden_size": (_positive_int, "d, read into ModelArgs.dim"),
     "num_hidden_layers": (_positive_int, "L, ModelArgs.n_layers"),
@@ -148,9 +160,9 @@ HF_FIELDS = {
     "tie_word_embeddings": (_one_of(True, False), "both implemented; false needs an lm_head.weight in the checkpoint"),
     # -- what each layer computes
     "hidden_act": (_one_of("silu"), "the MLP is silu(x·W_g) ⊙ x·W_u: only silu is implemented"),
-    "attention_bias": (_arch_only(("llama", "qwen3"), _one_of(True, False)),
-                       "Llama and Qwen3: true adds q/k/v and o_proj biases; Qwen2 always has q/k/v biases and no "
-                       "o_proj bias, Mistral none: their code ignores the field"),
+    "attention_bias": (_arch_only(("llama", "qwen3", "olmo2"), _one_of(True, False)),
+                       "Llama, Qwen3 and OLMo 2: true adds q/k/v and o_proj biases; Qwen2 always has q/k/v biases "
+                       "and no o_proj bias, Mistral none: their code ignores the field"),
     "mlp_bias": (_arch_only(("llama",), _one_of(True, False)), "Llama: biases on the MLP's three projections; "
                                                                "the others' code ignores it"),
     "partial_rotary_factor": (_one_of(1.0, 1, None), "RoPE over the whole head: partial rotary is not implemented"),
@@ -246,10 +258,13 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
                          vocab_size=cfg["vocab_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                          rope_theta=theta, rope_scaling=scaling,
                          tie_embeddings=bool(cfg.get("tie_word_embeddings")), hidden_act=cfg.get("hidden_act", "silu"),
-                         qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3") and bool(cfg.get("attention_bias"))),
-                         o_bias=arch in ("llama", "qwen3") and bool(cfg.get("attention_bias")),
+                         qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3", "olmo2")
+                                                      and bool(cfg.get("attention_bias"))),
+                         o_bias=arch in ("llama", "qwen3", "olmo2") and bool(cfg.get("attention_bias")),
                          mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias")),
-                         qk_norm="head" if arch == "qwen3" else "none",
+                         qk_norm={"qwen3": "head", "olmo2": "proj"}.get(arch, "none"),
+                         norm_placement="post" if arch == "olmo2" else "pre",
+                         norm_scale="float32" if arch == "olmo2" else "activation",
                          max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch)
     except ConfigError as e:
         raise ModelLoadError(f"{where}: {e}") from None
@@ -263,6 +278,7 @@ def check_state(args: ModelArgs, state: dict, where: str) -> None:
             raise ModelLoadError(f"{where}: tensor {name!r} is not part of the model our engine implements "
                                  f"(arch {args.arch}, qkv_bias={args.qkv_bias}, o_bias={args.o_bias}, "
                                  f"mlp_bias={args.mlp_bias}, qk_norm={args.qk_norm}, "
+                                 f"norm_placement={args.norm_placement}, "
                                  f"lm_head_bias={args.lm_head_bias})")
         if tuple(t.shape) != want[name]:
             raise ModelLoadError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
@@ -293,7 +309,7 @@ def load_hf_dir(path: str) -> Snapshot:
     state = {}
     for fn in files:
         for name, t in load_file(os.path.join(path, fn)).items():
-            ours = hf_to_ours(name)
+            ours = hf_to_ours(name, post=args.norm_placement == "post")
             if ours is not None:
                 state[ours] = t.float()
             elif not name.endswith("rotary_emb.inv_freq"):

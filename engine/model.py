@@ -8,7 +8,9 @@ This file is the readable statement of one layer:
 
 Family variants, each a field of ModelArgs: biases on Q/K/V (Qwen2), on OutProj and on the MLP's
 projections (Llama's attention_bias and mlp_bias); QK-norm, Q and K each normalised per head before
-RoPE (Qwen3: Q, K = Norm_q(R̂·Wq), Norm_k(R̂·Wk), so the cache holds RoPE of the normalised keys).
+RoPE (Qwen3: Q, K = Norm_q(R̂·Wq), Norm_k(R̂·Wk), so the cache holds RoPE of the normalised keys), or
+over the whole projections (OLMo 2); post-norms in place of pre-norms (OLMo 2: U = R + Norm(OutProj(...)) with
+the attention reading R itself, and likewise the MLP).
 
 Attention kernels, the KV cache, recording, faults and chunking change the model from
 outside (``prefill.py``'s ForwardStep, ``cache.py``, ``faults.py``); adapters and
@@ -48,7 +50,12 @@ class ModelArgs:
     qkv_bias: bool = False
     o_bias: bool = False  # a bias on the attention's output projection (Llama's attention_bias, with qkv_bias)
     mlp_bias: bool = False  # biases on the MLP's three projections (Llama's mlp_bias)
-    qk_norm: str = "none"  # "head": an RMSNorm over each head's d_h on Q and K before RoPE (Qwen3)
+    qk_norm: str = "none"  # "head": an RMSNorm over each head's d_h on Q and K before RoPE (Qwen3); "proj": over
+    # the whole Q (H_q·d_h) and K (H_kv·d_h) projections (OLMo 2)
+    norm_placement: str = "pre"  # "pre": Norm before each sub-layer (Llama); "post": Norm on each sub-layer's
+    # output, before it is added to the residual, and none before (OLMo 2)
+    norm_scale: str = "activation"  # RMSNorm's weight multiplies the normalised vector rounded to the activation
+    # dtype (Llama) or in float32, rounded after (OLMo 2): the same in float32, not in bf16/fp16
     lm_head_bias: bool = False
     dropout: float = 0.0
     max_position: int = 8192
@@ -78,8 +85,10 @@ class ModelArgs:
                               f"(got tokenizer_vocab_size={self.tokenizer_vocab_size})")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu', the only activation implemented (got {self.hidden_act!r})")
-        if self.qk_norm not in ("none", "head"):
-            raise ConfigError(f"qk_norm must be 'none' or 'head' (got {self.qk_norm!r})")
+        for name, allowed in (("qk_norm", ("none", "head", "proj")), ("norm_placement", ("pre", "post")),
+                              ("norm_scale", ("activation", "float32"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
         if self.attention_rule != "causal":
             raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
 
@@ -120,20 +129,28 @@ MODEL_PRESETS = {
     "synthetic:qwen2": _SYNTHETIC.replace(qkv_bias=True, arch="qwen2"),
     "synthetic:qwen3": _SYNTHETIC.replace(qk_norm="head", arch="qwen3"),
     "synthetic:llama-biased": _SYNTHETIC.replace(qkv_bias=True, o_bias=True, mlp_bias=True),
+    "synthetic:olmo2": _SYNTHETIC.replace(qk_norm="proj", norm_placement="post", norm_scale="float32", arch="olmo2"),
 }
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, scale: str = "activation"):
         super().__init__()
         self.eps = eps
+        self.scale_in_float32 = scale == "float32"
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.promote_types(dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight.to(h.dtype) * h).to(dtype)
         return self.weight * h.to(dtype)
+
+
+def norm(args: ModelArgs, dim: int) -> RMSNorm:
+    return RMSNorm(dim, args.norm_eps, args.norm_scale)
 
 
 def rope_inv_freq(args: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -183,15 +200,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.qk_norm = args.qk_norm
         if args.qk_norm == "head":  # Qwen3: Q and K normalised per head, before RoPE
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+            self.q_norm, self.k_norm = norm(args, args.head_dim), norm(args, args.head_dim)
+        elif args.qk_norm == "proj":  # OLMo 2: the whole projections, before they are split into heads
+            self.q_norm = norm(args, args.n_heads * args.head_dim)
+            self.k_norm = norm(args, args.n_kv_heads * args.head_dim)
 
     def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.transpose(1, 2)  # (B, n_heads, S, head_dim)
         k = k.transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
@@ -219,19 +242,33 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        # registered in the order the state dict lists them (the synthetic weights are drawn in that order)
+        self.post = args.norm_placement == "post"  # OLMo 2: each sub-layer's output is normalised before it
+        if not self.post:                          # joins the residual, its input is not
+            self.attention_norm = norm(args, args.dim)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        if self.post:
+            self.attention_post_norm = norm(args, args.dim)
+        else:
+            self.ffn_norm = norm(args, args.dim)
         self.feed_forward = FeedForward(args)
+        if self.post:
+            self.ffn_post_norm = norm(args, args.dim)
         self.dropout = nn.Dropout(args.dropout)
 
     def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
         step.record(layer, "layer_input", x)  # R_ℓ, (B, S, dim)
-        a = self.dropout(self.attention(self.attention_norm(x), step, layer))
-        step.record(layer, "attn_update", a)
+        if self.post:
+            a = self.dropout(self.attention_post_norm(self.attention(x, step, layer)))
+        else:
+            a = self.dropout(self.attention(self.attention_norm(x), step, layer))
+        step.record(layer, "attn_update", a)  # what is added to the residual
         u = x + a  # U_ℓ
         step.record(layer, "mid", u)
-        m = self.dropout(self.feed_forward(self.ffn_norm(u)))
+        if self.post:
+            m = self.dropout(self.ffn_post_norm(self.feed_forward(u)))
+        else:
+            m = self.dropout(self.feed_forward(self.ffn_norm(u)))
         step.record(layer, "mlp_update", m)
         out = u + m  # R_ℓ+1
         step.record(layer, "layer_output", out)
@@ -244,7 +281,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.norm = norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=args.lm_head_bias)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -42,6 +42,9 @@ def check_tp(tp: int, args, *, adapter=None, weight_quant: str = "none", fault: 
         hint = f"; sizes that fit: {', '.join(map(str, fits))}" if fits else "; no size above 1 fits this model"
         raise ConfigError(f"tp={tp} must divide both n_heads and n_kv_heads (whole heads per rank), "
                           f"but {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not divisible by {tp}{hint}")
+    if getattr(args, "qk_norm", "none") == "proj":
+        raise ConfigError(f"tp={tp}: this model's QK-norm normalises the whole Q and K projections ({args.arch}), "
+                          "which needs every head's values, and each rank holds only its own heads")
     if adapter is not None:
         raise ConfigError("tp > 1 shards plain linear layers: LoRA adapters are not supported with tensor parallelism")
     if weight_quant != "none":

@@ -18,11 +18,14 @@ ARGS = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, hidde
 
 
 def hf_model(args: ModelArgs, state: dict, attn: str = "eager"):
-    """transformers' own class for the family: Qwen3ForCausalLM with QK-norm, Qwen2ForCausalLM with Q/K/V biases
-    alone, else LlamaForCausalLM (its attention_bias and mlp_bias as the model has them)."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
-    if args.qk_norm == "head":
+    """transformers' own class for the family: Olmo2ForCausalLM with post-norms, Qwen3ForCausalLM with QK-norm,
+    Qwen2ForCausalLM with Q/K/V biases alone, else LlamaForCausalLM (its attention_bias and mlp_bias as the
+    model has them)."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    if args.norm_placement == "post":
+        config_cls, model_cls, extra = Olmo2Config, Olmo2ForCausalLM, {"attention_bias": args.o_bias}
+    elif args.qk_norm == "head":
         config_cls, model_cls, extra = Qwen3Config, Qwen3ForCausalLM, {"attention_bias": args.o_bias}
     elif args.qkv_bias and not args.o_bias:
         config_cls, model_cls, extra = Qwen2Config, Qwen2ForCausalLM, {}
@@ -50,21 +53,20 @@ def hf_run(model, ids, mask, pos):
             states[(i, "layer_output")] = (out[0] if isinstance(out, tuple) else out).detach()
         return hook
 
-    def on_attn(i):
-        def hook(mod, args, kwargs, out):
-            states[(i, "attn_update")] = out[0].detach()
-        return hook
-
-    def on_mlp(i):
+    def keep(i, name):
         def hook(mod, args, out):
-            states[(i, "mlp_update")] = out.detach()
+            states[(i, name)] = (out[0] if isinstance(out, tuple) else out).detach()
         return hook
 
     handles = []
     for i, layer in enumerate(model.model.layers):
+        # the updates are what each sub-layer adds to the residual: OLMo 2 normalises them first
+        post = hasattr(layer, "post_feedforward_layernorm")
+        attn, mlp = ((layer.post_attention_layernorm, layer.post_feedforward_layernorm) if post else
+                     (layer.self_attn, layer.mlp))
         handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(on_attn(i), with_kwargs=True))
-        handles.append(layer.mlp.register_forward_hook(on_mlp(i)))
+        handles.append(attn.register_forward_hook(keep(i, "attn_update")))
+        handles.append(mlp.register_forward_hook(keep(i, "mlp_update")))
     try:
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -79,6 +81,7 @@ FAMILIES = {
     "qwen3": ARGS.replace(qk_norm="head", arch="qwen3"),
     "qwen3 with attention_bias": ARGS.replace(qk_norm="head", qkv_bias=True, o_bias=True, arch="qwen3"),
     "llama with attention_bias and mlp_bias": ARGS.replace(qkv_bias=True, o_bias=True, mlp_bias=True),
+    "olmo2": ARGS.replace(qk_norm="proj", norm_placement="post", norm_scale="float32", arch="olmo2"),
 }
 
 

@@ -24,6 +24,8 @@ IDENTITY_KEYS = {
     "qk_norm": ("QK-norm", ("cache_keys", "attn_update", "attn_heads")),
     "o_bias": ("attention output bias", ("attn_update",)),
     "mlp_bias": ("MLP biases", ("mlp_update",)),
+    "norm_placement": ("norm placement", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
+    "norm_scale": ("RMSNorm weight rounding", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
     "lm_head_bias": ("unembedding bias", "final"),
     "tie_embeddings": ("tied embeddings", "final"),
 }
