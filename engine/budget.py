@@ -22,7 +22,7 @@ def param_count(args) -> int:
     d, L, hq, hkv, dh, hid, V = (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.head_dim,
                                  args.hidden_dim, args.vocab_size)
     attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d + ((hq + 2 * hkv) * dh if args.qkv_bias else 0)
-    attn += (d if args.o_bias else 0) + (2 * dh if args.qk_norm == "head" else 0)
+    attn += (d if args.o_bias else 0) + {"head": 2 * dh, "proj": (hq + hkv) * dh}.get(args.qk_norm, 0)
     per_layer = attn + 3 * d * hid + 2 * d + ((2 * hid + d) if args.mlp_bias else 0)
     head = 0 if args.tie_embeddings else V * d
     return V * d + L * per_layer + d + head + (V if args.lm_head_bias else 0)

@@ -454,7 +454,9 @@ def test_estimated_parameters_equal_the_model_built():
     from prefill_diff.engine.model import MODEL_PRESETS, Transformer
     import torch
     for name, args in MODEL_PRESETS.items():
-        for a in (args, args.replace(tie_embeddings=True, qkv_bias=True, lm_head_bias=True)):
+        for a in (args, args.replace(tie_embeddings=True, qkv_bias=True, lm_head_bias=True),
+                  args.replace(o_bias=True, mlp_bias=True, qk_norm="head"),
+                  args.replace(qk_norm="proj", norm_placement="post")):
             with torch.device("meta"):
                 m = Transformer(a)
             built = sum(p.numel() for p in m.parameters())
