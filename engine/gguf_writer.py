@@ -3,8 +3,8 @@
 The inverse of gguf_loader: our names -> GGUF names; for the "llama" architecture the Q/K rows (and
 their biases) are permuted into llama.cpp's RoPE layout, as llama.cpp's own converter does. Models with
 Q/K/V biases alone are written as "qwen2" and models with QK-norm as "qwen3" (Hugging Face's RoPE
-layout, rows kept). The vocabulary is written as "no_vocab"
-with the vocabulary size: llama.cpp is fed token ids, never text.
+layout, rows kept). The vocabulary is written as "no_vocab" with the vocabulary size: llama.cpp is fed
+token ids, never text.
 """
 from __future__ import annotations
 

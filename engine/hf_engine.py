@@ -53,9 +53,8 @@ def check(prep) -> None:
 
 def hf_config(args):
     """A transformers config for our ModelArgs: OLMo 2 with post-norms, Qwen3 with per-head QK-norm, Qwen2 with
-    Q/K/V biases alone, else Llama
-    (its attention_bias puts biases on Q/K/V and the output projection together, mlp_bias on the MLP). A
-    combination no transformers class computes is refused."""
+    Q/K/V biases alone, else Llama (its attention_bias puts biases on Q/K/V and the output projection together,
+    mlp_bias on the MLP). A combination no transformers class computes is refused."""
     from transformers import LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config  # optional: imported when used
     rope = {"rope_theta": args.rope_theta, "rope_type": "default", **dict(args.rope_scaling)}
     common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,

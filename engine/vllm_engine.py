@@ -72,8 +72,9 @@ def check(prep) -> None:
     if snap.adapter is not None:
         no.append("a LoRA adapter")
     if snap.args.norm_placement != "pre":
-        no.append(f"a model of the {snap.args.arch} family (the worker captures decoder layers that fuse the residual add into "
-                  "their pre-norms, as vLLM's Llama and Qwen layers do; post-norm layers are not read yet)")
+        no.append(f"a model of the {snap.args.arch} family (the worker captures decoder layers that fuse the "
+                  "residual add into their pre-norms, as vLLM's Llama and Qwen layers do; post-norm layers are not "
+                  "read yet)")
     if prep.side.inputs.positions is not None and any(
             list(p) != list(range(len(t))) for p, t in zip(prep.side.inputs.positions, prep.tokens)):
         no.append("explicit position ids (vLLM numbers positions itself, from 0)")

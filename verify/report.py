@@ -189,7 +189,8 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     timing = rec.get("timing") or {}
     if timing.get("compile_s") is not None:
         notes.append(wording.compile_time(side, timing["compile_s"], timing.get("prefill_s")))
-    if ((rec.get("vllm") or {}).get("bf16_rounding")) == "truncate":
+    vllm = rec.get("vllm")
+    if isinstance(vllm, dict) and vllm.get("bf16_rounding") == "truncate":
         notes.append(wording.truncating_kernels(side))
     fault = rec.get("fault") or {}
     if fault.get("cannot_show"):
