@@ -130,6 +130,9 @@ def either(*checks, rule: str):
     return check
 
 
+ABSENTABLE = ("attn_update", "mid", "mlp_update")  # states a foreign layer may not have (meta.absent_states)
+
+
 # -- the schema ----------------------------------------------------------------------------------------------
 
 _POS = integer(1, INT64[1])
@@ -147,7 +150,12 @@ MODEL_ARGS = {
     "qk_norm": text(), "norm_placement": text(), "norm_scale": text(), "lm_head_bias": boolean(),
     "dropout": number(0, 1, hi_open=True), "max_position": integer(1, 1 << 40),
     "tokenizer_vocab_size": integer(1, 1 << 26, none=True), "attention_rule": text(), "arch": text(),
-    "hidden_act": text(),
+    "hidden_act": text(), "sliding_window": integer(1, 1 << 40, none=True),
+    "layer_types": array(text(choices=("full", "sliding")), limit=10_000),
+    "attention_multiplier": number(0, lo_open=True, none=True), "embedding_multiplier": number(0, lo_open=True),
+    "residual_multiplier": number(0, lo_open=True), "logits_scaling": number(0, lo_open=True),
+    "embed_scale": text(), "attn_softcap": number(0, lo_open=True, none=True),
+    "final_softcap": number(0, lo_open=True, none=True), "rope_local_theta": number(0, lo_open=True, none=True),
 }
 
 ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer(), "scale": number()}, closed=True,
@@ -169,6 +177,9 @@ META = obj({
         "source": text(), "spec": MODEL_SPEC, "args": obj(MODEL_ARGS), "weights_digest": text(none=True),
         "adapter": obj({"id": text(), "digest": text(), "rank": integer(1, 1 << 16)}, none=True, required=("id",)),
         "rope_inv_freq": array(number(), none=True, limit=1 << 13),
+        "rope_local_inv_freq": array(number(), none=True, limit=1 << 13),
+        "rope_long": obj({"inv_freq": array(number(), limit=1 << 13), "switch": integer(1, 1 << 40),
+                          "attention_factor": number(0, lo_open=True)}, closed=True, none=True),
     }, none=True),
     "side": obj({"origin": text(none=True), "model": obj(none=True), "inputs": obj(none=True),
                  "run": obj({"reuse": obj(none=True), "fault": obj(none=True)}, none=True)}, none=True),
@@ -183,6 +194,7 @@ META = obj({
     "provenance": obj({"version": text(limit=200), "argv": text(), "time": text(limit=64)}, none=True),
     "run": obj(none=True),
     "tolerance": TOLERANCE,
+    "absent_states": obj(values=text(), none=True),
     "record": obj({
         "fault": obj({"name": text(), "cannot_show": text(none=True)}, none=True),
         "reuse": array(REUSE_OUTCOME, none=True),
@@ -203,10 +215,17 @@ def check_meta(meta) -> None:
                         args["n_heads"])
     if _is_int(args.get("head_dim")) and args["head_dim"] % 2:
         raise MetaError("meta.model.args.head_dim", "must be even (RoPE rotates pairs)", args["head_dim"])
+    absent = sorted(set(meta.get("absent_states") or {}) - set(ABSENTABLE))
+    if absent:
+        raise MetaError("meta.absent_states", f"may name only {', '.join(ABSENTABLE)} (got {absent[:4]})",
+                        show_value=False)
     inv = model.get("rope_inv_freq")
-    if inv is not None and _is_int(args.get("head_dim")) and len(inv) != args["head_dim"] // 2:
-        raise MetaError("meta.model.rope_inv_freq", f"must hold head_dim/2 = {args['head_dim'] // 2} frequencies "
-                        f"(it holds {len(inv)})", show_value=False)
+    long = model.get("rope_long") or {}
+    for where, freqs in (("rope_inv_freq", inv), ("rope_local_inv_freq", model.get("rope_local_inv_freq")),
+                         ("rope_long.inv_freq", long.get("inv_freq"))):
+        if freqs is not None and _is_int(args.get("head_dim")) and len(freqs) != args["head_dim"] // 2:
+            raise MetaError(f"meta.model.{where}", f"must hold head_dim/2 = {args['head_dim'] // 2} frequencies "
+                            f"(it holds {len(freqs)})", show_value=False)
     if (meta.get("layout") or {}).get("key_rotation") == "pre":
         if inv is None:
             raise MetaError("meta.model.rope_inv_freq", "is required when meta.layout.key_rotation is 'pre' "

@@ -529,17 +529,18 @@ class Trace:
         anything is allocated."""
         g, where = self.f[layer_group(i)], self.name
         dims = self._model_dims()
+        present = [n for n in REQUIRED_STATES if n not in (self.meta.get("absent_states") or {})]  # metacheck'd
         for name, want in self._state_widths(STATES).items():
             ds = g.get(sc.STATE.rel(name))
             if isinstance(ds, h5py.Dataset) and ds.ndim == 3 and self.n_cols * ds.shape[2] * ds.dtype.itemsize > \
                     ROW_LIMIT:
                 raise TraceError(f"{where}: layer {i} {name} declares rows of {self.n_cols * ds.shape[2]} values, "
                                  "larger than a reader allocates")
-            required = self.level == "full" and name in REQUIRED_STATES
+            required = self.level == "full" and name in present
             self._element(g, sc.STATE, {**dims, **({"W": want} if want else {})}, name, i, required, ds=ds)
-        for name in sc.STAT_TENSORS:  # the five states' MUST exist (contract: docs/trace-format.md), others MAY
-            self._element(g, sc.STATS, dims, name, i, required=name in REQUIRED_STATES)
-            self._element(g, sc.CHECKSUM, dims, name, i, required=name in REQUIRED_STATES)
+        for name in sc.STAT_TENSORS:  # the five states MUST exist (contract: docs/trace-format.md) unless the meta
+            self._element(g, sc.STATS, dims, name, i, required=name in present)  # says the model has none
+            self._element(g, sc.CHECKSUM, dims, name, i, required=name in present)
         pos = self._element(g, sc.CACHE_POSITIONS, dims, layer=i)
         self._element(g, sc.CACHE_LENGTHS, dims, layer=i)
         if isinstance(g.get("sampled"), h5py.Group):

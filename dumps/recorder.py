@@ -34,7 +34,9 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
       model.rope_inv_freq   head_dim/2 inverse frequencies: the reader rotates pre-RoPE keys with them
     optional (compared or shown when present)
       model.args.hidden_dim, .norm_eps, .rope_theta, .rope_scaling (table), .hidden_act, .qkv_bias,
-          .o_bias, .mlp_bias, .qk_norm, .norm_placement, .norm_scale, .lm_head_bias, .tie_embeddings, .arch
+          .o_bias, .mlp_bias, .qk_norm, .norm_placement, .norm_scale, .sliding_window, .layer_types,
+          .attention_multiplier, .embedding_multiplier, .residual_multiplier, .logits_scaling, .lm_head_bias,
+          .tie_embeddings, .arch
           the model's identity: a difference is an identity break
       model.source, model.spec, model.weights_digest ("sha256:..."), model.adapter ({id, digest, rank})
       engine.name, .kernel, .batching, .chunk_size
@@ -1193,9 +1195,10 @@ class Recorder:
             raise RecorderError(f"final() was never called for sample(s) {missing[:8]}"
                                 f"{' …' if len(missing) > 8 else ''}: every sample needs its final output "
                                 "(the trace was not written)")
+        absent = self.meta.get("absent_states") or {}
         for layer in range(self.args["n_layers"]):
             for name in REQUIRED_STATES + ("cache",):
-                if (layer, name) not in self._seen:
+                if (layer, name) not in self._seen and name not in absent:
                     what = "cache()" if name == "cache" else f"state {name!r}"
                     raise RecorderError(f"layer {layer} has no {what}: every layer needs {', '.join(REQUIRED_STATES)}"
                                         " and its cache (the trace was not written)")

@@ -23,7 +23,8 @@ def param_count(args) -> int:
                                  args.hidden_dim, args.vocab_size)
     attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d + ((hq + 2 * hkv) * dh if args.qkv_bias else 0)
     attn += (d if args.o_bias else 0) + {"head": 2 * dh, "proj": (hq + hkv) * dh}.get(args.qk_norm, 0)
-    per_layer = attn + 3 * d * hid + 2 * d + ((2 * hid + d) if args.mlp_bias else 0)
+    norms = 4 if args.norm_placement == "sandwich" else 2  # Gemma's sandwich: a norm before and after each
+    per_layer = attn + 3 * d * hid + norms * d + ((2 * hid + d) if args.mlp_bias else 0)
     head = 0 if args.tie_embeddings else V * d
     return V * d + L * per_layer + d + head + (V if args.lm_head_bias else 0)
 

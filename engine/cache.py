@@ -271,7 +271,7 @@ class KVCache:
         k, v, pos = got
         self.reads.append((layer, seq, pos.clone()))
         if self.layout.key_rotation == "pre":
-            k = self.rotate(k, pos)
+            k = self.rotate(k, pos, layer)
         return Stored(k, v, pos)
 
     def read_rows(self, layer: int, row_seqs: list[list[int]], like: torch.Tensor):

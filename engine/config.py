@@ -58,7 +58,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 BATCHING = ("unbatched", "left", "right", "packed")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
-          "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write")
+          "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write",
+          "window-off-by-one")
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                 "fault": {"name": "adapter-mismatch"}}),
     "fault:masked-row-softmax": ("§2.11 row 7: a fully masked padding row enters softmax (left padding)",
                                  {"run": {"batching": "left"}, "fault": {"name": "masked-row-softmax"}}),
+    "fault:window-off-by-one": ("sliding-window layers see W+1 tokens, one more than their window (a model with "
+                                "sliding-window layers and a prompt longer than W)",
+                                {"fault": {"name": "window-off-by-one"}}),
     "fault:tp-missing-allreduce": ("tensor parallel, 2 ranks: layer 0's attention output projection is not "
                                    "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
     "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",

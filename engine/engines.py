@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .config import describe
-from .model import rope_inv_freq
+from .model import longrope_switch, rope_attention_factor, rope_inv_freq
 from .recording import TraceRecorder
 from .runner import Prepared
 
@@ -37,10 +37,16 @@ def trace_meta(prep: Prepared) -> dict:
     run = side.run
     layout = run.cache.layout.resolved(run.numerical.dtype).as_dict()
     return {
-        "model": {"source": snap.source, "spec": side.model.describe(), "args": snap.args.as_dict(),
+        "model": {"source": snap.source, "spec": side.model.describe(), "args": snap.described_args(),
                   "weights_digest": snap.weights_digest,
                   "adapter": None if snap.adapter is None else snap.adapter.identity(),
-                  "rope_inv_freq": rope_inv_freq(snap.args).tolist()},
+                  "rope_inv_freq": None if snap.foreign is not None else rope_inv_freq(snap.args).tolist(),
+                  **({} if snap.args.rope_local_theta is None else
+                     {"rope_local_inv_freq": rope_inv_freq(snap.args, local=True).tolist()}),
+                  **({} if longrope_switch(snap.args) is None else
+                     {"rope_long": {"inv_freq": rope_inv_freq(snap.args, long=True).tolist(),
+                                    "switch": longrope_switch(snap.args),
+                                    "attention_factor": rope_attention_factor(snap.args)}})},
         "side": describe(side),
         "engine": {"name": run.engine, "kernel": run.numerical.kernel, "dtype": run.numerical.dtype,
                    "batching": run.batching, "chunk_size": run.cache.chunk_size},

@@ -39,6 +39,11 @@ class ModelLoadError(PrefillDiffError):
     """A model source cannot be loaded (missing file, unsupported architecture)."""
 
 
+class UnsupportedModel(ModelLoadError):
+    """A well-formed checkpoint of an architecture or setting our engine does not implement (transformers may
+    still run it)."""
+
+
 INTERRUPT = {"seen": False}  # set by the CLI's SIGINT handler (see dumps.recorder._check_interrupt)
 
 

@@ -40,9 +40,18 @@ def check_convertible(snapshot) -> None:
         why.append(f"RoPE scaling {dict(a.rope_scaling)}")
     if a.lm_head_bias:
         why.append("an output-layer bias")
-    if a.norm_placement != "pre" or a.qk_norm == "proj" or a.norm_scale != "activation":
-        why.append(f"post-norms and whole-projection QK-norm ({a.arch}: the GGUF writer emits llama, qwen2 and "
-                   "qwen3 only)")
+    if a.norm_placement != "pre" or a.qk_norm == "proj" or a.norm_scale == "float32":
+        why.append(f"norm_placement={a.norm_placement}, qk_norm={a.qk_norm}, norm_scale={a.norm_scale} ({a.arch}: the "
+                   "GGUF writer emits llama, qwen2 and qwen3 only)")
+    if a.sliding_window is not None:
+        why.append(f"a sliding window (W={a.sliding_window}; llama.cpp's llama, qwen2 and qwen3 graphs attend to every "
+                   "earlier token)")
+    if a.norm_scale == "offset" or a.embed_scale != "none" or a.hidden_act != "silu" or a.attn_softcap is not None \
+            or a.final_softcap is not None or a.rope_local_theta is not None:
+        why.append("Gemma's (1 + w) norms, GeGLU, embedding scale, soft-caps or local RoPE base")
+    if a.attention_multiplier is not None or (a.embedding_multiplier, a.residual_multiplier,
+                                              a.logits_scaling) != (1.0, 1.0, 1.0):
+        why.append("Granite's multipliers (the GGUF writer emits llama, qwen2 and qwen3 only)")
     if a.qk_norm == "head" and (a.o_bias or a.qkv_bias or a.mlp_bias):
         why.append("QK-norm with biases (llama.cpp's qwen3 graph has none)")
     if a.dropout:

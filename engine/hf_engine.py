@@ -4,14 +4,18 @@ The model runs unchanged; forward hooks hand its states to the same recorder our
 engine uses, and its returned cache gives the keys (after RoPE) and values:
 
     decoder layer  -> layer_input (its input), layer_output (its output)
-    self_attn      -> attn_update (o_proj output);  o_proj input -> attn_heads
-    mlp            -> mlp_update;  mid = layer_input + attn_update, as the layer adds them
-    (post-norm families: post_attention_layernorm and post_feedforward_layernorm's outputs are the updates)
-    cache.layers[l].keys / .values -> the cache, at each sample's valid positions
+    self_attn      -> attn_update: its output, followed through any module applied directly to it (the
+                      post-norms of OLMo 2, Gemma, GLM-4), times Granite's residual_multiplier;
+                      o_proj input -> attn_heads
+    mlp            -> mlp_update, the same way;  mid = layer_input + attn_update, as the layer adds them
+                      (absent, and said so in the trace, where the MLP reads the layer's input: a parallel block)
+    cache.layers[l].keys / .values -> the cache, at each sample's valid positions (a sliding-window layer
+                                       keeps only the rectangle's last W - 1 columns: those of them)
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -53,16 +57,23 @@ def check(prep) -> None:
 
 def hf_config(args):
     """A transformers config for our ModelArgs: OLMo 2 with post-norms, Qwen3 with per-head QK-norm, Qwen2 with
-    Q/K/V biases alone, else Llama (its attention_bias puts biases on Q/K/V and the output projection together,
-    mlp_bias on the MLP). A combination no transformers class computes is refused."""
-    from transformers import LlamaConfig, Olmo2Config, Qwen2Config, Qwen3Config  # optional: imported when used
+    Q/K/V biases alone, Granite with its multipliers, Mistral with a window on every layer, else Llama (its
+    attention_bias puts biases on Q/K/V and the output projection together, mlp_bias on the MLP). A combination
+    no transformers class computes is refused."""
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,  # optional: imported when
+                              Phi3Config, Qwen2Config, Qwen3Config)                     # used
     rope = {"rope_theta": args.rope_theta, "rope_type": "default", **dict(args.rope_scaling)}
     common = dict(vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.hidden_dim,
                   num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
                   num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim, rms_norm_eps=args.norm_eps,
                   rope_parameters=rope, tie_word_embeddings=args.tie_embeddings,
                   max_position_embeddings=args.max_position)
+    if args.norm_placement == "sandwich":
+        return _gemma_config(args, common)
     qwen2 = args.qkv_bias and not args.o_bias
+    granite = (args.attention_multiplier is not None or
+               (args.embedding_multiplier, args.residual_multiplier, args.logits_scaling) != (1.0, 1.0, 1.0))
+    window = args.sliding_window is not None
     why = []
     if args.o_bias and not args.qkv_bias:
         why.append("an output-projection bias without Q/K/V biases")
@@ -74,17 +85,83 @@ def hf_config(args):
     if not olmo2 and (args.norm_placement != "pre" or args.qk_norm == "proj" or args.norm_scale != "activation"):
         why.append(f"norm_placement={args.norm_placement} with qk_norm={args.qk_norm} and "
                    f"norm_scale={args.norm_scale} (OLMo 2 has post, proj and float32 together)")
+    gemma = (args.norm_scale == "offset" or args.embed_scale != "none" or args.hidden_act != "silu"
+             or args.attn_softcap is not None or args.final_softcap is not None or args.rope_local_theta is not None)
+    if gemma:
+        why.append("Gemma's (1 + w) norms, GeGLU, embedding scale, soft-caps or local RoPE base without its "
+                   "sandwich norms")
     if olmo2 and (args.mlp_bias or args.qkv_bias != args.o_bias):
         why.append("OLMo 2 with MLP biases, or with Q/K/V biases apart from the output projection's")
+    if granite and (qwen2 or args.qk_norm != "none" or olmo2 or window):
+        why.append("Granite's multipliers with Q/K/V biases alone, QK-norm, post-norms or a sliding window")
+    if window and (olmo2 or (not qwen2 and args.qk_norm == "none" and (args.qkv_bias or args.mlp_bias))):
+        why.append("a sliding window with OLMo 2's norms or with Llama's biases")
+    if window and args.layer_types and not (qwen2 or args.qk_norm == "head"):
+        why.append("sliding and full layers mixed without Qwen2's biases or Qwen3's QK-norm (Mistral's window "
+                   "is on every layer)")
     if why:
         raise ConfigError(f"no transformers model class computes {'; '.join(why)} (model {args.arch})")
+    if window:
+        kinds = [("sliding_attention" if args.window(i) else "full_attention") for i in range(args.n_layers)]
+        common.update(sliding_window=args.sliding_window)
+        if qwen2 or args.qk_norm == "head":
+            common.update(use_sliding_window=True, layer_types=kinds)
     if olmo2:
         return Olmo2Config(attention_bias=args.o_bias, **common)
     if args.qk_norm == "head":
         return Qwen3Config(attention_bias=args.o_bias, **common)
     if qwen2:
         return Qwen2Config(**common)
+    if args.arch == "phi3":
+        if args.qkv_bias or args.mlp_bias or args.qk_norm != "none" or granite or args.layer_types:
+            raise ConfigError("no transformers Phi-3 class computes biases, QK-norm, Granite's multipliers or "
+                              "per-layer windows")
+        scaling = dict(args.rope_scaling)
+        return Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=args.sliding_window,
+                          original_max_position_embeddings=scaling.get("original_max_position_embeddings",
+                                                                       args.max_position),
+                          **{**common, "rope_parameters": {k: list(v) if isinstance(v, tuple) else v
+                                                           for k, v in rope.items()}})
+    if granite:
+        return GraniteConfig(attention_bias=args.o_bias, mlp_bias=args.mlp_bias,
+                             attention_multiplier=args.head_dim ** -0.5 if args.attention_multiplier is None
+                             else args.attention_multiplier, embedding_multiplier=args.embedding_multiplier,
+                             residual_multiplier=args.residual_multiplier, logits_scaling=args.logits_scaling,
+                             **common)
+    if window:
+        return MistralConfig(**common)
     return LlamaConfig(attention_bias=args.o_bias, mlp_bias=args.mlp_bias, **common)
+
+
+def _gemma_config(args, common: dict):
+    """Gemma 2 (no QK-norm) or Gemma 3 (per-head QK-norm, its local layers' own RoPE base)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+    want = dict(norm_scale="offset", embed_scale="sqrt_dim", hidden_act="gelu_pytorch_tanh", mlp_bias=False)
+    why = [f"{k}={getattr(args, k)!r}" for k, v in want.items() if getattr(args, k) != v]
+    if args.qk_norm not in ("none", "head") or args.qkv_bias != args.o_bias:
+        why.append(f"qk_norm={args.qk_norm!r}, qkv_bias={args.qkv_bias}, o_bias={args.o_bias}")
+    if args.qk_norm == "none" and args.rope_local_theta is not None:
+        why.append("a local RoPE base without Gemma 3's QK-norm")
+    if args.residual_multiplier != 1.0 or args.embedding_multiplier != 1.0 or args.logits_scaling != 1.0:
+        why.append("Granite's multipliers")
+    scalar = round((args.attn_scale or args.head_dim ** -0.5) ** -2)
+    if scalar ** -0.5 != (args.attn_scale or args.head_dim ** -0.5):
+        why.append(f"an attention scale ({args.attn_scale}) that is not an integer's inverse square root "
+                   "(query_pre_attn_scalar)")
+    if why:
+        raise ConfigError(f"no transformers Gemma class computes sandwich norms with {'; '.join(why)} "
+                          f"(model {args.arch})")
+    kinds = [("sliding_attention" if args.window(i) else "full_attention") for i in range(args.n_layers)]
+    common = {**common, "sliding_window": args.sliding_window or args.max_position, "layer_types": kinds,
+              "query_pre_attn_scalar": scalar,
+              "attn_logit_softcapping": args.attn_softcap, "final_logit_softcapping": args.final_softcap,
+              "attention_bias": args.o_bias, "hidden_activation": args.hidden_act, "pad_token_id": 0,
+              "bos_token_id": 1, "eos_token_id": 2}
+    if args.qk_norm == "none":
+        return Gemma2Config(**common)
+    local = {"rope_type": "default", "rope_theta": args.rope_local_theta or args.rope_theta}
+    return Gemma3TextConfig(**{**common, "rope_parameters": {"full_attention": common["rope_parameters"],
+                                                             "sliding_attention": local}})
 
 
 def build_model(snapshot, dtype: str, attn: str):
@@ -131,9 +208,14 @@ def build_model(snapshot, dtype: str, attn: str):
 
 def _from_our_weights(auto, snapshot, tdt, attn):
     """A synthetic model: transformers' module built from its config, loaded with our weights."""
-    model = auto.from_config(hf_config(snapshot.args), dtype=tdt, attn_implementation=attn)
+    try:
+        model = auto.from_config(hf_config(snapshot.args), dtype=tdt, attn_implementation=attn)
+    except ValueError as e:  # transformers refuses an attention implementation the family does not support
+        raise ConfigError(f"transformers cannot build {snapshot.args.arch} with attn_implementation={attn!r} "
+                          f"({str(e).splitlines()[0][:160]})") from None
     missing, unexpected = model.load_state_dict(
-        {k: v.to(tdt) for k, v in hf_state_dict(snapshot.state).items()}, strict=False)
+        {k: v.to(tdt) for k, v in hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3").items()},
+        strict=False)
     missing = [m for m in missing if "rotary" not in m and not (snapshot.args.tie_embeddings and "lm_head" in m)]
     if missing or unexpected:
         raise ModelLoadError(f"weights do not fit transformers' model (missing {missing[:3]}, "
@@ -153,22 +235,78 @@ def _check_sharded(model, args, world: int) -> None:
                              f"rows per rank, expected {want})")
 
 
-def _hooks(model, rec, states):
+_ATTN = ("self_attn", "attention", "self_attention", "attn")  # a decoder layer's attention, by its usual names
+_MLP = ("mlp", "feed_forward", "block_sparse_moe", "ffn")
+_OUT = ("o_proj", "out_proj", "dense", "wo")  # the attention's output projection (its input: attn_heads)
+
+
+class _Call(NamedTuple):
+    name: str
+    input: torch.Tensor | None
+    output: torch.Tensor
+
+
+def decoder(model):
+    """(decoder layers, final norm) of a transformers causal LM, under the names its classes use."""
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    layers = getattr(inner, "layers", None) or getattr(inner, "h", None)
+    norm = next((getattr(inner, n) for n in ("norm", "final_layernorm", "ln_f") if getattr(inner, n, None) is not None),
+                None)
+    if layers is None or norm is None:
+        raise ModelLoadError(f"transformers' {type(model).__name__} has no decoder layers and final norm under the "
+                             "names the engine reads (model.layers and model.norm, or their usual aliases)")
+    return layers, norm
+
+
+def _first(x):
+    return x[0] if isinstance(x, tuple) else x
+
+
+def _updates(x, calls: list[_Call], scale: float):
+    """What the attention and the MLP add to the residual, followed by data flow: each sub-layer's output
+    through any module applied directly to it (OLMo 2's and Gemma's post-norms, GLM-4's), times Granite's
+    residual_multiplier; and whether the block is parallel (the MLP reads the layer's input, not U)."""
+    def find(names):
+        return next((i for i, c in enumerate(calls) if c.name in names), None)
+
+    def follow(i):
+        v = calls[i].output
+        for c in calls[i + 1:]:
+            if c.input is v:
+                v = c.output
+        return v if scale == 1.0 else v * scale
+
+    ai, mi = find(_ATTN), find(_MLP)
+    if ai is None or mi is None:
+        raise ModelLoadError("a decoder layer without an attention or an MLP child under the usual names "
+                             f"(children called: {[c.name for c in calls]})")
+    from_x = {id(x)} | {id(c.output) for c in calls if c.input is x}
+    return follow(ai), follow(mi), id(calls[mi].input) in from_x
+
+
+def _hooks(model, rec, states, absent: dict):
+    layers, final_norm = decoder(model)
+    scale = getattr(model.config, "residual_multiplier", 1.0)  # Granite scales each update as it adds it
+
     def on_layer(i):
         def hook(mod, args, kwargs, out):
             x = args[0] if args else kwargs["hidden_states"]
-            y = out[0] if isinstance(out, tuple) else out
+            a, m, parallel = _updates(x, states.pop(("calls", i)), scale)
             rec.state(i, "layer_input", x, 0)
-            a = states.pop(("attn", i))
             rec.state(i, "attn_update", a, 0)
-            rec.state(i, "mid", x + a, 0)
-            rec.state(i, "mlp_update", states.pop(("mlp", i)), 0)
-            rec.state(i, "layer_output", y, 0)
+            if parallel:  # attention and MLP both read the layer's input: U is not a state of this block
+                absent["mid"] = (f"{type(mod).__name__} adds attention and MLP to its input in parallel: there is "
+                                 "no residual state between them")
+            else:
+                rec.state(i, "mid", x + a, 0)
+            rec.state(i, "mlp_update", m, 0)
+            rec.state(i, "layer_output", _first(out), 0)
         return hook
 
-    def keep(key):
-        def hook(mod, args, out):
-            states[key] = out[0] if isinstance(out, tuple) else out
+    def called(i, name):
+        def hook(mod, args, kwargs, out):
+            inp = args[0] if args else kwargs.get("hidden_states")
+            states.setdefault(("calls", i), []).append(_Call(name, inp, _first(out)))
         return hook
 
     def heads(i):
@@ -176,30 +314,32 @@ def _hooks(model, rec, states):
             rec.state(i, "attn_heads", args[0], 0)
         return hook
 
+    def keep_norm(mod, args, out):
+        states["norm"] = _first(out)
+
     handles = []
-    for i, layer in enumerate(model.model.layers):
-        # what each sub-layer adds to the residual: its output, or where the family normalises that output
-        # (OLMo 2, Gemma: post_attention_layernorm and post_feedforward_layernorm) the norm's output
-        post = hasattr(layer, "post_feedforward_layernorm")
-        attn, mlp = ((layer.post_attention_layernorm, layer.post_feedforward_layernorm) if post else
-                     (layer.self_attn, layer.mlp))
+    for i, layer in enumerate(layers):
         handles.append(layer.register_forward_hook(on_layer(i), with_kwargs=True))
-        handles.append(attn.register_forward_hook(keep(("attn", i))))
-        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(heads(i)))
-        handles.append(mlp.register_forward_hook(keep(("mlp", i))))
-    handles.append(model.model.norm.register_forward_hook(keep("norm")))
+        for name, child in layer.named_children():
+            handles.append(child.register_forward_hook(called(i, name), with_kwargs=True))
+        attn = next((getattr(layer, n) for n in _ATTN if hasattr(layer, n)), None)
+        out_proj = next((getattr(attn, n) for n in _OUT if isinstance(getattr(attn, n, None), torch.nn.Linear)), None)
+        if out_proj is not None:  # no output projection under a usual name: attn_heads is not recorded
+            handles.append(out_proj.register_forward_pre_hook(heads(i)))
+    handles.append(final_norm.register_forward_hook(keep_norm))
     return handles
 
 
-def forward_call(model, call, recorder) -> None:
-    """One transformers forward over a padded rectangle, recorded through ``recorder`` (forward coordinates)."""
+def forward_call(model, call, recorder) -> dict:
+    """One transformers forward over a padded rectangle, recorded through ``recorder`` (forward coordinates);
+    returns {state: why} for the states its layers do not have."""
     ids, mask, pos = call.ids, call.mask, call.positions
     valid = mask.bool()
     tok = torch.where(valid, mask.cumsum(-1) - 1, torch.full_like(ids, -1))
     seq = torch.where(valid, torch.arange(ids.shape[0])[:, None].expand_as(ids), torch.full_like(ids, -1))
     recorder.inputs(ids, valid, pos, tok, seq)
-    states = {}
-    handles = _hooks(model, recorder, states)
+    states, absent = {}, {}
+    handles = _hooks(model, recorder, states, absent)
     try:
         with torch.no_grad():
             out = model(input_ids=torch.where(valid, ids, 0), attention_mask=mask, position_ids=pos, use_cache=True)
@@ -207,13 +347,16 @@ def forward_call(model, call, recorder) -> None:
         for h in handles:
             h.remove()
     for layer, lc in enumerate(out.cache.layers):
+        first = ids.shape[1] - lc.keys.shape[2]  # a sliding-window layer keeps only the last W - 1 columns
         for b in range(ids.shape[0]):
             cols = valid[b].nonzero().flatten()
-            recorder.cache(layer, b, lc.keys[b][:, cols], lc.values[b][:, cols], pos[b, cols])
+            cols = cols[cols >= first]
+            recorder.cache(layer, b, lc.keys[b][:, cols - first], lc.values[b][:, cols - first], pos[b, cols])
     norm = states["norm"]
     for b in range(ids.shape[0]):
         c = int(valid[b].nonzero().flatten()[-1])
         recorder.final(b, norm[b, c], out.logits[b, c], (b, c), int(tok[b, c]))
+    return absent
 
 
 def plan(prep, positions, pad: int, tp) -> None:
@@ -227,8 +370,11 @@ def execute(prep, recorder):
     run = prep.side.run
     check(prep)
     model = build_model(prep.snapshot, run.numerical.dtype, run.options.attn_implementation)
+    absent = {}
     for call in prep.calls:
-        forward_call(model, call, Placement(recorder, call.runs, call.samples))
+        absent.update(forward_call(model, call, Placement(recorder, call.runs, call.samples)))
+    if absent:  # the trace says which states this model's layers do not have, and why
+        recorder.update_meta(absent_states=absent)
     for layer in range(prep.snapshot.args.n_layers):
         yield layer
     return prep.record

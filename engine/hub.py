@@ -5,17 +5,25 @@ safetensors (never pickle) or the gguf package, and mapped to our module names.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 
-from .errors import ConfigError, ModelLoadError
+import torch
+
+from .errors import ConfigError, ModelLoadError, UnsupportedModel
 from .model import ModelArgs
 from .skeleton import state_shapes
 from .snapshot import Snapshot
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                   "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2"}
+                   "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
+                   "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+_WINDOW_ARCHS = ("mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3")  # whose transformers code reads sliding_window
+_GEMMA = ("gemma2", "gemma3")
+_MODEL_TYPES = {"gemma3": ("gemma3_text",)}  # model_type values naming the class, where not the arch
 
 # our name <- Hugging Face name (per layer with {i})
 _LAYER_MAP = {
@@ -29,45 +37,79 @@ _LAYER_MAP = {
     "feed_forward.w3.bias": "mlp.up_proj.bias", "feed_forward.w2.bias": "mlp.down_proj.bias",
 }
 # the norms' names depend on where the family puts them: Llama's "post_attention_layernorm" is the norm before
-# the MLP, OLMo 2's the norm on the attention's output
-_PRE_NORMS = {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"}
-_POST_NORMS = {"attention_post_norm.weight": "post_attention_layernorm.weight",
-               "ffn_post_norm.weight": "post_feedforward_layernorm.weight"}
+# the MLP, OLMo 2's and Gemma's the norm on the attention's output
+_NORMS = {
+    "pre": {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"},
+    "post": {"attention_post_norm.weight": "post_attention_layernorm.weight",
+             "ffn_post_norm.weight": "post_feedforward_layernorm.weight"},
+    "sandwich": {"attention_norm.weight": "input_layernorm.weight",
+                 "attention_post_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                 "ffn_post_norm.weight": "post_feedforward_layernorm.weight"},
+}
 _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
             "output.weight": "lm_head.weight", "output.bias": "lm_head.bias"}
 
 
-def _layer_map(post: bool) -> dict:
-    return {**_LAYER_MAP, **(_POST_NORMS if post else _PRE_NORMS)}
+def _layer_map(placement: str) -> dict:
+    return {**_LAYER_MAP, **_NORMS[placement]}
 
 
-def ours_to_hf(name: str, post: bool = False) -> str:
-    """Our tensor name under Hugging Face's (``post``: the family places its norms after the sub-layers)."""
+def ours_to_hf(name: str, placement: str = "pre") -> str:
+    """Our tensor name under Hugging Face's (``placement``: where the family puts its norms, ModelArgs.norm_placement)."""
     if name in _TOP_MAP:
         return _TOP_MAP[name]
     m = re.match(r"layers\.(\d+)\.(.+)", name)
-    names = _layer_map(post)
+    names = _layer_map(placement)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     raise KeyError(name)
 
 
-def hf_to_ours(name: str, post: bool = False) -> str | None:
+def hf_to_ours(name: str, placement: str = "pre") -> str | None:
     for ours, hf in _TOP_MAP.items():
         if name == hf:
             return ours
     m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
-        for ours, hf in _layer_map(post).items():
+        for ours, hf in _layer_map(placement).items():
             if m.group(2) == hf:
                 return f"layers.{m.group(1)}.{ours}"
     return None
 
 
-def hf_state_dict(state: dict) -> dict:
-    """Our snapshot state under Hugging Face names (for loading into transformers)."""
+def hf_state_dict(state: dict, fused: bool = False) -> dict:
+    """Our snapshot state under Hugging Face names (for loading into transformers); ``fused``: Q/K/V and
+    gate/up as Phi-3's qkv_proj and gate_up_proj."""
     post = any(k.endswith("attention_post_norm.weight") for k in state)
-    return {ours_to_hf(k, post): v for k, v in state.items()}
+    pre = any(k.endswith("attention_norm.weight") for k in state)
+    placement = "sandwich" if pre and post else "post" if post else "pre"
+    out = {ours_to_hf(k, placement): v for k, v in state.items()}
+    if fused:
+        for name in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
+            stem = name[:-len("q_proj.weight")]
+            out[stem + "qkv_proj.weight"] = torch.cat([out.pop(stem + p + "_proj.weight") for p in "qkv"])
+        for name in [k for k in out if k.endswith("mlp.gate_proj.weight")]:
+            stem = name[:-len("gate_proj.weight")]
+            out[stem + "gate_up_proj.weight"] = torch.cat([out.pop(stem + "gate_proj.weight"),
+                                                          out.pop(stem + "up_proj.weight")])
+    return out
+
+
+def unfused(name: str, t, args: ModelArgs, where: str) -> list:
+    """[(name, tensor)]: Phi-3's fused qkv_proj (rows Q, K, V) and gate_up_proj (rows gate, up) split into the
+    separate projections; any other tensor as it is."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    for fused, parts, sizes in (("self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj"), (q, kv, kv)),
+                                ("mlp.gate_up_proj.weight", ("gate_proj", "up_proj"),
+                                 (args.hidden_dim, args.hidden_dim))):
+        if name.endswith(fused):
+            if t.ndim != 2 or t.shape[0] != sum(sizes):
+                raise ModelLoadError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
+                                     f"({sum(sizes)}, {args.dim})")
+            stem = name[:-len(fused)] + fused.split(".")[0] + "."
+            return [(f"{stem}{p}.weight", x) for p, x in zip(parts, t.split(list(sizes)))]
+    return [(name, t)]
 
 
 def _one_of(*values):
@@ -96,20 +138,61 @@ def _head_dim(v, cfg, arch):
 
 
 def _sliding_window(v, cfg, arch):
-    if v is None:
-        return None
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
-        return None  # Qwen2 and Qwen3 apply the window only with use_sliding_window
-    return "null (sliding-window attention is not implemented)"
+    if v is None or arch not in _WINDOW_ARCHS:
+        return None if v is None else f"null for {arch} (its transformers code has no sliding window)"
+    return _positive_int(v, cfg, arch)
 
 
 def _layer_types(v, cfg, arch):
-    return None if v is None or (isinstance(v, list) and all(t == "full_attention" for t in v)) else \
-        "every layer 'full_attention' (sliding-window layers are not implemented)"
+    n = cfg.get("num_hidden_layers")
+    if v is None:
+        return None
+    if arch in ("mistral", "phi3"):
+        return f"null for {arch} (its transformers code applies sliding_window to every layer)"
+    if arch not in _WINDOW_ARCHS:
+        return None if isinstance(v, list) and all(t == "full_attention" for t in v) else \
+            f"every layer 'full_attention' for {arch} (its transformers code has no sliding window)"
+    if not (isinstance(v, list) and len(v) == n and all(t in ("full_attention", "sliding_attention") for t in v)):
+        return f"a list of {n} entries, each 'full_attention' or 'sliding_attention'"
+    return None
+
+
+def _multiplier(v, cfg, arch):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return None if ok else "a positive finite number"
 
 
 def _model_type(v, cfg, arch):
-    return None if v is None or v == arch else f"{arch!r} (the model class named in architectures)"
+    names = _MODEL_TYPES.get(arch, (arch,))
+    return None if v is None or v in names else f"{' or '.join(map(repr, names))} (the class named in architectures)"
+
+
+def _gemma_rope(v, cfg, arch):
+    """Gemma 3's rope_parameters: a table per layer type, each a default or linear RoPE."""
+    if not isinstance(v, dict) or not v or not set(v) <= {"full_attention", "sliding_attention"}:
+        return "a table with full_attention and sliding_attention entries (Gemma 3)"
+    for kind, table in v.items():
+        bad = _rope_dict(table, cfg, arch)
+        if bad is not None:
+            return f"{kind}: {bad}"
+        if kind == "sliding_attention" and table.get("rope_type", "default") != "default":
+            return "sliding_attention: rope_type default (scaled local RoPE is not implemented)"
+    return None
+
+
+def _rope_params(v, cfg, arch):
+    return _gemma_rope(v, cfg, arch) if arch == "gemma3" and isinstance(v, dict) and (
+        "full_attention" in v or "sliding_attention" in v) else _rope_dict(v, cfg, arch)
+
+
+def _softcap(v, cfg, arch):
+    return None if v is None else _multiplier(v, cfg, arch)
+
+
+_ROPE_KEYS = {"default": set(), "linear": {"factor"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+              "longrope": {"short_factor", "long_factor"}}
+_ROPE_OPTIONAL = {"longrope": {"factor", "attention_factor", "original_max_position_embeddings"}}
 
 
 def _rope_dict(v, cfg, arch):
@@ -118,18 +201,26 @@ def _rope_dict(v, cfg, arch):
     if not isinstance(v, dict):
         return "a table"
     kind = v.get("rope_type", v.get("type", "default"))
-    keys = {"default": set(), "linear": {"factor"},
-            "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
-    if kind not in keys:
-        return "rope_type default, linear or llama3"
-    extra = sorted(set(v) - keys[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if kind not in _ROPE_KEYS:
+        return "rope_type default, linear, llama3 or longrope"
+    known = _ROPE_KEYS[kind] | _ROPE_OPTIONAL.get(kind, set())
+    extra = sorted(set(v) - known - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if extra:
-        return f"for rope_type {kind!r} only the keys {sorted(keys[kind] | {'rope_type', 'rope_theta'})} (got {extra})"
-    missing = sorted(keys[kind] - set(v))
+        return f"for rope_type {kind!r} only the keys {sorted(known | {'rope_type', 'rope_theta'})} (got {extra})"
+    missing = sorted(_ROPE_KEYS[kind] - set(v))
     if missing:
         return f"rope_type {kind!r} with {missing}"
     if v.get("partial_rotary_factor", 1.0) != 1.0:
         return "partial_rotary_factor 1.0 (partial rotary embeddings are not implemented)"
+    if kind == "longrope":
+        half = (cfg.get("head_dim") or (cfg.get("hidden_size") or 0) // max(cfg.get("num_attention_heads") or 1, 1)) // 2
+        for key in ("short_factor", "long_factor"):
+            f = v[key]
+            if not (isinstance(f, list) and len(f) == half and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in f)):
+                return f"longrope {key} as {half} positive numbers (head_dim / 2)"
+        if not isinstance(v.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings")), int):
+            return "longrope with original_max_position_embeddings (in the table or the config)"
     return None
 
 
@@ -159,25 +250,53 @@ HF_FIELDS = {
     "max_position_embeddings": (_USED, "ModelArgs.max_position; bounds the positions a prompt may use"),
     "tie_word_embeddings": (_one_of(True, False), "both implemented; false needs an lm_head.weight in the checkpoint"),
     # -- what each layer computes
-    "hidden_act": (_one_of("silu"), "the MLP is silu(x·W_g) ⊙ x·W_u: only silu is implemented"),
-    "attention_bias": (_arch_only(("llama", "qwen3", "olmo2"), _one_of(True, False)),
-                       "Llama, Qwen3 and OLMo 2: true adds q/k/v and o_proj biases; Qwen2 always has q/k/v biases "
-                       "and no o_proj bias, Mistral none: their code ignores the field"),
-    "mlp_bias": (_arch_only(("llama",), _one_of(True, False)), "Llama: biases on the MLP's three projections; "
-                                                               "the others' code ignores it"),
+    "hidden_act": (lambda v, c, a: None if a in _GEMMA else _one_of("silu")(v, c, a),
+                   "the MLP is silu(x·W_g) ⊙ x·W_u: only silu is implemented (Gemma reads hidden_activation)"),
+    "hidden_activation": (_arch_only(_GEMMA, _one_of("gelu_pytorch_tanh", None)),
+                          "Gemma: the MLP's gate activation, gelu with the tanh approximation"),
+    "query_pre_attn_scalar": (_arch_only(_GEMMA, _multiplier), "Gemma: attention scores are scaled by its "
+                                                               "inverse square root, in place of head_dim's"),
+    "attn_logit_softcapping": (_arch_only(_GEMMA, _softcap), "Gemma: scores -> cap·tanh(scores/cap)"),
+    "final_logit_softcapping": (_arch_only(_GEMMA, _softcap), "Gemma: logits -> cap·tanh(logits/cap)"),
+    "use_bidirectional_attention": (_one_of(False, None), "causal attention only"),
+    "_sliding_window_pattern": (_arch_only(("gemma3",), _positive_int), "Gemma 3: every n-th layer is full (used "
+                                                                        "when layer_types is absent)"),
+    "sliding_window_pattern": (_arch_only(("gemma3",), _positive_int), "Gemma 3: every n-th layer is full (used "
+                                                                       "when layer_types is absent)"),
+    "rope_local_base_freq": (_arch_only(("gemma3",), _multiplier), "Gemma 3 (transformers 4): the RoPE base of "
+                                                                    "sliding-window layers"),
+    "attention_bias": (_arch_only(("llama", "qwen3", "olmo2", "granite") + _GEMMA, _one_of(True, False)),
+                       "Llama, Qwen3, OLMo 2, Granite and Gemma: true adds q/k/v and o_proj biases; Qwen2 always has q/k/v "
+                       "biases and no o_proj bias, Mistral none: their code ignores the field"),
+    "mlp_bias": (_arch_only(("llama", "granite"), _one_of(True, False)),
+                 "Llama and Granite: biases on the MLP's three projections; the others' code ignores it"),
+    "embedding_multiplier": (_arch_only(("granite",), _multiplier), "Granite: R_0 = Embed(tokens) * it"),
+    "residual_multiplier": (_arch_only(("granite",), _multiplier), "Granite: each update is scaled by it before "
+                                                                   "it joins the residual"),
+    "attention_multiplier": (_arch_only(("granite",), _multiplier), "Granite: the attention score scale, in place "
+                                                                    "of 1/sqrt(head_dim)"),
+    "logits_scaling": (_arch_only(("granite",), _multiplier), "Granite: the logits are divided by it"),
     "partial_rotary_factor": (_one_of(1.0, 1, None), "RoPE over the whole head: partial rotary is not implemented"),
     "rope_interleaved": (_one_of(False), "RoPE is rotate-half, never interleaved pairs"),
     "use_qk_norm": (_one_of(False), "QK-norm (a norm on queries and keys) is not implemented"),
     "qk_norm": (_one_of(False), "QK-norm is not implemented"),
     "qk_layernorm": (_one_of(False), "QK-norm is not implemented"),
     "use_mrope": (_one_of(False), "multimodal RoPE is not implemented"),
+    "original_max_position_embeddings": (_USED, "LongRoPE's original length, when its table does not give it"),
     "rope_theta": (_USED, "θ_base, ModelArgs.rope_theta (validated there: positive)"),
-    "rope_parameters": (_rope_dict, "transformers 5: rope_theta and rope_type default, linear or llama3"),
+    "rope_parameters": (_rope_params, "transformers 5: rope_theta and rope_type default, linear or llama3 (Gemma 3: "
+                                      "one such table per layer type)"),
     "rope_scaling": (_rope_dict, "transformers 4: rope_type (or type) default, linear or llama3; null"),
-    "sliding_window": (_sliding_window, "sliding-window attention is not implemented (Qwen2: unless enabled)"),
-    "use_sliding_window": (_one_of(False), "Qwen2, Qwen3: sliding-window attention is not implemented"),
-    "max_window_layers": (_NO_EFFECT, "Qwen2, Qwen3: which layers use the window, only with use_sliding_window"),
-    "layer_types": (_layer_types, "every layer full causal attention"),
+    "sliding_window": (_sliding_window, "W, ModelArgs.sliding_window: Mistral's and Phi-3's layers (all of them), "
+                                        "Gemma's by layer_types, and Qwen2's "
+                                        "and Qwen3's (with use_sliding_window, by layer_types) see their W most "
+                                        "recent tokens"),
+    "use_sliding_window": (_arch_only(_WINDOW_ARCHS, _one_of(True, False)),
+                           "Qwen2, Qwen3: whether sliding_window applies"),
+    "max_window_layers": (_arch_only(("qwen2", "qwen3"), lambda v, c, a: None if v is None else
+                                     _positive_int(v + 1, c, a) if isinstance(v, int) else "an integer"),
+                          "Qwen2, Qwen3: layers from this one on use the window (when layer_types is absent)"),
+    "layer_types": (_layer_types, "which layers use the sliding window, ModelArgs.layer_types"),
     "pretraining_tp": (_positive_int, "transformers 4 slices the same matmuls into this many parts (the same "
                                       "function; transformers 5 ignores it)"),
     "pruned_heads": (_one_of({}, None), "pruned attention heads are not implemented"),
@@ -213,12 +332,12 @@ HF_FIELDS = {
 def _check_fields(cfg: dict, arch: str, where: str) -> None:
     for key, value in cfg.items():
         if key not in HF_FIELDS:
-            raise ModelLoadError(f"{where}: config field {key}={_short(value)} is not one our engine implements "
+            raise UnsupportedModel(f"{where}: config field {key}={_short(value)} is not one our engine implements "
                                  "(unknown field; supported fields: see prefill_diff.engine.hub.HF_FIELDS)")
         check, why = HF_FIELDS[key]
         want = None if check is None else check(value, cfg, arch)
         if want is not None:
-            raise ModelLoadError(f"{where}: config field {key}={_short(value)} is not supported "
+            raise UnsupportedModel(f"{where}: config field {key}={_short(value)} is not supported "
                                  f"(supported: {want}; {why})")
 
 
@@ -232,42 +351,92 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
     archs = cfg.get("architectures") or []
     arch = next((SUPPORTED_ARCHS[a] for a in archs if a in SUPPORTED_ARCHS), None)
     if arch is None:
-        raise ModelLoadError(f"{where}: architecture {archs or cfg.get('model_type')} is not supported "
+        raise UnsupportedModel(f"{where}: architecture {archs or cfg.get('model_type')} is not supported "
                              f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    if arch == "mistral" and cfg.get("sliding_window"):
-        raise ModelLoadError(f"{where}: sliding-window attention is not supported (sliding_window="
-                             f"{cfg['sliding_window']})")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in cfg:
             raise ModelLoadError(f"{where}: config.json has no {key}")
     _check_fields(cfg, arch, where)
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    local_theta = None
+    if arch == "gemma3" and ("full_attention" in rope or "sliding_attention" in rope):
+        local = rope.get("sliding_attention", {})
+        rope = dict(rope.get("full_attention", {}))
+        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+    elif arch == "gemma3":
+        local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
     scaling = ()
+    if kind == "longrope":
+        rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
     if kind not in (None, "default"):
-        keep = {"rope_type": kind, **{k: v for k, v in rope.items() if k in (
-            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+        keep = {"rope_type": kind, **{k: tuple(v) if isinstance(v, list) else v for k, v in rope.items() if k in (
+            "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "short_factor",
+            "long_factor", "attention_factor") and v is not None}}
         scaling = tuple(sorted(keep.items()))
     n_heads = cfg["num_attention_heads"]
     dim = cfg["hidden_size"]
+    window, kinds = _window(cfg, arch)
+    granite, gemma = arch == "granite", arch in _GEMMA
+    qpas = cfg.get("query_pre_attn_scalar", 256) if gemma else None
     try:
         return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
                          n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
                          head_dim=cfg.get("head_dim") or dim // n_heads, hidden_dim=cfg["intermediate_size"],
                          vocab_size=cfg["vocab_size"], norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                          rope_theta=theta, rope_scaling=scaling,
-                         tie_embeddings=bool(cfg.get("tie_word_embeddings")), hidden_act=cfg.get("hidden_act", "silu"),
-                         qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3", "olmo2")
+                         tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+                         hidden_act=(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else
+                         cfg.get("hidden_act", "silu"),
+                         qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3", "olmo2", "granite") + _GEMMA
                                                       and bool(cfg.get("attention_bias"))),
-                         o_bias=arch in ("llama", "qwen3", "olmo2") and bool(cfg.get("attention_bias")),
-                         mlp_bias=arch == "llama" and bool(cfg.get("mlp_bias")),
-                         qk_norm={"qwen3": "head", "olmo2": "proj"}.get(arch, "none"),
-                         norm_placement="post" if arch == "olmo2" else "pre",
-                         norm_scale="float32" if arch == "olmo2" else "activation",
+                         o_bias=arch in ("llama", "qwen3", "olmo2", "granite") + _GEMMA
+                         and bool(cfg.get("attention_bias")),
+                         mlp_bias=arch in ("llama", "granite") and bool(cfg.get("mlp_bias")),
+                         sliding_window=window, layer_types=kinds,
+                         attention_multiplier=float(cfg.get("attention_multiplier", 1.0)) if granite else
+                         float(qpas) ** -0.5 if gemma else None,
+                         embed_scale="sqrt_dim" if gemma else "none",
+                         attn_softcap=_float_or_none(cfg.get("attn_logit_softcapping")) if gemma else None,
+                         final_softcap=_float_or_none(cfg.get("final_logit_softcapping")) if gemma else None,
+                         rope_local_theta=local_theta,
+                         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
+                         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
+                         logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
+                         qk_norm={"qwen3": "head", "gemma3": "head", "olmo2": "proj"}.get(arch, "none"),
+                         norm_placement={"olmo2": "post", "gemma2": "sandwich", "gemma3": "sandwich"}.get(arch, "pre"),
+                         norm_scale={"olmo2": "float32", "gemma2": "offset", "gemma3": "offset"}.get(arch, "activation"),
                          max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch)
     except ConfigError as e:
         raise ModelLoadError(f"{where}: {e}") from None
+
+
+def _float_or_none(v):
+    return None if v is None else float(v)
+
+
+def _window(cfg: dict, arch: str) -> tuple:
+    """(sliding_window, layer_types) as transformers applies them: Mistral's window on every layer; Qwen2's and
+    Qwen3's only with use_sliding_window, on the layers layer_types names (absent: from max_window_layers on)."""
+    window = cfg.get("sliding_window") if arch in _WINDOW_ARCHS else None
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None
+    if window is None:
+        return None, ()
+    n = cfg["num_hidden_layers"]
+    if arch not in ("mistral", "phi3") and cfg.get("layer_types") is not None:
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in cfg["layer_types"])
+    elif arch in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers")
+        first = n if first is None else first
+        kinds = tuple("sliding" if i >= first else "full" for i in range(n))
+    elif arch in _GEMMA:  # transformers' defaults: Gemma 2 alternates from a sliding layer, Gemma 3 five in six
+        every = 2 if arch == "gemma2" else cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6))
+        kinds = tuple("sliding" if (i + 1) % every else "full" for i in range(n))
+    else:
+        kinds = ()
+    return window, (() if kinds == ("sliding",) * n else kinds)
 
 
 def check_state(args: ModelArgs, state: dict, where: str) -> None:
@@ -288,8 +457,7 @@ def check_state(args: ModelArgs, state: dict, where: str) -> None:
         raise ModelLoadError(f"{where}: weights are missing tensors {missing[:5]}")
 
 
-def load_hf_dir(path: str) -> Snapshot:
-    where = f"hf:{path}"
+def _read_config(path: str, where: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{where}: no config.json (expected a local Hugging Face checkpoint directory)")
@@ -298,10 +466,23 @@ def load_hf_dir(path: str) -> Snapshot:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{where}: cannot read config.json ({e})") from None
-    args = args_from_hf_config(cfg, where)
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where}: config.json must hold a JSON object (got {type(cfg).__name__})")
+    return cfg
+
+
+def _weight_files(path: str, where: str) -> list[str]:
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"{where}: no *.safetensors files (pickled .bin checkpoints are not loaded)")
+    return files
+
+
+def load_hf_dir(path: str) -> Snapshot:
+    where = f"hf:{path}"
+    cfg = _read_config(path, where)
+    args = args_from_hf_config(cfg, where)
+    files = _weight_files(path, where)
     try:
         from safetensors.torch import load_file
     except ImportError:
@@ -309,11 +490,12 @@ def load_hf_dir(path: str) -> Snapshot:
     state = {}
     for fn in files:
         for name, t in load_file(os.path.join(path, fn)).items():
-            ours = hf_to_ours(name, post=args.norm_placement == "post")
-            if ours is not None:
-                state[ours] = t.float()
-            elif not name.endswith("rotary_emb.inv_freq"):
-                raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fn}")
+            for part, tensor in unfused(name, t, args, where):
+                ours = hf_to_ours(part, args.norm_placement)
+                if ours is not None:
+                    state[ours] = tensor.float()
+                elif not part.endswith("rotary_emb.inv_freq"):
+                    raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fn}")
     if not args.tie_embeddings and "output.weight" not in state:
         raise ModelLoadError(f"{where}: tie_word_embeddings is false but the checkpoint has no lm_head.weight "
                              "(transformers would initialise it at random)")
@@ -324,6 +506,52 @@ def load_hf_dir(path: str) -> Snapshot:
     if tokenizer is not None:
         args = args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
     return Snapshot(where, args, state, tokenizer=tokenizer)
+
+
+# The sizes a decoder's config names, for a model only transformers runs: our name <- its fields, first found.
+_SIZES = {"dim": ("hidden_size", "n_embd", "d_model"), "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+          "n_heads": ("num_attention_heads", "n_head"), "vocab_size": ("vocab_size",)}
+
+
+def describe_hf_dir(path: str, refusal: str) -> Snapshot:
+    """A checkpoint our engine does not implement, described for the transformers engine alone: the sizes
+    transformers' config names (the recorded tensors' shapes), digests of config.json and of the weight files
+    (its identity), and why our engine refused it (``Snapshot.foreign``). No weight is read here."""
+    where = f"hf:{path}"
+    cfg = _read_config(path, where)
+    files = _weight_files(path, where)
+    sizes = {}
+    for ours, names in _SIZES.items():
+        value = next((cfg[n] for n in names if n in cfg), None)
+        if _positive_int(value, cfg, "") is not None:
+            raise ModelLoadError(f"{where}: config.json needs {' or '.join(names)} as a positive integer "
+                                 f"(got {_short(value)})")
+        sizes[ours] = value
+    n_kv = cfg.get("num_key_value_heads") or sizes["n_heads"]
+    head_dim = cfg.get("head_dim") or sizes["dim"] // sizes["n_heads"]
+    for name, value in (("num_key_value_heads", n_kv), ("head_dim", head_dim)):
+        if _positive_int(value, cfg, "") is not None:
+            raise ModelLoadError(f"{where}: config.json {name} must be a positive integer (got {_short(value)})")
+    max_pos = cfg.get("max_position_embeddings", 8192)
+    try:
+        args = ModelArgs(dim=sizes["dim"], n_layers=sizes["n_layers"], n_heads=sizes["n_heads"], n_kv_heads=n_kv,
+                         head_dim=head_dim, hidden_dim=cfg.get("intermediate_size") or 1,
+                         vocab_size=sizes["vocab_size"], norm_eps=1e-6,
+                         max_position=max_pos if isinstance(max_pos, int) and max_pos > 0 else 8192,
+                         tie_embeddings=bool(cfg.get("tie_word_embeddings")),
+                         arch=str(cfg.get("model_type") or (cfg.get("architectures") or ["?"])[0])[:64])
+    except (ConfigError, TypeError) as e:
+        raise ModelLoadError(f"{where}: {e}") from None
+    digest = hashlib.sha256()
+    for fn in ["config.json"] + files:
+        digest.update(fn.encode() + b"\0")
+        with open(os.path.join(path, fn), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    tokenizer = _hf_tokenizer(path)
+    if tokenizer is not None:
+        args = args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
+    return Snapshot(where, args, {}, tokenizer=tokenizer, _digest="sha256:" + digest.hexdigest(), foreign=refusal)
 
 
 class Tokenizer:

@@ -15,7 +15,7 @@ the attention reading R itself, and likewise the MLP).
 Attention kernels, the KV cache, recording, faults and chunking change the model from
 outside (``prefill.py``'s ForwardStep, ``cache.py``, ``faults.py``); adapters and
 quantisation replace its linear layers (``adapters.py``, ``quantize.py``). Here the
-attention only calls ``step.rope`` and ``step.attend``, and the block only ``step.record``.
+attention only calls ``step.rope_of`` and ``step.attend``, and the block only ``step.record``.
 """
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ from .errors import ConfigError
 HEAD_STATE = "attn_heads"
 
 
+_NOT_NONE = ("embedding_multiplier", "residual_multiplier", "logits_scaling")  # the optional scalars never None
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     dim: int = 64
@@ -43,7 +46,7 @@ class ModelArgs:
     hidden_dim: int = 128
     vocab_size: int = 96
     norm_eps: float = 1e-5
-    hidden_act: str = "silu"  # the MLP's activation; the only one implemented (recorded for the model's identity)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU)
     rope_theta: float = 10000.0
     rope_scaling: tuple = ()  # sorted (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"))
     tie_embeddings: bool = False
@@ -53,9 +56,20 @@ class ModelArgs:
     qk_norm: str = "none"  # "head": an RMSNorm over each head's d_h on Q and K before RoPE (Qwen3); "proj": over
     # the whole Q (H_q·d_h) and K (H_kv·d_h) projections (OLMo 2)
     norm_placement: str = "pre"  # "pre": Norm before each sub-layer (Llama); "post": Norm on each sub-layer's
-    # output, before it is added to the residual, and none before (OLMo 2)
+    # output, before it is added to the residual, and none before (OLMo 2); "sandwich": both (Gemma 2 and 3)
     norm_scale: str = "activation"  # RMSNorm's weight multiplies the normalised vector rounded to the activation
-    # dtype (Llama) or in float32, rounded after (OLMo 2): the same in float32, not in bf16/fp16
+    # dtype (Llama) or in float32, rounded after (OLMo 2): the same in float32, not in bf16/fp16; "offset": by
+    # (1 + weight), in float32 (Gemma)
+    embed_scale: str = "none"  # "sqrt_dim": R_0 = Embed(tokens) * sqrt(dim), the factor in the activation dtype
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    rope_local_theta: float | None = None  # the RoPE base of sliding-window layers, when theirs differs (Gemma 3)
+    sliding_window: int | None = None  # W: a window layer's query sees its W most recent tokens, itself included
+    layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer sliding when sliding_window is set
+    attention_multiplier: float | None = None  # the attention score scale (Granite); None: 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0  # Granite: R_0 = Embed(tokens) * this
+    residual_multiplier: float = 1.0  # Granite: each sub-layer's output is scaled by this before it is added
+    logits_scaling: float = 1.0  # Granite: z = unembed(h) / this
     lm_head_bias: bool = False
     dropout: float = 0.0
     max_position: int = 8192
@@ -83,12 +97,27 @@ class ModelArgs:
         if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size < 1:
             raise ConfigError(f"tokenizer_vocab_size must be a positive integer "
                               f"(got tokenizer_vocab_size={self.tokenizer_vocab_size})")
-        if self.hidden_act != "silu":
-            raise ConfigError(f"hidden_act must be 'silu', the only activation implemented (got {self.hidden_act!r})")
-        for name, allowed in (("qk_norm", ("none", "head", "proj")), ("norm_placement", ("pre", "post")),
-                              ("norm_scale", ("activation", "float32"))):
+        for name, allowed in (("qk_norm", ("none", "head", "proj")), ("norm_placement", ("pre", "post", "sandwich")),
+                              ("norm_scale", ("activation", "float32", "offset")), ("embed_scale", ("none", "sqrt_dim")),
+                              ("hidden_act", ("silu", "gelu_pytorch_tanh"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be a positive integer or absent (got {self.sliding_window!r})")
+        if self.layer_types:
+            kinds = tuple(self.layer_types)
+            if len(kinds) != self.n_layers or not set(kinds) <= {"full", "sliding"}:
+                raise ConfigError(f"layer_types must list 'full' or 'sliding' for each of the {self.n_layers} layers "
+                                  f"(got {list(kinds)[:8]})")
+            if "sliding" in kinds and self.sliding_window is None:
+                raise ConfigError("layer_types has sliding layers but sliding_window is not set")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
+                     "attn_softcap", "final_softcap", "rope_local_theta"):
+            v = getattr(self, name)
+            if not (v is None and name not in _NOT_NONE) and not (
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive finite number (got {name}={v!r})")
         if self.attention_rule != "causal":
             raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
 
@@ -96,19 +125,39 @@ class ModelArgs:
     def n_rep(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window W, or None when it attends to every earlier token."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding"):
+            return None
+        return self.sliding_window
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The attention score scale the model sets, or None for the kernels' 1/sqrt(head_dim)."""
+        return None if self.attention_multiplier is None else float(self.attention_multiplier)
+
     def rope_dict(self) -> dict:
-        return {"rope_theta": self.rope_theta, **dict(self.rope_scaling)}
+        d = {"rope_theta": self.rope_theta, **dict(self.rope_scaling)}
+        return d if self.rope_local_theta is None else {**d, "rope_local_theta": self.rope_local_theta}
+
+    def local_rope(self, layer: int) -> bool:
+        """Layer ``layer`` rotates with the local RoPE base (a sliding-window layer of Gemma 3)."""
+        return self.rope_local_theta is not None and self.window(layer) is not None
 
     def as_dict(self) -> dict:
         d = asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling)
+        d["layer_types"] = list(self.layer_types)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
         d = dict(d)
         if isinstance(d.get("rope_scaling"), dict):
-            d["rope_scaling"] = tuple(sorted(d["rope_scaling"].items()))
+            d["rope_scaling"] = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                             for k, v in d["rope_scaling"].items()))
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = tuple(d["layer_types"])
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ConfigError(f"unknown model keys {unknown} (known: {sorted(cls.__dataclass_fields__)})")
@@ -130,6 +179,29 @@ MODEL_PRESETS = {
     "synthetic:qwen3": _SYNTHETIC.replace(qk_norm="head", arch="qwen3"),
     "synthetic:llama-biased": _SYNTHETIC.replace(qkv_bias=True, o_bias=True, mlp_bias=True),
     "synthetic:olmo2": _SYNTHETIC.replace(qk_norm="proj", norm_placement="post", norm_scale="float32", arch="olmo2"),
+    # a window shorter than the built-in prompts: every layer (Mistral), or alternating with full layers (Qwen2)
+    "synthetic:mistral": _SYNTHETIC.replace(sliding_window=8, arch="mistral"),
+    "synthetic:qwen2-window": _SYNTHETIC.replace(qkv_bias=True, sliding_window=8,
+                                                 layer_types=("full", "sliding", "full", "sliding"), arch="qwen2"),
+    # Gemma: sandwich norms by (1 + w), GeGLU, a scaled embedding, query_pre_attn_scalar 64 (not head_dim), small
+    # soft-caps (so that they matter on a random model), alternating local and global layers
+    "synthetic:gemma2": _SYNTHETIC.replace(norm_placement="sandwich", norm_scale="offset", hidden_act="gelu_pytorch_tanh",
+                                           embed_scale="sqrt_dim", attention_multiplier=64 ** -0.5, attn_softcap=2.0,
+                                           final_softcap=3.0, sliding_window=8,
+                                           layer_types=("sliding", "full", "sliding", "full"), tie_embeddings=True,
+                                           arch="gemma2"),
+    "synthetic:gemma3": _SYNTHETIC.replace(norm_placement="sandwich", norm_scale="offset", hidden_act="gelu_pytorch_tanh",
+                                           embed_scale="sqrt_dim", attention_multiplier=64 ** -0.5, qk_norm="head",
+                                           sliding_window=8, layer_types=("sliding", "sliding", "sliding", "full"),
+                                           rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True, arch="gemma3"),
+    # Phi-3: fused projections in its checkpoints; LongRoPE's long factors past 3 positions. Every built-in prompt
+    # and reused prefix is longer: a call's factors depend on its longest position (as in transformers), so a batch
+    # or a reused prefix on both sides of the switch rotates differently from the prompt alone
+    "synthetic:phi3": _SYNTHETIC.replace(max_position=256, rope_scaling=(
+        ("long_factor", tuple(2.0 + 0.25 * i for i in range(16))), ("original_max_position_embeddings", 3),
+        ("rope_type", "longrope"), ("short_factor", tuple(1.0 + 0.05 * i for i in range(16)))), arch="phi3"),
+    "synthetic:granite": _SYNTHETIC.replace(attention_multiplier=0.125, embedding_multiplier=6.0,
+                                            residual_multiplier=0.22, logits_scaling=4.0, arch="granite"),
 }
 
 
@@ -137,15 +209,17 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, scale: str = "activation"):
         super().__init__()
         self.eps = eps
-        self.scale_in_float32 = scale == "float32"
+        self.scale = scale
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.promote_types(dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.scale_in_float32:
+        if self.scale == "float32":
             return (self.weight.to(h.dtype) * h).to(dtype)
+        if self.scale == "offset":  # Gemma: the weight is stored as w, the norm multiplies by 1 + w
+            return (h * (1.0 + self.weight.to(h.dtype))).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -153,12 +227,20 @@ def norm(args: ModelArgs, dim: int) -> RMSNorm:
     return RMSNorm(dim, args.norm_eps, args.norm_scale)
 
 
-def rope_inv_freq(args: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse frequencies θ_i = base^(-2i/d_h), with Llama-3 or linear scaling if configured."""
+def rope_inv_freq(args: ModelArgs, dtype: torch.dtype = torch.float32, local: bool = False,
+                  long: bool = False) -> torch.Tensor:
+    """Inverse frequencies θ_i = base^(-2i/d_h), with Llama-3, linear or LongRoPE scaling if configured (``local``:
+    the sliding-window layers' own base, unscaled, as Gemma 3 has; ``long``: LongRoPE's long factors)."""
     d = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d))
-    scaling = dict(args.rope_scaling)
+    base = args.rope_local_theta if local else args.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d))
+    scaling = {} if local else dict(args.rope_scaling)
     kind = scaling.get("rope_type", "default")
+    if kind == "longrope":  # Phi-3: θ_i / ext_i, ext the short factors or (past the original length) the long ones
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32).to(dtype)
+        if ext.shape != inv.shape:
+            raise ConfigError(f"longrope factors must number head_dim/2 = {d // 2} (got {ext.shape[0]})")
+        return 1.0 / (ext * base ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d))
     if kind == "linear":
         inv = inv / float(scaling["factor"])
     elif kind == "llama3":
@@ -171,15 +253,38 @@ def rope_inv_freq(args: ModelArgs, dtype: torch.dtype = torch.float32) -> torch.
         is_mid = (wavelen >= old / high) & (wavelen <= old / low)
         inv = torch.where(is_mid, mid, scaled)
     elif kind != "default":
-        raise ConfigError(f"rope_type must be one of default, linear, llama3 (got {kind!r})")
+        raise ConfigError(f"rope_type must be one of default, linear, llama3, longrope (got {kind!r})")
     return inv
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos/sin tables for explicit position ids: (B, S) -> two (B, 1, S, head_dim)."""
+def longrope_switch(args: ModelArgs) -> int | None:
+    """LongRoPE's original length: a call whose longest position + 1 exceeds it rotates with the long factors
+    (as transformers decides per forward). None without LongRoPE."""
+    scaling = dict(args.rope_scaling)
+    return int(scaling["original_max_position_embeddings"]) if scaling.get("rope_type") == "longrope" else None
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """LongRoPE's factor on cos and sin: attention_factor, else sqrt(1 + ln s / ln L0) for s = L / L0 > 1."""
+    scaling = dict(args.rope_scaling)
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or args.max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos/sin tables for explicit position ids: (B, S) -> two (B, 1, S, head_dim), times ``scale`` (LongRoPE's
+    attention factor) before they are rounded to ``dtype``."""
     freqs = positions[..., None].to(inv_freq.dtype) * inv_freq  # (B, S, head_dim/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, head_dim)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +324,7 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)  # (B, n_heads, S, head_dim)
         k = k.transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
-        cos, sin = step.rope
+        cos, sin = step.rope_of(layer)
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Writes K̃, V to the cache, reads what attention sees, runs the kernel with g(h).
         o = step.attend(layer, q_rot, k_rot, v, k)  # (B, n_heads, S, head_dim)
@@ -234,41 +339,48 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(act * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         # registered in the order the state dict lists them (the synthetic weights are drawn in that order)
-        self.post = args.norm_placement == "post"  # OLMo 2: each sub-layer's output is normalised before it
-        if not self.post:                          # joins the residual, its input is not
+        # OLMo 2 ("post"): each sub-layer's output is normalised before it joins the residual, its input is not;
+        # Gemma ("sandwich"): both
+        self.pre = args.norm_placement in ("pre", "sandwich")
+        self.post = args.norm_placement in ("post", "sandwich")
+        if self.pre:
             self.attention_norm = norm(args, args.dim)
         self.attention = Attention(args)
         if self.post:
             self.attention_post_norm = norm(args, args.dim)
-        else:
+        if self.pre:
             self.ffn_norm = norm(args, args.dim)
         self.feed_forward = FeedForward(args)
         if self.post:
             self.ffn_post_norm = norm(args, args.dim)
         self.dropout = nn.Dropout(args.dropout)
+        self.residual_multiplier = args.residual_multiplier
+
+    def _scaled(self, update: torch.Tensor) -> torch.Tensor:
+        """A sub-layer's output as it is added to the residual (Granite scales it by residual_multiplier)."""
+        return update if self.residual_multiplier == 1.0 else update * self.residual_multiplier
 
     def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
         step.record(layer, "layer_input", x)  # R_ℓ, (B, S, dim)
-        if self.post:
-            a = self.dropout(self.attention_post_norm(self.attention(x, step, layer)))
-        else:
-            a = self.dropout(self.attention(self.attention_norm(x), step, layer))
+        a = self.attention(self.attention_norm(x) if self.pre else x, step, layer)
+        a = self._scaled(self.dropout(self.attention_post_norm(a) if self.post else a))
         step.record(layer, "attn_update", a)  # what is added to the residual
         u = x + a  # U_ℓ
         step.record(layer, "mid", u)
-        if self.post:
-            m = self.dropout(self.ffn_post_norm(self.feed_forward(u)))
-        else:
-            m = self.dropout(self.feed_forward(self.ffn_norm(u)))
+        m = self.feed_forward(self.ffn_norm(u) if self.pre else u)
+        m = self._scaled(self.dropout(self.ffn_post_norm(m) if self.post else m))
         step.record(layer, "mlp_update", m)
         out = u + m  # R_ℓ+1
         step.record(layer, "layer_output", out)
@@ -299,10 +411,19 @@ class Transformer(nn.Module):
     def layer_by_layer(self, tokens: torch.Tensor, step):
         """``forward`` one layer at a time: yields (ℓ, R_ℓ+1) as layer ℓ ends, so a caller can stop at a break."""
         x = self.tok_embeddings(tokens)  # R_0, (B, S, dim)
+        if self.args.embed_scale == "sqrt_dim":  # Gemma: the factor rounded to the activation dtype first
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=x.dtype)
+        if self.args.embedding_multiplier != 1.0:
+            x = x * self.args.embedding_multiplier
         for layer, block in enumerate(self.layers):
             x = block(x, step, layer)  # R_ℓ+1, (B, S, dim)
             yield layer, x
 
     def unembed(self, h: torch.Tensor) -> torch.Tensor:
-        """z = W_U·h + b_U (contract §2.7)."""
-        return self.output(h)
+        """z = W_U·h + b_U (contract §2.7), divided by logits_scaling (Granite), soft-capped (Gemma 2)."""
+        z = self.output(h)
+        if self.args.logits_scaling != 1.0:
+            z = z / self.args.logits_scaling
+        if self.args.final_softcap is not None:  # Gemma 2
+            z = torch.tanh(z / self.args.final_softcap) * self.args.final_softcap
+        return z

@@ -51,6 +51,13 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
     if name == "last-column" and not (padded and run.batching == "right"):
         return (f"fault:last-column cannot show here: it needs a right-padded batch of unequal lengths "
                 f"(batching={run.batching}, lengths={lengths})")
+    if name == "window-off-by-one":
+        windows = {args.window(layer) for layer in range(args.n_layers)} - {None}
+        if not windows:
+            return "fault:window-off-by-one cannot show on this model: it has no sliding-window layer"
+        if max(lengths) <= min(windows):
+            return (f"fault:window-off-by-one cannot show here: no prompt is longer than the window "
+                    f"(window {min(windows)}, lengths {lengths})")
     if name in ("position-restart", "adapter-mismatch") and (
             run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):
         return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
@@ -97,6 +104,8 @@ def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults
             return Faults()
         tok = f.token % len(tokens[f.sample])
         return Faults(skip_kv=SkippedKV(layer=layer, seq=call.samples.index(f.sample), token=tok))
+    if f.name == "window-off-by-one":
+        return Faults(window_shift=1)
     return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
                   last_column=f.name == "last-column")
 

@@ -26,7 +26,7 @@ from .compiled import compile_layers
 from .coords import CacheWrite, Cell, SeqRun
 from .errors import CacheInvariantError, ConfigError
 from .faults import Faults, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
-from .model import apply_rope, rope_cos_sin, rope_inv_freq
+from .model import apply_rope, longrope_switch, rope_attention_factor, rope_cos_sin, rope_inv_freq
 from .snapshot import Snapshot
 
 
@@ -133,13 +133,21 @@ class ForwardStep:
                  faults: Faults, recorder, shapes):
         self.engine, self.cache, self.read_through, self.faults = engine, cache, read_through, faults
         self.recorder, self.shapes, self.c0 = recorder, shapes, c0
-        self.rope = rope_cos_sin(cells.positions[:, c0:c1], engine.inv_freq, engine.dtype)
+        inv = engine.call_inv_freq(cells)
+        self.rope = rope_cos_sin(cells.positions[:, c0:c1], inv, engine.dtype, engine.rope_scale)
+        self.rope_local = None if engine.inv_freq_local is None else rope_cos_sin(
+            cells.positions[:, c0:c1], engine.inv_freq_local, engine.dtype)
         self.positions = cells.positions[:, c0:c1]
         self.row_seqs = cells.row_seqs
         self.writes = cells.writes(c0, c1)
         self.q_tok, self.q_seq = cells.tok[:, c0:c1], cells.seq[:, c0:c1]
         self.mask = chunk_mask(cells, c0, c1, faults)
+        self._windowed = {None: self.mask}
         self.head_map = list(faults.head_map) if faults.head_map else engine.head_map
+
+    def rope_of(self, layer: int):
+        """The cos/sin tables layer ``layer`` rotates with."""
+        return self.rope_local if self.engine.args.local_rope(layer) else self.rope
 
     def attend(self, layer: int, q_rot, k_rot, v, k_pre):
         """O for every query head: (B, n_heads, S, head_dim)."""
@@ -162,12 +170,18 @@ class ForwardStep:
             self.cache.write(layer, w.seq, k, vv, kp, pos)
 
     def _visible(self, layer: int, k_rot, v):
-        """Keys, values and mask attention reads: the cache (read through) or this forward's own."""
+        """Keys, values and mask attention reads: the cache (read through) or this forward's own, limited to
+        the layer's sliding window where it has one."""
+        window = self.engine.args.window(layer)
+        if window is not None:
+            window += self.faults.window_shift
         if not self.read_through:
-            return k_rot, v, self.mask
+            if window not in self._windowed:
+                self._windowed[window] = self.mask.windowed(window)
+            return k_rot, v, self._windowed[window]
         rows = self.cache.read_rows(layer, self.row_seqs, like=k_rot)
         return rows.keys, rows.values, AttentionMask(self.q_tok, rows.k_tok, self.q_seq, rows.k_seq,
-                                                     self.mask.sentinel)
+                                                     self.mask.sentinel, window=window)
 
     def _kernel(self, layer: int, q_rot, keys, values, mask):
         if self.shapes is not None:
@@ -211,8 +225,18 @@ class Engine:
         if numerical.compile:
             compile_layers(self.model)
         self.dtype = torch_dtype(numerical.dtype)
-        self.inv_freq = rope_inv_freq(self.args, torch.float64 if self.dtype == torch.float64 else torch.float32)
-        self.kernel = get_kernel(numerical.kernel, numerical.block_size)
+        freq_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        self.inv_freq = rope_inv_freq(self.args, freq_dtype)
+        self.inv_freq_local = None if self.args.rope_local_theta is None else rope_inv_freq(self.args, freq_dtype,
+                                                                                            local=True)
+        self.longrope_switch = longrope_switch(self.args)
+        self.inv_freq_long = None if self.longrope_switch is None else rope_inv_freq(self.args, freq_dtype, long=True)
+        self.rope_scale = rope_attention_factor(self.args)
+        if self.args.attn_softcap is not None and numerical.kernel == "sdpa":
+            raise ConfigError(f"kernel sdpa cannot soft-cap attention scores (the model has attn_softcap="
+                              f"{self.args.attn_softcap}): use kernel eager or tiled")
+        self.kernel = get_kernel(numerical.kernel, numerical.block_size, scale=self.args.attn_scale,
+                                 softcap=self.args.attn_softcap)
         self.head_map = standard_head_map(self.args.n_heads, self.args.n_kv_heads)
         self.rng = None
         if numerical.training and numerical.dropout_seed is not None:
@@ -221,9 +245,20 @@ class Engine:
         contract.check_vocab(self.model, self.args.tokenizer_vocab_size)
         contract.check_inference_mode(self.model, numerical.dropout_seed)
 
-    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE on cached pre-rotation keys (H, T, d) at their stored positions."""
-        cos, sin = rope_cos_sin(positions[None], self.inv_freq, keys.dtype)
+    def call_inv_freq(self, cells: Cells) -> torch.Tensor:
+        """The global layers' inverse frequencies for one call: LongRoPE's long factors when the call's longest
+        position + 1 exceeds the original length, as transformers decides per forward."""
+        if self.inv_freq_long is not None and int(cells.positions.max()) + 1 > self.longrope_switch:
+            return self.inv_freq_long
+        return self.inv_freq
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor, layer: int, inv: torch.Tensor) -> torch.Tensor:
+        """RoPE on layer ``layer``'s cached pre-rotation keys (H, T, d) at their stored positions (``inv``: the
+        call's global frequencies)."""
+        if self.args.local_rope(layer):
+            cos, sin = rope_cos_sin(positions[None], self.inv_freq_local, keys.dtype)
+            return apply_rope(keys[None], cos, sin)[0]
+        cos, sin = rope_cos_sin(positions[None], inv, keys.dtype, self.rope_scale)
         return apply_rope(keys[None], cos, sin)[0]
 
     def identity(self, layout: CacheLayout) -> dict:
@@ -278,7 +313,9 @@ class Engine:
 
     def _seeded_cache(self, cells: Cells, layout: CacheLayout, identity: dict, history: dict) -> KVCache:
         """An empty cache for this call's sequences, holding any reused prefix KV (contract §2.9) as stored."""
-        cache = KVCache(self.args.n_layers, cells.n_seqs, layout, self.dtype, rotate=self.rotate)
+        inv = self.call_inv_freq(cells)
+        cache = KVCache(self.args.n_layers, cells.n_seqs, layout, self.dtype,
+                        rotate=lambda keys, positions, layer: self.rotate(keys, positions, layer, inv))
         cache.metadata.update(identity)
         for s, prefix in history.items():
             for layer, (k, v, pos) in enumerate(prefix.layers):

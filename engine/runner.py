@@ -16,7 +16,7 @@ import torch
 from . import budget, contract, parallel
 from .calls import plan_calls
 from .config import Inputs, RunConfig, Side
-from .errors import ConfigError, PreconditionError
+from .errors import ConfigError, PreconditionError, UnsupportedModel
 from .prefill import Engine
 from .snapshot import Snapshot
 from .sources import load_snapshot
@@ -155,6 +155,9 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     """Load the model, tokenize, and plan the prefill calls (including any earlier prefix requests)."""
     snapshot = snapshot or load_snapshot(side.model)
     run = side.run
+    if snapshot.foreign is not None and run.engine != "transformers":
+        raise UnsupportedModel(f"{snapshot.foreign} (only the transformers engine runs a model our engine does not "
+                               "implement)")
     side = replace(side, inputs=apply_mask(side.inputs))
     tokens, texts = resolve_tokens(side.inputs, snapshot)
     prep = Prepared(side, snapshot, tokens, texts)

@@ -15,7 +15,7 @@ import torch
 from .adapters import Adapter, apply_adapter
 from .cache import torch_dtype
 from .digest import digest_tensors
-from .errors import ConfigError, ModelLoadError
+from .errors import ConfigError, ModelLoadError, UnsupportedModel
 from .model import ModelArgs
 from .quantize import quantize_int8
 from .skeleton import skeleton
@@ -32,6 +32,7 @@ class Snapshot:
     adapter: Adapter | None = None
     tokenizer: object | None = None
     _digest: str = field(default="", repr=False)
+    foreign: str | None = None  # a checkpoint only transformers runs: why our engine refused it (args: sizes only)
 
     @property
     def weights_digest(self) -> str:
@@ -46,10 +47,21 @@ class Snapshot:
                 "layers": json.dumps(self.args.as_dict(), sort_keys=True)}
 
     def with_adapter(self, adapter: Adapter | None) -> "Snapshot":
-        return Snapshot(self.source, self.args, self.state, adapter, self.tokenizer, self._digest)
+        return Snapshot(self.source, self.args, self.state, adapter, self.tokenizer, self._digest, self.foreign)
+
+    def described_args(self) -> dict:
+        """The model's arguments as a trace records them: all of them, or for a foreign model only the sizes
+        read from its config (the rest would be our defaults, not the model's)."""
+        d = self.args.as_dict()
+        if self.foreign is None:
+            return d
+        return {k: d[k] for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",
+                                  "max_position", "tokenizer_vocab_size", "arch")}
 
     def build(self, dtype: str = "float32", weight_quant: str = "none", training: bool = False):
         """A runnable model; returns (model, quantised weights digest or None)."""
+        if self.foreign is not None:
+            raise UnsupportedModel(self.foreign)
         if dtype not in ACT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(ACT_DTYPES)} (got {dtype!r})")
         model = skeleton(self.args)

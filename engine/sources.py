@@ -9,9 +9,9 @@ import os
 
 from . import budget, cache_entries, model_cache
 from .adapters import seeded_adapter
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModel
 from .gguf_loader import load_gguf, smollm2_path
-from .hub import Tokenizer, load_hf_dir
+from .hub import Tokenizer, describe_hf_dir, load_hf_dir
 from .model import MODEL_PRESETS
 from .snapshot import Snapshot
 from .spec import ModelSpec
@@ -55,7 +55,10 @@ def load_source(spec: ModelSpec) -> Snapshot:
     if spec.overrides:
         raise ConfigError(f"model size overrides apply to synthetic models only (source {src!r})")
     if src.startswith("hf:"):
-        return load_hf_dir(src[3:])
+        try:
+            return load_hf_dir(src[3:])
+        except UnsupportedModel as e:  # the transformers engine may still run it; any other engine refuses
+            return describe_hf_dir(src[3:], str(e))
     path = smollm2_path() if src == "smollm2" else src[5:]
     if not os.path.isfile(path):  # the loader's own message, before the cache hashes the file
         return load_gguf(path, src)

@@ -71,6 +71,11 @@ def check(prep) -> None:
                   "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
     if snap.adapter is not None:
         no.append("a LoRA adapter")
+    a = snap.args
+    if a.norm_placement == "pre" and (a.attention_multiplier is not None or (
+            a.embedding_multiplier, a.residual_multiplier, a.logits_scaling) != (1.0, 1.0, 1.0)):
+        no.append(f"a model of the {a.arch} family (Granite's decoder layer adds its scaled updates itself, "
+                  "it does not fuse the residual add into its norms: the worker does not read it yet)")
     if snap.args.norm_placement != "pre":
         no.append(f"a model of the {snap.args.arch} family (the worker captures decoder layers that fuse the "
                   "residual add into their pre-norms, as vLLM's Llama and Qwen layers do; post-norm layers are not "
@@ -185,7 +190,7 @@ def model_directory(snapshot, tmp: str) -> str:
     cfg = hf_config(snapshot.args)
     cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
     cfg.to_json_file(os.path.join(d, "config.json"))
-    state = hf_state_dict(snapshot.state)
+    state = hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3")
     if snapshot.args.tie_embeddings:
         state.pop("lm_head.weight", None)
     save_file({k: v.contiguous().float() for k, v in state.items()}, os.path.join(d, "model.safetensors"))

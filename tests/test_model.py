@@ -66,6 +66,9 @@ class NaiveStep:
         self.rope = emb.cos()[None, None], emb.sin()[None, None]  # (1, 1, n, D)
         self.states, self.calls = {}, []
 
+    def rope_of(self, layer):
+        return self.rope
+
     def attend(self, layer, q, k, v, k_pre):  # q (1, H, n, D); k, v (1, H_kv, n, D)
         H, n, D = q.shape[1], q.shape[2], q.shape[3]
         g = [h * k.shape[1] // H for h in range(H)]

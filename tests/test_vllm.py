@@ -291,9 +291,10 @@ def test_faults_inside_vllm_are_localised(fault, where, vllm_python, run_cli):
     assert fb["sample"] == 0
 
 
-@pytest.mark.parametrize("family", ["synthetic:qwen3", "synthetic:llama-biased"])
+@pytest.mark.parametrize("family", ["synthetic:qwen3", "synthetic:llama-biased", "synthetic:mistral"])
 def test_vllm_runs_the_dense_families(family, vllm_python, run_cli):
-    """Qwen3's QK-norm and Llama's attention and MLP biases, as vLLM's own Qwen3 and Llama classes compute them."""
+    """Qwen3's QK-norm, Llama's attention and MLP biases and Mistral's sliding window, as vLLM's own classes
+    compute them."""
     rep = _json(res := run_cli("run", "reference", "vllm", "--model", family, "--json", "-"))
     assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
     assert len(rep["layers"]) == 4 and rep["rule"].startswith("fixed float32 rule")

@@ -22,6 +22,7 @@ from .results import CacheResult, TensorResult, num
 from .sampled import compare_sampled
 from .stats import compare_stats
 from .tolerance import Policy
+from . import wording
 
 STATES = ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
 VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn_heads", "mid", "mlp_update",
@@ -115,6 +116,10 @@ class Comparator:
     def _state(self, r: LayerView, c: LayerView, name: str) -> TensorResult | None:
         """One residual-stream state at the best level both traces hold (None: attention heads not kept)."""
         tol = self.ctx.value_tol(name, r.layer)
+        why = absent_state(self.ctx.ref, name) or absent_state(self.ctx.cand, name)
+        if why is not None:  # the model's layers do not have it (a parallel block's mid): listed, not compared
+            self.ctx.skipped.add(wording.absent_state(name, why))
+            return TensorResult(tensor=name, level="none", tol=tol, note=f"absent: {why}")
         if r.state(name) is not None and c.state(name) is not None:
             return compare_full_state(self.ctx, r, c, name, tol)
         if name == "attn_heads":
@@ -157,6 +162,12 @@ class Comparator:
         if nt is not None and not nt.finite_ok:
             return numerics_break(finite_break("layer", layer, nt), self.ctx.noise_of, self.ctx.policy.name)
         return finite_break("layer", layer, t)
+
+
+def absent_state(trace: Trace, name: str) -> str | None:
+    """Why ``trace``'s layers do not have state ``name`` (meta.absent_states), or None."""
+    absent = trace.meta.get("absent_states") or {}
+    return None if name not in absent else str(absent[name])
 
 
 def _heads_of(t: TensorResult | None):

@@ -26,6 +26,12 @@ IDENTITY_KEYS = {
     "mlp_bias": ("MLP biases", ("mlp_update",)),
     "norm_placement": ("norm placement", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
     "norm_scale": ("RMSNorm weight rounding", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
+    "sliding_window": ("sliding window", "anywhere"),
+    "layer_types": ("which layers use the sliding window", "anywhere"),
+    "attention_multiplier": ("attention score scale", ("attn_update", "attn_heads")),
+    "embedding_multiplier": ("embedding multiplier", ("layer_input", "cache_keys", "cache_values")),
+    "residual_multiplier": ("residual multiplier", ("attn_update",)),
+    "logits_scaling": ("logits scaling", "final"),
     "lm_head_bias": ("unembedding bias", "final"),
     "tie_embeddings": ("tied embeddings", "final"),
 }

@@ -188,6 +188,12 @@ def top_ids_differ(sample: int, rank: int, cand_id: int, ref_id: int, got: float
 
 SAMPLED_ONLY = "values compared on the sampled subset only (sampled level)"
 STATS_ONLY = "values compared as statistics only (stats level): max_abs is the largest statistic error"
+def absent_state(name: str, why: str) -> str:
+    return f"{name}: not compared, the model's layers do not have it ({why})"
+
+
+WINDOW_CACHE_NOT_FULL = ("the cache of a sliding-window layer whose two sides hold different numbers of slots: not "
+                         "compared below the full level (sampled slots and statistics cover different slots)")
 
 
 def stats_for_lack_of_values(name: str, ref_level: str, cand_level: str) -> str:
