@@ -24,14 +24,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..dumps.schema import LAYER_TENSORS
 from ..engine.errors import visible
 from ..verify.markdown import fmt_error
 
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
 # (the same name folded at its underscore), priority (lower is dropped last when the width is short).
-COLUMNS = (("layer_input", "layer_\ninput", 6), ("cache_keys", "cache_\nkeys", 4),
-           ("cache_values", "cache_\nvalues", 5), ("attn_update", "attn_\nupdate", 1), ("mid", "mid", 3),
-           ("mlp_update", "mlp_\nupdate", 2), ("layer_output", "layer_\noutput", 0))
+COLUMNS = tuple((t.name, t.header, t.priority) for t in LAYER_TENSORS if t.header is not None)
 SPARK = "▁▂▃▄▅▆▇█"
 BAD = "✗"  # marks an out-of-tolerance cell (coloured red as well where there is colour)
 DIFFERS = "*"  # marks a top id that is not in the other side's top 5

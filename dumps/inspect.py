@@ -11,8 +11,8 @@ import numpy as np
 
 from ..engine.errors import PrefillDiffError
 from .reader import Trace
-from .schema import ATTR_CHANNELS, FINAL, SAMPLED_TOKENS, STAT_COLUMNS, STAT_TENSORS
-FINAL_TENSORS = ("logits", "norm_last")
+from .schema import ATTR_CHANNELS, FINAL, FINAL_TENSORS, SAMPLED_TOKENS, STAT_COLUMNS, STAT_TENSORS
+
 DEFAULT_CHANNELS = 8  # values shown per row unless --channel says which
 
 LEVEL_HOLDS = {

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 
+from .schema import ABSENTABLE, PRECISION_ORDER, TOL_FIELDS, TOL_KINDS
+
 INT64 = (-(1 << 63), (1 << 63) - 1)
 TEXT_LIMIT = 1 << 16  # characters of one metadata string
 LIST_LIMIT = 1 << 20  # items of one metadata list
 
-DTYPES = ("float64", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")  # verify.tolerance.DTYPE_DEFAULTS (a test checks)
-TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # verify.tolerance.TOL_FIELDS
-TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits")  # verify.tolerance
+DTYPES = PRECISION_ORDER  # a tolerance policy's base precision
 
 
 class MetaError(ValueError):
@@ -128,9 +128,6 @@ def either(*checks, rule: str):
                 pass
         raise MetaError(path, rule, v)
     return check
-
-
-ABSENTABLE = ("attn_update", "mid", "mlp_update")  # states a foreign layer may not have (meta.absent_states)
 
 
 # -- the schema ----------------------------------------------------------------------------------------------

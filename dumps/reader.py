@@ -20,7 +20,7 @@ from ..engine.errors import PrefillDiffError, regular_file, visible
 from .chunks import ChunkReader
 from .metacheck import MetaError, check_meta, check_meta_against_file
 from . import schema as sc
-from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES,
+from .schema import (CACHE_TENSORS, FORMAT_NAME, FORMAT_VERSION, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES, TENSOR,
                      STAT_COLUMNS, STATES, layer_group)
 
 
@@ -520,9 +520,8 @@ class Trace:
         a = self.args
         heads = a["n_heads"] * a["head_dim"] if a.get("n_heads") and a.get("head_dim") else None
         kv = a["n_kv_heads"] * a["head_dim"] if a.get("n_kv_heads") and a.get("head_dim") else None
-        widths = {**{n: a.get("dim") for n in REQUIRED_STATES}, "attn_heads": heads, "cache_keys": kv,
-                  "cache_values": kv}
-        return {n: widths[n] for n in names}
+        widths = {"dim": a.get("dim"), "heads": heads, "kv": kv}
+        return {n: widths[TENSOR[n].width] for n in names}
 
     def _check_layer(self, i: int):
         """Every dataset of layer ``i`` against the schema, at the trace's level; sizes against ROW_LIMIT before

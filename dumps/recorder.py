@@ -84,8 +84,9 @@ import numpy as np
 from ..engine.errors import INTERRUPT, PrefillDiffError
 from . import native
 from .provenance import provenance
+from . import metacheck
 from . import schema as sc
-from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
+from .schema import ACT_DTYPES, FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
 
 _MASK64 = (1 << 64) - 1
 # HDF5 1.8 object formats and newer carry checksums on every metadata block, so damaged metadata is
@@ -273,9 +274,21 @@ class RecorderError(PrefillDiffError):
 
 
 REQUIRED_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
-ENGINE_DTYPES = ("float64", "float32", "float16", "bfloat16")
+ENGINE_DTYPES = ACT_DTYPES
 OBJECT_KEYS = ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text",
                "provenance")
+
+
+def check_meta_as_read(meta: dict, n_samples: int | None = None, lengths=None) -> None:
+    """Refuse metadata the trace's own reader would refuse (dumps/metacheck.py, on the JSON it is stored as):
+    the write side and the read side check one schema, so a recorded trace always opens."""
+    try:
+        stored = json.loads(json.dumps(meta, sort_keys=True, default=str))
+        metacheck.check_meta(stored)
+        if n_samples is not None:
+            metacheck.check_meta_against_file(stored, n_samples, lengths)
+    except metacheck.MetaError as e:
+        raise RecorderError(f"the trace's metadata breaks its schema, so its reader would refuse it: {e}") from None
 
 
 def check_meta(meta) -> dict:
@@ -779,6 +792,7 @@ class Recorder:
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
         self.meta = {**meta, "provenance": meta.get("provenance") or provenance()}
+        check_meta_as_read(self.meta)
         self._write_meta()
         self._sampled_toks = [select_tokens(int(n), self.sample_tokens) for n in self.lengths]
         self._slot_of_tok = []  # per sample: token index -> sampled slot, -1 if not sampled
@@ -1162,6 +1176,7 @@ class Recorder:
         try:
             self._need_begin()
             self._check_complete()
+            check_meta_as_read(self.meta, self.n_samples, self.lengths)
         except RecorderError:
             self.abort()  # nothing is left that looks like a trace
             raise

@@ -27,12 +27,83 @@ READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds opt
 
 LEVELS = ("full", "sampled", "stats")
 
-# Per-layer residual-stream states, in the order they are computed (contract §2.3-§2.4).
-STATES = ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
-REQUIRED_STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")
-CACHE_TENSORS = ("keys", "values")
+from ..engine.registry import CACHE_DTYPES, FLOATS
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One per-layer tensor the trace records and the comparison judges, declared once.
+
+    ``name`` is the one name the verdict, the JSON report, ``inspect`` and the tables use; ``stored`` its
+    dataset under the layer group (a state, or ``cache/keys``); ``words`` how a sentence names it; ``header``
+    the table column's header (None: not a column) and ``priority`` (lower is dropped last when the terminal
+    is narrow); ``tol_kind`` the tolerance kind that judges it; ``sublayer`` the part of the layer that
+    computes it (where a break is blamed); ``width`` its row width in model sizes (``dim``, ``heads``:
+    n_heads·head_dim, ``kv``: n_kv_heads·head_dim); ``required`` whether every trace records it; ``absentable``
+    whether a layer that does not decompose into it (meta.absent_states) may leave it out.
+    """
+    name: str
+    stored: str
+    words: str
+    tol_kind: str
+    sublayer: str
+    width: str = "dim"
+    required: bool = True
+    absentable: bool = False
+    header: str | None = None
+    priority: int = 0
+
+    @property
+    def is_cache(self) -> bool:
+        return self.name.startswith(CACHE_PREFIX)
+
+
+CACHE_PREFIX = "cache_"
+
+# In the order a layer's values are compared (contract §2.3-§2.4): the input, the cache it writes, the
+# attention sub-layer, the residual in between, the MLP sub-layer, the output.
+LAYER_TENSORS = (
+    LayerTensor("layer_input", "layer_input", "layer input", "residual", "residual",
+                header="layer_\ninput", priority=6),
+    LayerTensor("cache_keys", "cache/keys", "cache keys", "cache_keys", "attention", "kv",
+                header="cache_\nkeys", priority=4),
+    LayerTensor("cache_values", "cache/values", "cache values", "cache_values", "attention", "kv",
+                header="cache_\nvalues", priority=5),
+    LayerTensor("attn_update", "attn_update", "attention update", "attn_update", "attention", absentable=True,
+                header="attn_\nupdate", priority=1),
+    LayerTensor("attn_heads", "attn_heads", "per-head attention output", "attn_update", "attention", "heads",
+                required=False),
+    LayerTensor("mid", "mid", "residual between attention and MLP", "residual", "attention", absentable=True,
+                header="mid", priority=3),
+    LayerTensor("mlp_update", "mlp_update", "MLP update", "mlp_update", "mlp", absentable=True,
+                header="mlp_\nupdate", priority=2),
+    LayerTensor("layer_output", "layer_output", "layer output", "residual", "mlp", header="layer_\noutput"),
+)
+TENSOR = {t.name: t for t in LAYER_TENSORS}
+VALUE_ORDER = tuple(t.name for t in LAYER_TENSORS)
+
+# Per-layer residual-stream states (datasets directly under a layer group), in the order they are computed.
+STATES = tuple(t.name for t in LAYER_TENSORS if not t.is_cache)
+REQUIRED_STATES = tuple(t.name for t in LAYER_TENSORS if not t.is_cache and t.required)
+ABSENTABLE = tuple(t.name for t in LAYER_TENSORS if t.absentable)  # meta.absent_states may name these
+CACHE_TENSORS = tuple(t.stored.split("/", 1)[1] for t in LAYER_TENSORS if t.is_cache)
 # Names of the per-layer statistics (stats/NAME, checksums/NAME, sampled/NAME): the states, then the cache.
-STAT_TENSORS = STATES + tuple(f"cache_{t}" for t in CACHE_TENSORS)
+STAT_TENSORS = STATES + tuple(CACHE_PREFIX + t for t in CACHE_TENSORS)
+
+# The first-step output per sample the comparison judges as values (contract §2.7), with their kinds.
+FINAL_TENSORS = ("logits", "norm_last")
+FINAL_KIND = {"logits": "logits", "norm_last": "residual"}
+
+# Tolerance kinds (each judges the tensors that name it as their tol_kind), in the order policies list them.
+TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits")
+TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # a kind's tolerance (verify.tolerance.Tolerance's fields)
+TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND}
+
+# Precisions: of activations (an engine's dtype), of KV caches (those and int8/fp8), coarsest first.
+ACT_DTYPES = FLOATS
+KV_DTYPES = CACHE_DTYPES
+FP8_DTYPES = tuple(d for d in CACHE_DTYPES if d.startswith("fp8"))
+PRECISION_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "float16", "bfloat16", "float32", "float64")
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")

@@ -15,12 +15,16 @@ from typing import NamedTuple
 import torch
 
 from .errors import ConfigError
+from .registry import CACHE_DTYPES, FLOATS
+from .registry import FP8 as FP8_NAMES
 
 CACHE_KINDS = ("contiguous", "paged")
 # storage dtypes of a KV cache; fp8 as vLLM stores it: the value divided by the layer's scale (1.0 unless
 # calibrated), cast to the fp8 format, read back times the scale
-FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-CACHE_DTYPES = ("float64", "float32", "bfloat16", "float16", "int8", *FP8)
+FP8 = dict(zip(FP8_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2)))
+_TORCH = {**dict(zip(FLOATS, (torch.float64, torch.float32, torch.bfloat16, torch.float16))), "int8": torch.int8,
+          **FP8}
+assert tuple(_TORCH) == CACHE_DTYPES, "engine/registry.py's precisions and their torch dtypes"
 LAYOUT_VERSION = 1
 
 
@@ -58,8 +62,7 @@ class CacheLayout:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16, "int8": torch.int8, **FP8}[name]
+    return _TORCH[name]
 
 
 @dataclass

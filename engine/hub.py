@@ -527,8 +527,8 @@ def describe_hf_dir(path: str, refusal: str) -> Snapshot:
             raise ModelLoadError(f"{where}: config.json needs {' or '.join(names)} as a positive integer "
                                  f"(got {_short(value)})")
         sizes[ours] = value
-    n_kv = cfg.get("num_key_value_heads") or sizes["n_heads"]
-    head_dim = cfg.get("head_dim") or sizes["dim"] // sizes["n_heads"]
+    n_kv = cfg["num_key_value_heads"] if cfg.get("num_key_value_heads") is not None else sizes["n_heads"]
+    head_dim = cfg["head_dim"] if cfg.get("head_dim") is not None else sizes["dim"] // sizes["n_heads"]
     for name, value in (("num_key_value_heads", n_kv), ("head_dim", head_dim)):
         if _positive_int(value, cfg, "") is not None:
             raise ModelLoadError(f"{where}: config.json {name} must be a positive integer (got {_short(value)})")

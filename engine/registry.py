@@ -170,11 +170,13 @@ class EngineInfo:
         return None if self.options is None else self.options()
 
 
-FLOATS = ("float64", "float32", "bfloat16", "float16")
+# Every precision an engine may run, declared here once (dumps/schema.py's vocabulary derives from it).
+FLOATS = ("float64", "float32", "bfloat16", "float16")  # activations
 FP8 = ("fp8_e4m3", "fp8_e5m2")  # KV caches only
+CACHE_DTYPES = FLOATS + ("int8",) + FP8
 ENGINES = {e.name: e for e in (
     EngineInfo("native", "native_engine", "our engine: the contract's layer template, every execution path",
-               computes=Computes(FLOATS, FLOATS + ("int8",) + FP8, ("none", "int8")), tp=True,
+               computes=Computes(FLOATS, CACHE_DTYPES, ("none", "int8")), tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one")),

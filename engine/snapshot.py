@@ -18,9 +18,8 @@ from .digest import digest_tensors
 from .errors import ConfigError, ModelLoadError, UnsupportedModel
 from .model import ModelArgs
 from .quantize import quantize_int8
+from .registry import FLOATS as ACT_DTYPES
 from .skeleton import skeleton
-
-ACT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
 @dataclass

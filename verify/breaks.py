@@ -15,16 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
+from ..dumps.schema import FINAL_TENSORS, LAYER_TENSORS
 from . import wording
 from .results import CacheResult, TensorResult
 
 ORDER = ("shape", "rank_divergence", "finite_mask", "cache_length", "cache_positions", "numerics", "positions",
          "value", "top_ids")
 
-SUBLAYER = {"layer_input": "residual", "cache_keys": "attention", "cache_values": "attention",
-            "attn_heads": "attention", "attn_update": "attention", "mid": "attention", "mlp_update": "mlp",
-            "layer_output": "mlp", "logits": "final", "norm_last": "final", "topk_ids": "final",
-            "cache_lengths": "attention", "cache_positions": "attention", "positions": "attention"}
+SUBLAYER = {**{t.name: t.sublayer for t in LAYER_TENSORS}, **{n: "final" for n in FINAL_TENSORS},
+            "topk_ids": "final", "cache_lengths": "attention", "cache_positions": "attention",
+            "positions": "attention"}
 
 
 @dataclass(frozen=True, kw_only=True)

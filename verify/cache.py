@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dumps.reader import LayerView, Trace
+from ..dumps.schema import CACHE_PREFIX, CACHE_TENSORS
 from . import wording
 from .context import Context
 from .metrics import slab
@@ -63,8 +64,8 @@ def check_cache(ctx: Context, r: LayerView, c: LayerView) -> tuple[CacheResult, 
     tensors = {}
     window = layer_window(ctx.ref, r.layer)
     rsl, csl = Slots(r, window), Slots(c, window)
-    for name in ("keys", "values"):
-        tname = f"cache_{name}"
+    for name in CACHE_TENSORS:
+        tname = CACHE_PREFIX + name
         tol = ctx.value_tol(tname, r.layer)
         rd, cd = r.cache(name), c.cache(name)
         if (rd is None or cd is None) and window is not None and any(

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..dumps.schema import ACT_DTYPES
+
 # unit roundoff (half an ulp at 1) of each precision; int8 counts as 1/254 of the scale's range
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,
                  "int8": 2.0 ** -8, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
@@ -95,7 +97,7 @@ def parse_precision_key(key: str) -> dict | None:
     """The precisions a ``precision_key`` names ('bfloat16', 'float32-wint8', 'float32-kvint8-perhead'), or None
     when ``key`` is not one."""
     dtype, *rest = key.split("-")
-    if dtype not in ("float64", "float32", "bfloat16", "float16"):
+    if dtype not in ACT_DTYPES:
         return None
     prec = {"dtype": dtype, "weight_quant": "none", "cache_dtype": dtype, "int8_scales": None}
     for part in rest:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..dumps.reader import LayerView, Trace, TraceError
+from ..dumps.schema import STATES, VALUE_ORDER
 from .align import Alignment, same_layout
 from .breaks import Break, Checks, cache_break, finite_break, numerics_break, shape_break, tensor_break, value_break
 from .cache import check_cache
@@ -24,9 +25,6 @@ from .stats import compare_stats
 from .tolerance import Policy
 from . import wording
 
-STATES = ("layer_input", "attn_update", "attn_heads", "mid", "mlp_update", "layer_output")
-VALUE_ORDER = ("layer_input", "cache_keys", "cache_values", "attn_update", "attn_heads", "mid", "mlp_update",
-               "layer_output")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,12 +11,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..dumps.schema import FINAL_TENSORS
 from . import wording
 from .breaks import Break, Checks, finite_break, numerics_break, shape_break, tensor_break, value_break
 from .context import Context
 from .results import Accumulator, TensorResult
-
-FINAL_TENSORS = ("logits", "norm_last")
 
 
 class Top(NamedTuple):

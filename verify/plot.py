@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 
+from ..dumps.schema import TENSOR
 from ..engine.errors import PrefillDiffError, visible
 from .report import Report
 
-SERIES = (("attn_update", "attention update"), ("mlp_update", "MLP update"), ("layer_output", "layer output"),
-          ("cache_keys", "cache keys"), ("cache_values", "cache values"))
+# the tensors drawn, each labelled by its words in the vocabulary
+SERIES = tuple((n, TENSOR[n].words) for n in ("attn_update", "mlp_update", "layer_output", "cache_keys",
+                                               "cache_values"))
 
 
 def allowed_max_abs(t) -> float | None:

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from ..dumps.schema import PRECISION_ORDER, TOL_FIELDS, TOL_KIND, TOL_KINDS
 from ..engine.errors import ConfigError
 
-KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits")
-
-# tensor name -> tolerance kind
-KIND_OF = {"layer_input": "residual", "mid": "residual", "layer_output": "residual", "norm_last": "residual",
-           "attn_update": "attn_update", "attn_heads": "attn_update", "mlp_update": "mlp_update",
-           "cache_keys": "cache_keys", "cache_values": "cache_values", "logits": "logits"}
+KINDS = TOL_KINDS
+KIND_OF = TOL_KIND  # tensor name -> tolerance kind
 
 # Coarsest first: the policy of a comparison is that of its least precise side.
-DTYPE_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "float16", "bfloat16", "float32", "float64")
+DTYPE_ORDER = PRECISION_ORDER
 
 # (atol, rtol, ntol, row_rtol) for every kind, per dtype.
 DTYPE_DEFAULTS = {
@@ -52,13 +49,10 @@ class Tolerance:
     row_rtol: float = 0.0  # a row with ||cand - ref|| <= row_rtol·||ref|| passes whole; 0: off
 
     def __post_init__(self):
-        for name in ("atol", "rtol", "ntol", "row_rtol"):
+        for name in TOL_FIELDS:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
                 raise ConfigError(f"{name} must be a non-negative number (got {name}={v!r})")
-
-
-TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")
 
 
 @dataclass(frozen=True)
