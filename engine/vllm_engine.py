@@ -71,15 +71,9 @@ def check(prep) -> None:
                   "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
     if snap.adapter is not None:
         no.append("a LoRA adapter")
-    a = snap.args
-    if a.norm_placement == "pre" and (a.attention_multiplier is not None or (
-            a.embedding_multiplier, a.residual_multiplier, a.logits_scaling) != (1.0, 1.0, 1.0)):
-        no.append(f"a model of the {a.arch} family (Granite's decoder layer adds its scaled updates itself, "
-                  "it does not fuse the residual add into its norms: the worker does not read it yet)")
-    if snap.args.norm_placement != "pre":
-        no.append(f"a model of the {snap.args.arch} family (the worker captures decoder layers that fuse the "
-                  "residual add into their pre-norms, as vLLM's Llama and Qwen layers do; post-norm layers are not "
-                  "read yet)")
+    if snap.args.norm_placement == "post":
+        no.append(f"a model of the {snap.args.arch} family (vLLM has no OLMo 2 class of its own: it runs it "
+                  "through its transformers backend, whose layers the worker does not read)")
     if prep.side.inputs.positions is not None and any(
             list(p) != list(range(len(t))) for p, t in zip(prep.side.inputs.positions, prep.tokens)):
         no.append("explicit position ids (vLLM numbers positions itself, from 0)")
@@ -184,11 +178,12 @@ def model_directory(snapshot, tmp: str) -> str:
     from safetensors.torch import save_file  # deferred: torch
 
     from .hf_engine import hf_config
-    from .hub import hf_state_dict
+    from .hub import SUPPORTED_ARCHS, hf_state_dict
     d = os.path.join(tmp, "model")
     os.makedirs(d)
     cfg = hf_config(snapshot.args)
-    cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+    named = {ours: theirs for theirs, ours in SUPPORTED_ARCHS.items()}  # Gemma 3's config class is Gemma3TextConfig
+    cfg.architectures = [named.get(snapshot.args.arch) or type(cfg).__name__.replace("Config", "ForCausalLM")]
     cfg.to_json_file(os.path.join(d, "config.json"))
     state = hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3")
     if snapshot.args.tie_embeddings:

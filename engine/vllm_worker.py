@@ -224,9 +224,24 @@ class Capture:
         for i, layer in enumerate(self.layers):
             h.append(layer.register_forward_pre_hook(self._layer_in(i), with_kwargs=True))
             h.append(layer.register_forward_hook(self._layer_out(i)))
-            h.append(layer.self_attn.register_forward_hook(self._keep(i, "attn_update")))
-            h.append(layer.post_attention_layernorm.register_forward_hook(self._mid(i)))
-            h.append(layer.mlp.register_forward_hook(self._keep(i, "mlp_update")))
+            if hasattr(layer, "pre_feedforward_layernorm"):
+                # Gemma 2/3: sandwich norms. The updates are what is added to the residual (the post-norms'
+                # outputs); the pre-MLP norm fuses the add and hands back the residual between them.
+                h.append(layer.post_attention_layernorm.register_forward_hook(self._keep(i, "attn_update")))
+                h.append(layer.pre_feedforward_layernorm.register_forward_hook(self._mid(i)))
+                h.append(layer.post_feedforward_layernorm.register_forward_hook(self._keep(i, "mlp_update")))
+            elif hasattr(layer, "residual_multiplier"):
+                # Granite: no fused add; each update is scaled as the layer adds it, and the MLP's norm reads
+                # the residual between them
+                scale = float(layer.residual_multiplier)
+                h.append(layer.self_attn.register_forward_hook(self._keep(i, "attn_update", scale)))
+                h.append(layer.post_attention_layernorm.register_forward_pre_hook(
+                    lambda mod, args, i=i: self._put(i, "mid", args[0])))
+                h.append(layer.mlp.register_forward_hook(self._keep(i, "mlp_update", scale)))
+            else:  # Llama, Qwen, Mistral, Phi-3: the residual add fused into the next pre-norm
+                h.append(layer.self_attn.register_forward_hook(self._keep(i, "attn_update")))
+                h.append(layer.post_attention_layernorm.register_forward_hook(self._mid(i)))
+                h.append(layer.mlp.register_forward_hook(self._keep(i, "mlp_update")))
             h.append(layer.self_attn.o_proj.register_forward_pre_hook(self._heads(i)))
             if self.fault.get("name") == "cache-write" and i == self.fault.get("layer"):
                 h.append(layer.self_attn.attn.register_forward_hook(self._overwrite))
@@ -237,8 +252,11 @@ class Capture:
             n = self.step["n"]
             self.step_rows[(i, name)] = _np(x[:n].reshape(n, -1))
 
-    def _keep(self, i, name):
-        return lambda mod, args, out: self._put(i, name, out[0] if isinstance(out, tuple) else out)
+    def _keep(self, i, name, scale: float = 1.0):
+        def hook(mod, args, out):
+            x = out[0] if isinstance(out, tuple) else out
+            self._put(i, name, x if scale == 1.0 else x * scale)
+        return hook
 
     def _mid(self, i):
         return lambda mod, args, out: self._put(i, "mid", out[1])
@@ -254,7 +272,8 @@ class Capture:
         return hook
 
     def _layer_out(self, i):
-        return lambda mod, args, out: self._put(i, "layer_output", out[0] + out[1])
+        # a fused layer returns (its last update, the residual before it); Granite's the new residual itself
+        return lambda mod, args, out: self._put(i, "layer_output", out[0] + out[1] if isinstance(out, tuple) else out)
 
     def _begin(self, mod, args, kwargs):
         """A step starts: which request each token belongs to, and at which position."""
@@ -278,8 +297,14 @@ class Capture:
                 self.cached[s] = int(computed[r])
         if self.fault.get("name") == "position-restart":
             self._restart(positions, reqs, qsl)
+        # each layer's block table: a model mixing window and full layers keeps one KV cache group (and one table)
+        # per kind of layer
+        metas = [md[layer.self_attn.attn.layer_name] if isinstance(md, dict) else md for layer in self.layers]
+        tables = {}
+        for m in metas:
+            tables.setdefault(id(m.block_table), m.block_table.clone())
         self.step = {"n": n, "qsl": qsl, "reqs": reqs, "positions": positions[:n].tolist(),
-                     "block_table": meta.block_table.clone(), "meta": meta}
+                     "block_table": [tables[id(m.block_table)] for m in metas], "meta": meta}
         self.step_rows = {}
 
     def _restart(self, positions, reqs, qsl):
@@ -309,7 +334,7 @@ class Capture:
                 rec["states"].setdefault(key, []).append(rows[a:b])
             done = len(rec["positions"]) + self.cached.get(s, 0) >= self.prompt_len[rid]
             if done and s not in self.done:
-                self.done[s] = {"cache": self._read_cache(st["block_table"][r], self.prompt_len[rid])}
+                self.done[s] = {"cache": self._read_cache([t[r] for t in st["block_table"]], self.prompt_len[rid])}
 
     def _overwrite(self, mod, args, out):
         """The cache-write fault: after layer l's attention wrote the step's keys, the target sample's keys at one
@@ -327,7 +352,8 @@ class Capture:
             nb, h, bs, two_d = kv.shape
             if self.layout is None:
                 self.layout = self._learn(attn, kv, bs, h, two_d // 2)
-            kc = kv.view(nb, h, 2 * bs, two_d // 2).chunk(2, dim=2)[0][int(st["block_table"][r][pos // bs])]
+            table = st["block_table"][self.fault["layer"]]
+            kc = kv.view(nb, h, 2 * bs, two_d // 2).chunk(2, dim=2)[0][int(table[r][pos // bs])]
             src = pos % bs - 1 if pos % bs else pos % bs + 1  # the neighbour in the same block
             to = np.unravel_index(self.layout[0][pos % bs].reshape(-1).numpy(), tuple(kc.shape))
             frm = np.unravel_index(self.layout[0][src].reshape(-1).numpy(), tuple(kc.shape))
@@ -345,9 +371,12 @@ class Capture:
                 self.done[s]["logits"] = _np(out[r])
 
     # the paged cache
-    def _read_cache(self, block_row, n: int) -> dict:
+    def _read_cache(self, block_rows, n: int) -> dict:
+        """Each layer's first ``n`` cache slots through its own block-table row. A window layer's blocks that
+        fell out of its window may have been handed back: what they read is compared only where it matters
+        (verify/cache.py compares a window layer on its last W-1 slots)."""
         keys, values = [], []
-        for layer in self.layers:
+        for layer, block_row in zip(self.layers, block_rows):
             attn = layer.self_attn.attn
             kv = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
             nb, h, bs, two_d = kv.shape
@@ -411,8 +440,14 @@ def engine_args(request: dict) -> dict:
 
 
 def _first_line(e: BaseException) -> str:
+    """The error in one line. A pydantic validation error's first line only counts the errors ("1 validation
+    error for ModelConfig"): the lines naming the field and the reason are joined to it."""
     text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:500]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1 and " validation error" in lines[0]:
+        lines = [ln for ln in lines if "errors.pydantic.dev" not in ln and not ln.startswith("For further")]
+        return ": ".join(lines[:4])[:500]
+    return lines[0][:500]
 
 
 def _version() -> str:

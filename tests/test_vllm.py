@@ -291,10 +291,13 @@ def test_faults_inside_vllm_are_localised(fault, where, vllm_python, run_cli):
     assert fb["sample"] == 0
 
 
-@pytest.mark.parametrize("family", ["synthetic:qwen3", "synthetic:llama-biased", "synthetic:mistral"])
+@pytest.mark.parametrize("family", ["synthetic:qwen3", "synthetic:llama-biased", "synthetic:mistral",
+                                    "synthetic:gemma2", "synthetic:gemma3", "synthetic:granite", "synthetic:phi3"])
 def test_vllm_runs_the_dense_families(family, vllm_python, run_cli):
-    """Qwen3's QK-norm, Llama's attention and MLP biases and Mistral's sliding window, as vLLM's own classes
-    compute them."""
+    """Qwen3's QK-norm, Llama's attention and MLP biases, Mistral's sliding window, Gemma's sandwich norms,
+    soft-caps and (Gemma 3) window and full layers in two KV cache groups, Granite's multipliers and Phi-3's fused
+    projections, as vLLM's own classes compute them; the built-in prompts (70, 45 and 9 tokens) are longer than
+    the windows (8)."""
     rep = _json(res := run_cli("run", "reference", "vllm", "--model", family, "--json", "-"))
     assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
     assert len(rep["layers"]) == 4 and rep["rule"].startswith("fixed float32 rule")
