@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 
 from .errors import ConfigError
-from .registry import CACHE_DTYPES, FLOATS
-from .registry import FP8 as FP8_NAMES
+from .precisions import CACHE_DTYPES, FLOATS
+from .precisions import FP8 as FP8_NAMES
 
 CACHE_KINDS = ("contiguous", "paged")
 # storage dtypes of a KV cache; fp8 as vLLM stores it: the value divided by the layer's scale (1.0 unless
@@ -24,7 +24,6 @@ CACHE_KINDS = ("contiguous", "paged")
 FP8 = dict(zip(FP8_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2)))
 _TORCH = {**dict(zip(FLOATS, (torch.float64, torch.float32, torch.bfloat16, torch.float16))), "int8": torch.int8,
           **FP8}
-assert tuple(_TORCH) == CACHE_DTYPES, "engine/registry.py's precisions and their torch dtypes"
 LAYOUT_VERSION = 1
 
 

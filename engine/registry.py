@@ -29,6 +29,7 @@ import importlib
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
+from .precisions import CACHE_DTYPES, FLOATS, FP8
 
 GOLDEN = {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}
 
@@ -170,10 +171,6 @@ class EngineInfo:
         return None if self.options is None else self.options()
 
 
-# Every precision an engine may run, declared here once (dumps/schema.py's vocabulary derives from it).
-FLOATS = ("float64", "float32", "bfloat16", "float16")  # activations
-FP8 = ("fp8_e4m3", "fp8_e5m2")  # KV caches only
-CACHE_DTYPES = FLOATS + ("int8",) + FP8
 ENGINES = {e.name: e for e in (
     EngineInfo("native", "native_engine", "our engine: the contract's layer template, every execution path",
                computes=Computes(FLOATS, CACHE_DTYPES, ("none", "int8")), tp=True,

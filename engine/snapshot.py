@@ -18,7 +18,7 @@ from .digest import digest_tensors
 from .errors import ConfigError, ModelLoadError, UnsupportedModel
 from .model import ModelArgs
 from .quantize import quantize_int8
-from .registry import FLOATS as ACT_DTYPES
+from .precisions import FLOATS as ACT_DTYPES
 from .skeleton import skeleton
 
 

@@ -542,17 +542,19 @@ def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int) 
     rec, done = cap.samples.get(i), cap.done.get(i)
     if rec is None or done is None or "logits" not in done:
         raise RuntimeError(f"vLLM finished prompt {i} without the capture seeing its prefill complete")
-    arrays = {}
+    arrays, states = {}, []
     for name in dict.fromkeys(name for _, name in rec["states"]):  # the states the hooks captured
         rows = [np.concatenate(rec["states"][(layer, name)], axis=0) for layer in range(n_layers)
                 if (layer, name) in rec["states"]]
         if len(rows) == n_layers:
             arrays[name] = np.stack(rows)  # (layers, computed tokens, width)
+            states.append(name)
     arrays.update(keys=done["cache"]["keys"], values=done["cache"]["values"],
                   positions=np.asarray(rec["positions"], dtype=np.int64),
                   norm_last=done["norm_last"], logits=done["logits"])
     cached = int(getattr(output, "num_cached_tokens", 0) or 0) if output is not None else 0
-    channel.send({"type": "sample", "index": i, "num_cached_tokens": cached, "steps": rec["steps"]}, arrays)
+    channel.send({"type": "sample", "index": i, "num_cached_tokens": cached, "steps": rec["steps"],
+                  "states": states}, arrays)
 
 
 def main(argv) -> int:

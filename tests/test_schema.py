@@ -241,14 +241,14 @@ def test_inputs_and_final_reach_the_file_on_flush_and_close():
     rec.abort()
 
 
-# -- the vocabulary: declared once (dumps/schema.py, precisions in engine/registry.py), derived everywhere ------
+# -- the vocabulary: declared once (dumps/schema.py; the precisions in the shared leaf engine/precisions.py) --------
 
 ROOT = Path(__file__).resolve().parent.parent
 DECLARED = {  # each list the vocabulary declares or derives, as a set of words
     name: frozenset(getattr(sc, name)) for name in (
         "STATES", "REQUIRED_STATES", "VALUE_ORDER", "CACHE_TENSORS", "STAT_TENSORS", "ABSENTABLE", "FINAL_TENSORS",
         "TOL_KINDS", "TOL_FIELDS", "ACT_DTYPES", "KV_DTYPES", "FP8_DTYPES", "PRECISION_ORDER")}
-DECLARED_IN = {"dumps/schema.py", "engine/registry.py"}
+DECLARED_IN = {"dumps/schema.py", "engine/precisions.py"}
 
 
 def _literal_lists(path: Path):
@@ -282,7 +282,7 @@ def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.cli.render import COLUMNS
     from prefill_diff.dumps import metacheck, recorder
-    from prefill_diff.engine import cache, registry, snapshot
+    from prefill_diff.engine import cache, precisions, registry, snapshot
     from prefill_diff.verify import breaks, comparator, plot, tolerance
     assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
     assert tolerance.KINDS is sc.TOL_KINDS and tolerance.DTYPE_ORDER is sc.PRECISION_ORDER
@@ -291,9 +291,9 @@ def test_the_consumers_read_the_declaration():
     from prefill_diff.verify.calibrate import UNIT_ROUNDOFF
     assert set(UNIT_ROUNDOFF) == set(sc.PRECISION_ORDER)  # tables keyed by the vocabulary cover all of it
     assert metacheck.ABSENTABLE is sc.ABSENTABLE and metacheck.DTYPES is sc.PRECISION_ORDER
-    assert recorder.ENGINE_DTYPES is sc.ACT_DTYPES is registry.FLOATS is snapshot.ACT_DTYPES
-    assert cache.CACHE_DTYPES is registry.CACHE_DTYPES is sc.KV_DTYPES
-    assert tuple(cache.FP8) == registry.FP8 == sc.FP8_DTYPES
+    assert recorder.ENGINE_DTYPES is sc.ACT_DTYPES is precisions.FLOATS is registry.FLOATS is snapshot.ACT_DTYPES
+    assert cache.CACHE_DTYPES is precisions.CACHE_DTYPES is sc.KV_DTYPES
+    assert tuple(cache.FP8) == precisions.FP8 == sc.FP8_DTYPES and sc.PRECISION_ORDER is precisions.PRECISION_ORDER
     assert all(breaks.SUBLAYER[n] == sc.TENSOR[n].sublayer for n in sc.VALUE_ORDER)
     assert [c[0] for c in COLUMNS] == [n for n in sc.VALUE_ORDER if sc.TENSOR[n].header]
     assert dict(plot.SERIES)["mlp_update"] == sc.TENSOR["mlp_update"].words

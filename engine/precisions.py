@@ -1,0 +1,7 @@
+"""Every precision prefill-diff names, declared once: a shared leaf (it imports nothing of ours), so the engine,
+the trace format (dumps/schema.py re-exports these) and the verdict all read the same lists."""
+
+FLOATS = ("float64", "float32", "bfloat16", "float16")  # activation dtypes an engine may run
+FP8 = ("fp8_e4m3", "fp8_e5m2")  # KV caches only
+CACHE_DTYPES = FLOATS + ("int8",) + FP8  # what a KV cache may store
+PRECISION_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "float16", "bfloat16", "float32", "float64")  # coarsest first
