@@ -28,6 +28,7 @@ from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, prec
                                 precisions, same_precisions, sibling_paths, unit_roundoff)
 from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
 from ..verify.report import Report, Session, compare_traces
+from ..verify.routing import forced_routing
 from ..verify.tolerance import Policy
 
 # label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
@@ -46,6 +47,7 @@ class Outcome:
     report: Report
     ref_path: str | None = None
     cand_path: str | None = None
+    replays: bool = False  # the candidate's engine can rerun with routing forced (routing replay)
 
     def __repr__(self) -> str:  # the verdict, not every layer's metrics
         return f"Outcome({self.report.verdict_line()}, ref_path={self.ref_path!r}, cand_path={self.cand_path!r})"
@@ -169,17 +171,22 @@ def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
 
 
 def record_calibration(ref_side, plan: CalibPlan, golden_path: str, twin_path: str, *, force: bool = False,
-                       progress: SideProgress | None = None, snapshot=None) -> tuple[str, str | None]:
-    """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions, by the plan's maker."""
+                       progress: SideProgress | None = None, snapshot=None,
+                       routing: dict | None = None) -> tuple[str, str | None]:
+    """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions, by the plan's maker;
+    ``routing``: experts to force, in the reference's samples (routing replay: every side takes the same)."""
     rec = _sides()
     sides = rec.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
-    golden = rec.record_side(rec.prepare(sides.golden, snapshot), golden_path, "full", force,
-                             progress=_on(progress, "golden (float64)"))
-    if sides.twin is None:
-        return golden, None
-    twin = rec.record_side(rec.prepare(sides.twin, snapshot), twin_path, "full", force,
-                           progress=_on(progress, f"twin ({plan.label})"))
-    return golden, twin
+    paths = []
+    for side, path, label in ((sides.golden, golden_path, "golden (float64)"),
+                              (sides.twin, twin_path, f"twin ({plan.label})")):
+        if side is None:
+            paths.append(None)
+            continue
+        prep = rec.prepare(side, snapshot)
+        prep.routing = routing or {}
+        paths.append(rec.record_side(prep, path, "full", force, progress=_on(progress, label)))
+    return paths[0], paths[1]
 
 
 def _on(progress: SideProgress | None, label: str):
@@ -268,10 +275,43 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                                               snapshot=ref_prep.snapshot)
             report = _judge_open(r, c, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset,
                                  allow_identity=allow_identity)
+            forced, forced_ref, rounds = {}, {}, 0
+            while report.unreplayed and _replays(cand_prep) and rounds < REPLAY_ROUNDS:
+                # routing replay: the candidate again, the reference's experts forced where it flipped within noise
+                forced = forced_routing(report.unreplayed, forced)
+                forced_ref = forced_routing(report.unreplayed, forced_ref, side="reference")
+                again = rec.prepare_side(cand, model, inputs)
+                again.routing = forced
+                paths[1] = rec.record_side(again, os.path.join(work, f"cand-replay{rounds + 1}.h5"), level, force,
+                                           progress=_on(progress, "candidate, routing replayed"))
+                rounds += 1
+                if siblings is not None:  # the golden and the twin take the same experts there
+                    siblings = record_calibration(ref_prep.side, plan, os.path.join(work, f"golden-replay{rounds}.h5"),
+                                                  os.path.join(work, f"twin-replay{rounds}.h5"), force=force,
+                                                  progress=progress, snapshot=ref_prep.snapshot,
+                                                  routing=forced_ref)
+                with open_any(paths[1]) as c2:
+                    report = _judge_open(r, c2, tolerance, plan, siblings, kept=(keep, keep),
+                                         allow_subset=allow_subset, allow_identity=allow_identity)
+            if rounds:
+                report = replace(report, replayed=_replayed(forced))
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     return Outcome(report, *(paths if keep else (None, None)))
+
+
+REPLAY_ROUNDS = 3  # a replayed run may flip elsewhere within noise: each round forces those too
+
+
+def _replays(prep) -> bool:
+    """The side's engine can force a mixture of experts' routing (and the model has experts)."""
+    return ENGINES[prep.side.run.engine].replays_routing and bool(prep.snapshot.args.n_experts)
+
+
+def _replayed(forced: dict) -> tuple:
+    return tuple({"layer": layer, "sample": s, "position": t, "experts": list(ids)}
+                 for layer, cells in sorted(forced.items()) for (s, t), ids in sorted(cells.items()))
 
 
 def check_tolerance(tolerance: dict | None) -> dict | None:
@@ -410,12 +450,33 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
 
     Nothing is written to disk, and the work after the breaking layer is never done. A calibrated comparison
     runs its golden and twin in the same lockstep, planned once both sides have recorded their first layer
-    (by then each engine has said what precisions it ran).
+    (by then each engine has said what precisions it ran). Routing flips within noise are replayed as ``run``
+    replays them: the whole lockstep again, the candidate's router forced at those tokens.
     """
+    kw = dict(level=level, tolerance=tolerance, calibrate=calibrate, factor=factor, allow_subset=allow_subset,
+              allow_identity=allow_identity)
+    out = _run_lockstep(ref, cand, model, inputs, **kw)
+    forced, forced_ref, rounds = {}, {}, 0
+    while out.report.unreplayed and out.replays and rounds < REPLAY_ROUNDS:
+        forced = forced_routing(out.report.unreplayed, forced)
+        forced_ref = forced_routing(out.report.unreplayed, forced_ref, side="reference")
+        out = _run_lockstep(ref, cand, model, inputs, routing=(forced, forced_ref), **kw)
+        rounds += 1
+    if rounds:
+        out = replace(out, report=replace(out.report, replayed=_replayed(forced)))
+    return out
+
+
+def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, tolerance: dict | None,
+                  calibrate: bool | None, factor: float, allow_subset: bool, allow_identity: bool,
+                  routing: tuple | None = None) -> Outcome:
+    """run_lockstep once; ``routing``: the experts to force (the candidate's samples, the reference's) or None."""
     explicit = _explicit(tolerance)
     check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
     rec = _sides()
     preps = [rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)]
+    forced, forced_ref = routing or ({}, {})
+    preps[1].routing = forced
     if any(p.side.run.tp > 1 for p in preps):
         raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
                           "(tp > 1) runs in its own processes: drop --fail-fast")
@@ -434,9 +495,12 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
             sides = rec.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
             for side in (sides.golden, sides.twin):
                 if side is not None:
-                    _start(rec, rec.prepare(side, preps[0].snapshot), level, recs, gens)
+                    prep = rec.prepare(side, preps[0].snapshot)
+                    prep.routing = forced_ref  # routing replay: every side takes the same experts there
+                    _start(rec, prep, level, recs, gens)
                     names.append(f"{side.origin} (in memory)")
-        return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset, allow_identity))
+        return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset, allow_identity),
+                       replays=_replays(preps[1]))
     finally:
         for g in gens:
             g.close()

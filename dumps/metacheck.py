@@ -153,6 +153,9 @@ MODEL_ARGS = {
     "residual_multiplier": number(0, lo_open=True), "logits_scaling": number(0, lo_open=True),
     "embed_scale": text(), "attn_softcap": number(0, lo_open=True, none=True),
     "final_softcap": number(0, lo_open=True, none=True), "rope_local_theta": number(0, lo_open=True, none=True),
+    "n_experts": integer(0, 1 << 20), "n_active_experts": integer(0, 1 << 20), "moe_hidden_dim": integer(0, 1 << 22),
+    "norm_topk_prob": boolean(), "moe_weight_dtype": text(choices=("activation", "float32")),
+    "shared_expert_dim": integer(0, 1 << 22), "dense_layers": array(integer(0, 10_000), limit=10_000),
 }
 
 ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer(), "scale": number()}, closed=True,

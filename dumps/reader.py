@@ -264,6 +264,11 @@ class LayerView:
     def cache(self, name: str):
         return self.g.get(sc.CACHE.rel(name))
 
+    def routing(self, name: str):
+        """A MoE layer's routing dataset (ids, weights, margin, logits), or None (a dense layer, an older trace,
+        or logits below the full level)."""
+        return self.g.get(sc.ROUTING[name].rel())
+
     @cached_property
     @_guarded
     def cache_lengths(self) -> np.ndarray:
@@ -455,7 +460,8 @@ class Trace:
         """The named dimensions the metadata fixes (schema module docstring); unknown ones are left out."""
         a = self.args
         dims = {"S": self.n_samples, "C": self.n_cols, "stat": len(STAT_COLUMNS), "dim": a.get("dim"),
-                "vocab": a.get("vocab_size"), "H": a.get("n_kv_heads"), "D": a.get("head_dim")}
+                "vocab": a.get("vocab_size"), "H": a.get("n_kv_heads"), "D": a.get("head_dim"),
+                "A": a.get("n_active_experts") or None, "E": a.get("n_experts") or None}
         return {k: v for k, v in dims.items() if v is not None}
 
     def _check_inputs(self):
@@ -550,6 +556,28 @@ class Trace:
                     ROW_LIMIT:
                 raise TraceError(f"{where}: layer {i} cache {name} declares rows larger than a reader allocates")
             self._element(g, sc.CACHE, {**dims, "T": pos.shape[1]}, name, i, required=self.level == "full", ds=ds)
+        if sc.ROUTING_GROUP in g:
+            self._check_routing(i, g, dims)
+
+    def _check_routing(self, i: int, g: h5py.Group, dims: dict):
+        """A MoE layer's routing (format 1.2): only where the metadata declares experts, ids, weights and margin
+        together, ids in [0, n_experts) where written, logits at the full level."""
+        where = f"{self.name}: layer {i} routing"
+        E, A = dims.get("E"), dims.get("A")
+        if E is None or A is None:
+            raise TraceError(f"{where}: the metadata declares no experts (model.args.n_experts, n_active_experts)")
+        if i in (self.args.get("dense_layers") or ()):
+            raise TraceError(f"{where}: layer {i} is dense (model.args.dense_layers) but holds routing")
+        if E * self.n_cols * 8 > ROW_LIMIT:
+            raise TraceError(f"{where}: rows of {E * self.n_cols} router logits, larger than a reader allocates")
+        for name, el in sc.ROUTING.items():
+            self._element(g, el, dims, layer=i, required=name != "logits" or self.level == "full")
+        ids = self.read(g[sc.ROUTING["ids"].rel()])
+        bad = (ids != -1) & ((ids < 0) | (ids >= E))
+        if bad.any():
+            s, c, _ = np.argwhere(bad)[0]
+            raise TraceError(f"{where}: ids must be experts in [0, {E}) or -1 (got {int(ids[s, c].max())} at sample "
+                             f"{s}, column {c})")
 
     def _check_sampled(self, i: int, g: h5py.Group):
         """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""

@@ -683,6 +683,8 @@ class _LayerBuffers:
     heads: tuple = ()  # (n_kv_heads, head_dim) of the cache, for the cache group's attributes
     tensors: dict = field(default_factory=dict)  # "keys"/"values" -> dataset (full level, written in place)
     sampled: dict = field(default_factory=dict)  # tensor name -> _Sampled (sampled level)
+    routing: dict = field(default_factory=dict)  # ids, weights, margin (and logits at the full level) -> (S, C, ...)
+    routing_source: str | None = None  # the router logits' dtype in the engine
 
 
 class Recorder:
@@ -784,6 +786,9 @@ class Recorder:
             ids[i, :len(s)] = s
         self.dims = {"S": S, "C": n_cols, "N": nmax, "dim": self.args["dim"], "vocab": self.args["vocab_size"],
                      "H": self.args["n_kv_heads"], "D": self.args["head_dim"], "stat": len(STAT_COLUMNS)}
+        margs = meta["model"]["args"]
+        if margs.get("n_experts"):  # a mixture of experts: its routing's sizes (metacheck'd below)
+            self.dims.update(A=int(margs.get("n_active_experts") or 0), E=int(margs["n_experts"]))
         sc.TOKEN_IDS.create(self.f, self.dims, data=ids)
         sc.LENGTHS.create(self.f, self.dims, data=self.lengths)
         self._inputs = {name: np.full(el.shape_for(self.dims), el.fill, dtype=el.dtype)  # written by flush
@@ -965,6 +970,47 @@ class Recorder:
             sampled[name] = _Sampled(np.full(shape, np.nan, dtype=to_numpy(x[:0]).dtype), ch, width, source_dtype(x))
         return sampled[name]
 
+    def routing(self, layer: int, sample: int, col: int, ids, weights, margin, scale, logits=None) -> None:
+        """One sample's routing at cells [col, col + T) of a layer whose MLP has experts: the chosen experts
+        (T, k) by descending router probability, their weights (T, k) as they scale the experts' outputs, the
+        router's margin (T,) (its k-th minus its (k+1)-th logit), the RMS of its logits (T,) and its logits
+        (T, E), kept at the full level."""
+        self._need_begin()
+        self._layer(layer, "routing")
+        A, E = self.dims.get("A"), self.dims.get("E")
+        if A is None:
+            raise RecorderError("routing() needs meta.model.args.n_experts and n_active_experts (a mixture of "
+                                "experts); this model declares none")
+        T = _shape(ids)[0] if len(_shape(ids)) == 2 else -1
+        self._where(sample, col, ids, f"layer {layer} routing")
+        _want(f"layer {layer} routing ids of sample {sample}", ids, (T, A))
+        _want(f"layer {layer} routing weights of sample {sample}", weights, (T, A))
+        _want(f"layer {layer} routing margin of sample {sample}", margin, (T,))
+        _want(f"layer {layer} routing scale of sample {sample}", scale, (T,))
+        if logits is not None:
+            _want(f"layer {layer} router logits of sample {sample}", logits, (T, E))
+        idx = to_numpy(ids).astype(np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= E):
+            raise RecorderError(f"layer {layer} routing ids of sample {sample} must be experts in [0, {E}) (got "
+                                f"{int(idx.min())}..{int(idx.max())})")
+        buf = self._buffers(layer)
+        self._seen.add((layer, "routing"))
+        if not buf.routing:
+            for name in ("ids", "weights", "margin", "scale") + (("logits",) if self.level == "full" else ()):
+                el = sc.ROUTING[name]
+                buf.routing[name] = np.full(el.shape_for(self.dims), el.fill, dtype=el.dtype or np.float64)
+        r = buf.routing
+        r["ids"][sample, col:col + T] = idx
+        r["weights"][sample, col:col + T] = to_numpy(weights).astype(np.float64)
+        r["margin"][sample, col:col + T] = to_numpy(margin).astype(np.float64)
+        r["scale"][sample, col:col + T] = to_numpy(scale).astype(np.float64)
+        if "logits" in r and logits is not None:
+            z = to_numpy(logits)
+            if r["logits"].dtype != z.dtype and buf.routing_source is None:
+                r["logits"] = r["logits"].astype(z.dtype)
+            r["logits"][sample, col:col + T] = z
+            buf.routing_source = source_dtype(logits)
+
     def cache(self, layer: int, sample: int, keys, values, positions) -> None:
         """One sample's logical cache at a layer: keys and values (n_kv_heads, T, head_dim), positions (T,)."""
         self._need_begin()
@@ -1032,7 +1078,23 @@ class Recorder:
             self._write_cache_index(g, layer, buf)
             for name, smp in buf.sampled.items():
                 self._write_sampled_layer(g, layer, name, smp)
+            if buf.routing:
+                self._write_routing(g, layer, buf)
         self._dirty.discard(layer)
+
+    def _write_routing(self, g: h5py.Group, layer: int, buf: _LayerBuffers) -> None:
+        """A layer's routing datasets, made on the layer's first write, in place later."""
+        gid = self._subgroup(g, layer, sc.ROUTING_GROUP)
+        for name, data in buf.routing.items():
+            key = (layer, sc.ROUTING[name].path)
+            dsid = self._small.get(key)
+            if dsid is None:
+                self._small[key] = dsid = _new_dataset(gid, name, np.ascontiguousarray(data), data.shape,
+                                                       fill=sc.ROUTING[name].fill)
+                if name == "logits":
+                    _new_attr(dsid, sc.ATTR_SOURCE_DTYPE, buf.routing_source or str(data.dtype))
+            else:
+                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
 
     def _subgroup(self, g: h5py.Group, layer: int, name: str) -> h5py.h5g.GroupID:
         """The low-level id of layer group ``g``'s group ``name`` (stats, checksums, cache, sampled): made on first
@@ -1211,6 +1273,13 @@ class Recorder:
                                 f"{' …' if len(missing) > 8 else ''}: every sample needs its final output "
                                 "(the trace was not written)")
         absent = self.meta.get("absent_states") or {}
+        routed = [layer for layer in range(self.args["n_layers"]) if (layer, "routing") in self._seen]
+        margs = self.meta["model"]["args"]
+        moe = [i for i in range(self.args["n_layers"]) if margs.get("n_experts") and i not in
+               (margs.get("dense_layers") or ())]
+        if routed and routed != moe:
+            raise RecorderError(f"routing() was called for layers {routed[:8]}, the model's MoE layers are "
+                                f"{moe[:8]}: a trace records the routing of every MoE layer or of none")
         for layer in range(self.args["n_layers"]):
             for name in REQUIRED_STATES + ("cache",):
                 if (layer, name) not in self._seen and name not in absent:

@@ -13,6 +13,7 @@ Named dimensions (a shape entry is one of these, or a number):
     S samples   C stored columns   N longest prompt   dim model width   W a state's width
     vocab vocabulary size   k top ids kept   P sampled token slots   K sampled channels
     H KV heads   T longest cache   D head dimension   stat len(STAT_COLUMNS)
+    A experts a token takes (top-k)   E experts
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 FORMAT_NAME = "prefill-diff-trace"
-FORMAT_VERSION = "1.1"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes)
+FORMAT_VERSION = "1.2"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes);
+# 1.2: a mixture of experts' routing (layers/NNN/routing)
 READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds optional items
 
 LEVELS = ("full", "sampled", "stats")
 
-from ..engine.registry import CACHE_DTYPES, FLOATS
+from ..engine.precisions import CACHE_DTYPES, FLOATS, PRECISION_ORDER
 
 
 @dataclass(frozen=True)
@@ -95,15 +97,16 @@ FINAL_TENSORS = ("logits", "norm_last")
 FINAL_KIND = {"logits": "logits", "norm_last": "residual"}
 
 # Tolerance kinds (each judges the tensors that name it as their tol_kind), in the order policies list them.
-TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits")
+TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits", "router")
 TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # a kind's tolerance (verify.tolerance.Tolerance's fields)
-TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND}
+TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND,
+            "router_logits": "router"}  # a MoE layer's router scores: the noise a routing flip is judged against
 
-# Precisions: of activations (an engine's dtype), of KV caches (those and int8/fp8), coarsest first.
+# Precisions (engine/precisions.py, the shared leaf, declares them): of activations (an engine's dtype), of KV
+# caches (those and int8/fp8), and all of them coarsest first.
 ACT_DTYPES = FLOATS
 KV_DTYPES = CACHE_DTYPES
 FP8_DTYPES = tuple(d for d in CACHE_DTYPES if d.startswith("fp8"))
-PRECISION_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "float16", "bfloat16", "float32", "float64")
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")
@@ -215,8 +218,22 @@ CACHE_POSITIONS = Element("cache/positions", "iu", ("S", "T"), "int64", LEVELS, 
 CACHE_LENGTHS = Element("cache/lengths", "iu", ("S",), "int64", LEVELS, fill=0, in_layer=True)
 CACHE = Element("cache/{name}", "f", ("S", "H", "T", "D"), None, ("full",), (ATTR_SOURCE_DTYPE,), in_layer=True)
 
+# a mixture of experts' routing, per stored cell of a layer whose MLP has experts (format 1.2): the chosen experts
+# by descending router probability, their weights as they scale the experts' outputs, the router's margin there
+# (its k-th minus its (k+1)-th logit; +inf when every expert is taken), the RMS of its logits (the scale of their
+# noise), and at the full level the router logits
+ROUTING_GROUP = "routing"
+ROUTING = {
+    "ids": Element("routing/ids", "iu", ("S", "C", "A"), "int64", fill=-1, in_layer=True),
+    "weights": Element("routing/weights", "f", ("S", "C", "A"), "float64", fill=np.nan, in_layer=True),
+    "margin": Element("routing/margin", "f", ("S", "C"), "float64", fill=np.nan, in_layer=True),
+    "scale": Element("routing/scale", "f", ("S", "C"), "float64", fill=np.nan, in_layer=True),
+    "logits": Element("routing/logits", "f", ("S", "C", "E"), None, fill=np.nan, attrs=(ATTR_SOURCE_DTYPE,),
+                      in_layer=True),
+}
+
 ELEMENTS = (TOKEN_IDS, LENGTHS, *INPUTS.values(), SAMPLED_TOKENS, *FINAL.values(), STATE, SAMPLED, STATS,
-            CHECKSUM, CACHE_POSITIONS, CACHE_LENGTHS, CACHE)
+            CHECKSUM, CACHE_POSITIONS, CACHE_LENGTHS, CACHE, *ROUTING.values())
 
 # the names each per-layer template may take
 _NAMES = {STATE: STATES, SAMPLED: STAT_TENSORS, STATS: STAT_TENSORS, CHECKSUM: STAT_TENSORS, CACHE: CACHE_TENSORS}

@@ -24,9 +24,14 @@ def param_count(args) -> int:
     attn = d * hq * dh + 2 * d * hkv * dh + hq * dh * d + ((hq + 2 * hkv) * dh if args.qkv_bias else 0)
     attn += (d if args.o_bias else 0) + {"head": 2 * dh, "proj": (hq + hkv) * dh}.get(args.qk_norm, 0)
     norms = 4 if args.norm_placement == "sandwich" else 2  # Gemma's sandwich: a norm before and after each
-    per_layer = attn + 3 * d * hid + norms * d + ((2 * hid + d) if args.mlp_bias else 0)
+    dense = 3 * d * hid + ((2 * hid + d) if args.mlp_bias else 0)
+    E = getattr(args, "n_experts", 0)
+    moe = E * (d + 3 * d * args.moe_hidden_dim) + (3 * d * args.shared_expert_dim + d if args.shared_expert_dim
+                                                    else 0) if E else dense
+    n_moe = L - len(set(args.dense_layers)) if E else 0  # no loop over layers: L may be a hostile 10**8
+    per_layer = attn + norms * d
     head = 0 if args.tie_embeddings else V * d
-    return V * d + L * per_layer + d + head + (V if args.lm_head_bias else 0)
+    return V * d + L * per_layer + n_moe * moe + (L - n_moe) * dense + d + head + (V if args.lm_head_bias else 0)
 
 
 def model_bytes(args) -> int:

@@ -35,6 +35,15 @@ class Placement:
             if a < b:
                 self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
 
+    def routing(self, layer, ids, weights, margin, scale, logits, col_start):
+        width = ids.shape[1]
+        for r, c0, c1, s, t0 in self.runs:
+            a, b = max(c0, col_start), min(c1, col_start + width)
+            if a < b:
+                sl = slice(a - col_start, b - col_start)
+                self.recorder.routing(layer, s, t0 + a - c0, ids[r, sl], weights[r, sl], margin[r, sl],
+                                      scale[r, sl], None if logits is None else logits[r, sl])
+
     def cache(self, layer, seq, keys, values, positions):
         self.recorder.cache(layer, self.sample_of_seq[seq], keys, values, positions)
 
@@ -44,6 +53,20 @@ class Placement:
             if rr == r and s == self.sample_of_seq[seq]:
                 c = t0 + c - c0
         self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
+
+
+def call_routing(forced: dict, samples) -> dict:
+    """Routing replay in one call's terms: {layer: {(sequence, token index): experts}} from the trace's
+    {layer: {(sample, token index): experts}}."""
+    seq_of = {int(s): q for q, s in enumerate(samples)}
+    return {layer: {(seq_of[s], t): ids for (s, t), ids in cells.items() if s in seq_of}
+            for layer, cells in forced.items()}
+
+
+def forced_list(forced: dict) -> list:
+    """The forced cells as a trace's record lists them."""
+    return [{"layer": layer, "sample": s, "token": t, "experts": list(ids)}
+            for layer, cells in sorted(forced.items()) for (s, t), ids in sorted(cells.items())]
 
 
 @dataclass

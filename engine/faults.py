@@ -30,6 +30,7 @@ class Faults:
     head_map: tuple | None = None  # row 4: query head -> KV head map other than ⌊h·H_kv/H_q⌋
     skip_kv: SkippedKV | None = None  # row 2: one cache entry not written
     window_shift: int = 0  # sliding-window layers see this many more keys (1: the window applied off by one)
+    router: str | None = None  # a mixture of experts' router or shared expert computed wrongly (config ROUTER_FAULTS)
 
 
 # -- applied by the engine, around the model (prefill.ForwardStep and Engine._finish)

@@ -54,6 +54,8 @@ def check_convertible(snapshot) -> None:
         why.append("Granite's multipliers (the GGUF writer emits llama, qwen2 and qwen3 only)")
     if a.qk_norm == "head" and (a.o_bias or a.qkv_bias or a.mlp_bias):
         why.append("QK-norm with biases (llama.cpp's qwen3 graph has none)")
+    if a.n_experts:
+        why.append(f"a mixture of experts ({a.arch}; the GGUF writer emits dense llama, qwen2 and qwen3 only)")
     if a.dropout:
         why.append(f"dropout={a.dropout}")
     if snapshot.adapter is not None:

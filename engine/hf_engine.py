@@ -25,7 +25,7 @@ from .errors import ConfigError, ModelLoadError
 from .gguf_loader import smollm2_path
 from .hub import hf_state_dict
 from .parallel import current
-from .calls import Placement, plan_calls
+from .calls import Placement, call_routing, forced_list, plan_calls
 
 
 def check(prep) -> None:
@@ -55,6 +55,39 @@ def check(prep) -> None:
                           + ", ".join(unsupported) + " (use engine = \"native\" for those)")
 
 
+def _moe_config(args, common: dict):
+    """Mixtral (float32 top-k weights, always renormalised), Qwen2-MoE (Q/K/V biases, an optional gated shared
+    expert) or Qwen3-MoE (per-head QK-norm); what none of them computes is refused."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    mixtral = args.moe_weight_dtype == "float32"
+    qwen2 = args.qkv_bias and not args.o_bias and args.qk_norm == "none"
+    qwen3 = args.qk_norm == "head" and not args.qkv_bias
+    why = []
+    if args.norm_placement != "pre" or args.norm_scale != "activation" or args.qk_norm == "proj" \
+            or args.sliding_window is not None or args.attention_multiplier is not None or args.mlp_bias \
+            or (args.embedding_multiplier, args.residual_multiplier, args.logits_scaling) != (1.0, 1.0, 1.0):
+        why.append("experts with other norms, a window, Granite's multipliers or MLP biases")
+    if mixtral and (args.qkv_bias or args.o_bias or args.qk_norm != "none" or args.shared_expert_dim
+                    or args.dense_layers or args.moe_hidden_dim != args.hidden_dim or not args.norm_topk_prob):
+        why.append("Mixtral's float32 expert weights with biases, QK-norm, a shared expert, dense layers, experts "
+                   "of another width than the MLP's or top-k weights not renormalised")
+    if not mixtral and not (qwen2 or qwen3):
+        why.append("experts without Qwen2-MoE's Q/K/V biases or Qwen3-MoE's QK-norm")
+    if qwen3 and args.shared_expert_dim:
+        why.append("Qwen3-MoE with a shared expert")
+    if why:
+        raise ConfigError(f"no transformers model class computes {'; '.join(why)} (model {args.arch})")
+    if mixtral:
+        return MixtralConfig(num_local_experts=args.n_experts, num_experts_per_tok=args.n_active_experts, **common)
+    moe = dict(num_experts=args.n_experts, num_experts_per_tok=args.n_active_experts,
+               moe_intermediate_size=args.moe_hidden_dim, norm_topk_prob=args.norm_topk_prob,
+               mlp_only_layers=list(args.dense_layers), decoder_sparse_step=1)
+    if qwen2:
+        return Qwen2MoeConfig(shared_expert_intermediate_size=args.shared_expert_dim, qkv_bias=True, **moe,
+                              **common)
+    return Qwen3MoeConfig(attention_bias=False, **moe, **common)
+
+
 def hf_config(args):
     """A transformers config for our ModelArgs: OLMo 2 with post-norms, Qwen3 with per-head QK-norm, Qwen2 with
     Q/K/V biases alone, Granite with its multipliers, Mistral with a window on every layer, else Llama (its
@@ -70,6 +103,8 @@ def hf_config(args):
                   max_position_embeddings=args.max_position)
     if args.norm_placement == "sandwich":
         return _gemma_config(args, common)
+    if args.n_experts:
+        return _moe_config(args, common)
     qwen2 = args.qkv_bias and not args.o_bias
     granite = (args.attention_multiplier is not None or
                (args.embedding_multiplier, args.residual_multiplier, args.logits_scaling) != (1.0, 1.0, 1.0))
@@ -213,9 +248,9 @@ def _from_our_weights(auto, snapshot, tdt, attn):
     except ValueError as e:  # transformers refuses an attention implementation the family does not support
         raise ConfigError(f"transformers cannot build {snapshot.args.arch} with attn_implementation={attn!r} "
                           f"({str(e).splitlines()[0][:160]})") from None
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(tdt) for k, v in hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3").items()},
-        strict=False)
+    state = hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3", arch=snapshot.args.arch,
+                          in_memory=True)
+    missing, unexpected = model.load_state_dict({k: v.to(tdt) for k, v in state.items()}, strict=False)
     missing = [m for m in missing if "rotary" not in m and not (snapshot.args.tie_embeddings and "lm_head" in m)]
     if missing or unexpected:
         raise ModelLoadError(f"weights do not fit transformers' model (missing {missing[:3]}, "
@@ -284,7 +319,46 @@ def _updates(x, calls: list[_Call], scale: float):
     return follow(ai), follow(mi), id(calls[mi].input) in from_x
 
 
-def _hooks(model, rec, states, absent: dict):
+def _router(layer):
+    """A mixture of experts' router in a transformers decoder layer (its forward returns router logits, top-k
+    weights and top-k ids), or None."""
+    gate = getattr(getattr(layer, "mlp", None), "gate", None)
+    return gate if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts") else None
+
+
+def _routing_hook(i, gate, rec, cells, forced: dict):
+    """Records a router's choices over the call's (B, S) cells, forcing ``forced`` {(seq, tok): experts} first:
+    the weights at a forced cell are the router's own probabilities there, renormalised as the model does."""
+    tok, seq = cells
+    B, S = tok.shape
+    k = gate.top_k
+    renorm = bool(getattr(gate, "norm_topk_prob", True))  # Mixtral always renormalises
+
+    def hook(mod, args, out):
+        logits, scores, ids = out
+        if forced:
+            f = torch.full((B, S, k), -1, dtype=torch.long)
+            for (sq, t), experts in forced.items():
+                f[(seq == sq) & (tok == t)] = torch.as_tensor(experts, dtype=torch.long)
+            f = f.reshape(-1, k)
+            rows = (f >= 0).all(dim=-1)[:, None]
+            w = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, f.clamp(min=0))
+            if renorm:
+                w = w / w.sum(dim=-1, keepdim=True)
+            ids, scores = torch.where(rows, f, ids), torch.where(rows, w.to(scores.dtype), scores)
+        z = logits.double() if logits.dtype == torch.float64 else logits.float()
+        if k < z.shape[-1]:
+            ranked = torch.topk(z, k + 1, dim=-1).values
+            margin = ranked[:, k - 1] - ranked[:, k]
+        else:
+            margin = torch.full(z.shape[:1], float("inf"), dtype=z.dtype)
+        rec.routing(i, ids.reshape(B, S, k), scores.reshape(B, S, k), margin.reshape(B, S),
+                    z.square().mean(dim=-1).sqrt().reshape(B, S), logits.reshape(B, S, -1), 0)
+        return (logits, scores, ids) if forced else None
+    return hook
+
+
+def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = None):
     layers, final_norm = decoder(model)
     scale = getattr(model.config, "residual_multiplier", 1.0)  # Granite scales each update as it adds it
 
@@ -326,20 +400,24 @@ def _hooks(model, rec, states, absent: dict):
         out_proj = next((getattr(attn, n) for n in _OUT if isinstance(getattr(attn, n, None), torch.nn.Linear)), None)
         if out_proj is not None:  # no output projection under a usual name: attn_heads is not recorded
             handles.append(out_proj.register_forward_pre_hook(heads(i)))
+        gate = _router(layer)
+        if gate is not None and cells is not None:
+            handles.append(gate.register_forward_hook(_routing_hook(i, gate, rec, cells, (forced or {}).get(i))))
     handles.append(final_norm.register_forward_hook(keep_norm))
     return handles
 
 
-def forward_call(model, call, recorder) -> dict:
+def forward_call(model, call, recorder, routing: dict | None = None) -> dict:
     """One transformers forward over a padded rectangle, recorded through ``recorder`` (forward coordinates);
-    returns {state: why} for the states its layers do not have."""
+    returns {state: why} for the states its layers do not have. ``routing``: experts to force, {layer: {(row,
+    token index): experts}} (routing replay)."""
     ids, mask, pos = call.ids, call.mask, call.positions
     valid = mask.bool()
     tok = torch.where(valid, mask.cumsum(-1) - 1, torch.full_like(ids, -1))
     seq = torch.where(valid, torch.arange(ids.shape[0])[:, None].expand_as(ids), torch.full_like(ids, -1))
     recorder.inputs(ids, valid, pos, tok, seq)
     states, absent = {}, {}
-    handles = _hooks(model, recorder, states, absent)
+    handles = _hooks(model, recorder, states, absent, (tok, seq), routing)
     try:
         with torch.no_grad():
             out = model(input_ids=torch.where(valid, ids, 0), attention_mask=mask, position_ids=pos, use_cache=True)
@@ -371,8 +449,11 @@ def execute(prep, recorder):
     check(prep)
     model = build_model(prep.snapshot, run.numerical.dtype, run.options.attn_implementation)
     absent = {}
+    if prep.routing:  # routing replay: the trace says where its router was overruled
+        prep.record["routing_forced"] = forced_list(prep.routing)
     for call in prep.calls:
-        absent.update(forward_call(model, call, Placement(recorder, call.runs, call.samples)))
+        absent.update(forward_call(model, call, Placement(recorder, call.runs, call.samples),
+                                   call_routing(prep.routing, call.samples)))
     if absent:  # the trace says which states this model's layers do not have, and why
         recorder.update_meta(absent_states=absent)
     for layer in range(prep.snapshot.args.n_layers):

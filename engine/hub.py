@@ -20,9 +20,13 @@ from .snapshot import Snapshot
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
-                   "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+                   "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+                   "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                   "Qwen3MoeForCausalLM": "qwen3_moe"}
 _WINDOW_ARCHS = ("mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3")  # whose transformers code reads sliding_window
 _GEMMA = ("gemma2", "gemma3")
+_MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+_QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 _MODEL_TYPES = {"gemma3": ("gemma3_text",)}  # model_type values naming the class, where not the arch
 
 # our name <- Hugging Face name (per layer with {i})
@@ -51,22 +55,46 @@ _TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight":
             "output.weight": "lm_head.weight", "output.bias": "lm_head.bias"}
 
 
+# a mixture of experts' tensors in checkpoints (one tensor per expert): the block's name and each expert's
+# projections (gate, down, up as our w1, w2, w3), per family
+MOE_STYLE = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
+_MOE_NAMES = {"mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+              "qwen": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
+
+
 def _layer_map(placement: str) -> dict:
     return {**_LAYER_MAP, **_NORMS[placement]}
 
 
-def ours_to_hf(name: str, placement: str = "pre") -> str:
-    """Our tensor name under Hugging Face's (``placement``: where the family puts its norms, ModelArgs.norm_placement)."""
+def _moe_to_hf(rest: str, moe: str | None) -> str | None:
+    """A layer tensor's name (after ``layers.N.``) under the checkpoint's MoE names, or None if not a MoE one."""
+    m = re.fullmatch(r"feed_forward\.(gate|shared_expert_gate|experts\.(\d+)\.(w[123])|shared_expert\.(w[123]))"
+                     r"\.weight", rest)
+    if m is None or moe is None:
+        return None
+    block, proj = _MOE_NAMES[moe]
+    if m.group(2) is not None:
+        return f"{block}.experts.{m.group(2)}.{proj[m.group(3)]}.weight"
+    if m.group(4) is not None:
+        return f"{block}.shared_expert.{proj[m.group(4)]}.weight"
+    return f"{block}.{m.group(1)}.weight"
+
+
+def ours_to_hf(name: str, placement: str = "pre", moe: str | None = None) -> str:
+    """Our tensor name under Hugging Face's (``placement``: where the family puts its norms, ModelArgs.norm_placement;
+    ``moe``: the checkpoint's naming of experts, MOE_STYLE)."""
     if name in _TOP_MAP:
         return _TOP_MAP[name]
     m = re.match(r"layers\.(\d+)\.(.+)", name)
     names = _layer_map(placement)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    if m and (hf := _moe_to_hf(m.group(2), moe)) is not None:
+        return f"model.layers.{m.group(1)}.{hf}"
     raise KeyError(name)
 
 
-def hf_to_ours(name: str, placement: str = "pre") -> str | None:
+def hf_to_ours(name: str, placement: str = "pre", moe: str | None = None) -> str | None:
     for ours, hf in _TOP_MAP.items():
         if name == hf:
             return ours
@@ -75,16 +103,43 @@ def hf_to_ours(name: str, placement: str = "pre") -> str | None:
         for ours, hf in _layer_map(placement).items():
             if m.group(2) == hf:
                 return f"layers.{m.group(1)}.{ours}"
+        if moe is not None:
+            block, proj = _MOE_NAMES[moe]
+            back = {v: k for k, v in proj.items()}
+            e = re.fullmatch(re.escape(block) + r"\.(?:experts\.(\d+)\.(\w+)|shared_expert\.(\w+)|"
+                             r"(gate|shared_expert_gate))\.weight", m.group(2))
+            if e is not None and e.group(1) is not None and e.group(2) in back:
+                return f"layers.{m.group(1)}.feed_forward.experts.{e.group(1)}.{back[e.group(2)]}.weight"
+            if e is not None and e.group(3) in back:
+                return f"layers.{m.group(1)}.feed_forward.shared_expert.{back[e.group(3)]}.weight"
+            if e is not None and e.group(4) is not None:
+                return f"layers.{m.group(1)}.feed_forward.{e.group(4)}.weight"
     return None
 
 
-def hf_state_dict(state: dict, fused: bool = False) -> dict:
-    """Our snapshot state under Hugging Face names (for loading into transformers); ``fused``: Q/K/V and
-    gate/up as Phi-3's qkv_proj and gate_up_proj."""
+def hf_state_dict(state: dict, fused: bool = False, arch: str = "llama", in_memory: bool = False) -> dict:
+    """Our snapshot state under Hugging Face names; ``fused``: Q/K/V and gate/up as Phi-3's qkv_proj and
+    gate_up_proj. A mixture of experts (``arch`` names its family) is written one tensor per expert, as its
+    checkpoints hold it, or with ``in_memory`` as transformers' modules hold it (each layer's experts stacked:
+    ``mlp.experts.gate_up_proj`` (E, 2·I, dim) with gate rows first, ``mlp.experts.down_proj`` (E, dim, I))."""
     post = any(k.endswith("attention_post_norm.weight") for k in state)
     pre = any(k.endswith("attention_norm.weight") for k in state)
     placement = "sandwich" if pre and post else "post" if post else "pre"
-    out = {ours_to_hf(k, placement): v for k, v in state.items()}
+    moe = MOE_STYLE.get(arch)
+    if moe is not None and in_memory:
+        state = dict(state)
+        layers = sorted({int(k.split(".")[1]) for k in state if ".feed_forward.experts." in k})
+        out = {}
+        for i in layers:
+            stem = f"layers.{i}.feed_forward."
+            n = len({k for k in state if k.startswith(stem + "experts.") and k.endswith(".w1.weight")})
+            ws = [[state.pop(f"{stem}experts.{e}.{w}.weight") for e in range(n)] for w in ("w1", "w3", "w2")]
+            out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([g, u]) for g, u in zip(ws[0], ws[1])])
+            out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(ws[2])
+        out.update({ours_to_hf(k, placement, "qwen"): v for k, v in state.items()})  # transformers' "mlp" names
+        return out
+    out = {ours_to_hf(k, placement, moe): v for k, v in state.items()}
     if fused:
         for name in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
             stem = name[:-len("q_proj.weight")]
@@ -138,6 +193,9 @@ def _head_dim(v, cfg, arch):
 
 
 def _sliding_window(v, cfg, arch):
+    if arch in _MOE:  # their code reads it (Qwen's only with use_sliding_window); windows with experts: not here
+        applied = v is not None and (arch == "mixtral" or cfg.get("use_sliding_window"))
+        return f"null for {arch} (a sliding window with experts is not implemented)" if applied else None
     if v is None or arch not in _WINDOW_ARCHS:
         return None if v is None else f"null for {arch} (its transformers code has no sliding window)"
     return _positive_int(v, cfg, arch)
@@ -155,6 +213,16 @@ def _layer_types(v, cfg, arch):
     if not (isinstance(v, list) and len(v) == n and all(t in ("full_attention", "sliding_attention") for t in v)):
         return f"a list of {n} entries, each 'full_attention' or 'sliding_attention'"
     return None
+
+
+def _layer_list(v, cfg, arch):
+    n = cfg.get("num_hidden_layers")
+    ok = isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i for i in v)
+    return None if ok and (not isinstance(n, int) or all(i < n for i in v)) else f"a list of layer indices below {n}"
+
+
+def _moe_sizes(v, cfg, arch):
+    return None if arch not in _MOE or _positive_int(v, cfg, arch) is None else "a positive integer"
 
 
 def _multiplier(v, cfg, arch):
@@ -276,6 +344,24 @@ HF_FIELDS = {
     "attention_multiplier": (_arch_only(("granite",), _multiplier), "Granite: the attention score scale, in place "
                                                                     "of 1/sqrt(head_dim)"),
     "logits_scaling": (_arch_only(("granite",), _multiplier), "Granite: the logits are divided by it"),
+    # -- mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE); the other families' code never reads these
+    "num_local_experts": (_moe_sizes, "Mixtral, Qwen3-MoE: the experts per MoE layer, ModelArgs.n_experts"),
+    "num_experts": (_moe_sizes, "Qwen2-MoE, Qwen3-MoE: the experts per MoE layer, ModelArgs.n_experts"),
+    "num_experts_per_tok": (_moe_sizes, "the top-k experts each token takes, ModelArgs.n_active_experts"),
+    "moe_intermediate_size": (_arch_only(_QWEN_MOE, _positive_int), "Qwen-MoE: an expert's MLP width "
+                                                                     "(Mixtral's is intermediate_size)"),
+    "shared_expert_intermediate_size": (_arch_only(("qwen2_moe",), lambda v, c, a: None if v in (0, None) else
+                                                   _positive_int(v, c, a)),
+                                        "Qwen2-MoE: the always-on shared expert's width, gated by sigmoid(w·x)"),
+    "norm_topk_prob": (_arch_only(_QWEN_MOE, _one_of(True, False)), "Qwen-MoE: the top-k probabilities "
+                                                                    "renormalised to sum 1 (Mixtral always does)"),
+    "decoder_sparse_step": (_arch_only(_QWEN_MOE, _positive_int), "Qwen-MoE: layer i has experts when (i + 1) is a "
+                                                                  "multiple of it (and it is not in mlp_only_layers)"),
+    "mlp_only_layers": (_arch_only(_QWEN_MOE, _layer_list), "Qwen-MoE: layers with a dense MLP, ModelArgs.dense_layers"),
+    "qkv_bias": (_arch_only(("qwen2_moe",), _one_of(True, False)), "Qwen2-MoE (transformers 5): q/k/v biases"),
+    "router_aux_loss_coef": (_NO_EFFECT, "a training loss weight"),
+    "router_jitter_noise": (_NO_EFFECT, "Mixtral: noise on the router's input in training mode only"),
+    "output_router_logits": (_NO_EFFECT, "what forward returns besides, not what it computes"),
     "partial_rotary_factor": (_one_of(1.0, 1, None), "RoPE over the whole head: partial rotary is not implemented"),
     "rope_interleaved": (_one_of(False), "RoPE is rotate-half, never interleaved pairs"),
     "use_qk_norm": (_one_of(False), "QK-norm (a norm on queries and keys) is not implemented"),
@@ -380,6 +466,7 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
     window, kinds = _window(cfg, arch)
     granite, gemma = arch == "granite", arch in _GEMMA
     qpas = cfg.get("query_pre_attn_scalar", 256) if gemma else None
+    moe = _moe_args(cfg, arch)
     try:
         return ModelArgs(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=n_heads,
                          n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
@@ -389,7 +476,8 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
                          tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
                          hidden_act=(cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else
                          cfg.get("hidden_act", "silu"),
-                         qkv_bias=arch == "qwen2" or (arch in ("llama", "qwen3", "olmo2", "granite") + _GEMMA
+                         qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and cfg.get("qkv_bias", True) is not False)
+                         or (arch in ("llama", "qwen3", "olmo2", "granite") + _GEMMA
                                                       and bool(cfg.get("attention_bias"))),
                          o_bias=arch in ("llama", "qwen3", "olmo2", "granite") + _GEMMA
                          and bool(cfg.get("attention_bias")),
@@ -404,12 +492,34 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
                          embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)) if granite else 1.0,
                          residual_multiplier=float(cfg.get("residual_multiplier", 1.0)) if granite else 1.0,
                          logits_scaling=float(cfg.get("logits_scaling", 1.0)) if granite else 1.0,
-                         qk_norm={"qwen3": "head", "gemma3": "head", "olmo2": "proj"}.get(arch, "none"),
+                         qk_norm={"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmo2": "proj"}.get(
+                             arch, "none"), **moe,
                          norm_placement={"olmo2": "post", "gemma2": "sandwich", "gemma3": "sandwich"}.get(arch, "pre"),
                          norm_scale={"olmo2": "float32", "gemma2": "offset", "gemma3": "offset"}.get(arch, "activation"),
                          max_position=int(cfg.get("max_position_embeddings", 8192)), arch=arch)
     except ConfigError as e:
         raise ModelLoadError(f"{where}: {e}") from None
+
+
+def _moe_args(cfg: dict, arch: str) -> dict:
+    """ModelArgs' mixture-of-experts fields as transformers builds the family's layers."""
+    if arch not in _MOE:
+        return {}
+    # absent fields take the config class's defaults, as transformers does
+    n = cfg.get("num_local_experts", 8) if arch == "mixtral" else cfg.get(
+        "num_experts", cfg.get("num_local_experts", 60 if arch == "qwen2_moe" else 128))
+    if arch == "mixtral":
+        return dict(n_experts=n, n_active_experts=cfg.get("num_experts_per_tok", 2),
+                    moe_hidden_dim=cfg["intermediate_size"], norm_topk_prob=True, moe_weight_dtype="float32")
+    layers, step = cfg["num_hidden_layers"], cfg.get("decoder_sparse_step", 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    return dict(n_experts=n, n_active_experts=cfg.get("num_experts_per_tok", 8 if arch == "qwen3_moe" else 4),
+                moe_hidden_dim=cfg.get("moe_intermediate_size", 768 if arch == "qwen3_moe" else 1408),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_dim=int(cfg.get("shared_expert_intermediate_size", 5632) or 0) if arch == "qwen2_moe"
+                else 0,
+                dense_layers=dense)
 
 
 def _float_or_none(v):
@@ -491,7 +601,7 @@ def load_hf_dir(path: str) -> Snapshot:
     for fn in files:
         for name, t in load_file(os.path.join(path, fn)).items():
             for part, tensor in unfused(name, t, args, where):
-                ours = hf_to_ours(part, args.norm_placement)
+                ours = hf_to_ours(part, args.norm_placement, MOE_STYLE.get(args.arch))
                 if ours is not None:
                     state[ours] = tensor.float()
                 elif not part.endswith("rotary_emb.inv_freq"):

@@ -70,6 +70,18 @@ class ModelArgs:
     embedding_multiplier: float = 1.0  # Granite: R_0 = Embed(tokens) * this
     residual_multiplier: float = 1.0  # Granite: each sub-layer's output is scaled by this before it is added
     logits_scaling: float = 1.0  # Granite: z = unembed(h) / this
+    # Mixture of experts (0 experts: a dense MLP). Each MoE layer's router scores every expert (a linear map of
+    # the MLP's input), takes the softmax in float32, keeps the top n_active experts (ties: the lower id) and
+    # weights their outputs by those probabilities, renormalised to sum 1 when norm_topk_prob (Mixtral always;
+    # Qwen3-MoE by its config). Each expert is a SwiGLU MLP of width moe_hidden_dim.
+    n_experts: int = 0
+    n_active_experts: int = 0  # top-k
+    moe_hidden_dim: int = 0
+    norm_topk_prob: bool = False
+    moe_weight_dtype: str = "activation"  # the top-k weights as they scale the experts' outputs: rounded to the
+    # activation dtype (Qwen-MoE) or kept in float32, the product rounded after (Mixtral)
+    shared_expert_dim: int = 0  # Qwen2-MoE: an always-on SwiGLU expert of this width, gated by sigmoid(w·x)
+    dense_layers: tuple = ()  # layers whose MLP is dense (hidden_dim) in a MoE model (Qwen's mlp_only_layers)
     lm_head_bias: bool = False
     dropout: float = 0.0
     max_position: int = 8192
@@ -118,12 +130,38 @@ class ModelArgs:
             if not (v is None and name not in _NOT_NONE) and not (
                     isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a positive finite number (got {name}={v!r})")
+        if self.n_experts:
+            for name in ("n_experts", "n_active_experts", "moe_hidden_dim"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ConfigError(f"a mixture of experts needs {name} as a positive integer (got {name}={v!r})")
+            if self.n_active_experts > self.n_experts:
+                raise ConfigError(f"n_active_experts must be at most n_experts (got {self.n_active_experts} of "
+                                  f"{self.n_experts})")
+            if self.moe_weight_dtype not in ("activation", "float32"):
+                raise ConfigError(f"moe_weight_dtype must be 'activation' or 'float32' (got {self.moe_weight_dtype!r})")
+            if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.dense_layers):
+                raise ConfigError(f"dense_layers must list layers in [0, {self.n_layers}) "
+                                  f"(got {list(self.dense_layers)[:8]})")
+            if self.hidden_act != "silu":
+                raise ConfigError("a mixture of experts' experts are SwiGLU: hidden_act must be 'silu' "
+                                  f"(got {self.hidden_act!r})")
+        elif self.n_active_experts or self.moe_hidden_dim or self.shared_expert_dim or self.dense_layers \
+                or self.norm_topk_prob:
+            raise ConfigError("n_active_experts, moe_hidden_dim, shared_expert_dim, dense_layers and norm_topk_prob "
+                              "need n_experts > 0")
+        if not isinstance(self.shared_expert_dim, int) or self.shared_expert_dim < 0:
+            raise ConfigError(f"shared_expert_dim must be a non-negative integer (got {self.shared_expert_dim!r})")
         if self.attention_rule != "causal":
             raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
 
     @property
     def n_rep(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+    def moe(self, layer: int) -> bool:
+        """Layer ``layer``'s MLP is a mixture of experts."""
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     def window(self, layer: int) -> int | None:
         """Layer ``layer``'s sliding window W, or None when it attends to every earlier token."""
@@ -148,6 +186,7 @@ class ModelArgs:
         d = asdict(self)
         d["rope_scaling"] = dict(self.rope_scaling)
         d["layer_types"] = list(self.layer_types)
+        d["dense_layers"] = list(self.dense_layers)
         return d
 
     @classmethod
@@ -156,8 +195,9 @@ class ModelArgs:
         if isinstance(d.get("rope_scaling"), dict):
             d["rope_scaling"] = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                              for k, v in d["rope_scaling"].items()))
-        if isinstance(d.get("layer_types"), list):
-            d["layer_types"] = tuple(d["layer_types"])
+        for key in ("layer_types", "dense_layers"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise ConfigError(f"unknown model keys {unknown} (known: {sorted(cls.__dataclass_fields__)})")
@@ -200,6 +240,14 @@ MODEL_PRESETS = {
     "synthetic:phi3": _SYNTHETIC.replace(max_position=256, rope_scaling=(
         ("long_factor", tuple(2.0 + 0.25 * i for i in range(16))), ("original_max_position_embeddings", 3),
         ("rope_type", "longrope"), ("short_factor", tuple(1.0 + 0.05 * i for i in range(16)))), arch="phi3"),
+    # mixtures of experts: four experts, two active; Mixtral's weights kept in float32 and always renormalised,
+    # Qwen2-MoE's gated shared expert, Qwen3-MoE's renormalised top-k and a dense last layer (mlp_only_layers)
+    "synthetic:mixtral": _SYNTHETIC.replace(n_experts=4, n_active_experts=2, moe_hidden_dim=256, norm_topk_prob=True,
+                                            moe_weight_dtype="float32", arch="mixtral"),
+    "synthetic:qwen2-moe": _SYNTHETIC.replace(qkv_bias=True, n_experts=4, n_active_experts=2, moe_hidden_dim=64,
+                                              shared_expert_dim=128, arch="qwen2_moe"),
+    "synthetic:qwen3-moe": _SYNTHETIC.replace(qk_norm="head", n_experts=4, n_active_experts=2, moe_hidden_dim=64,
+                                              norm_topk_prob=True, dense_layers=(3,), arch="qwen3_moe"),
     "synthetic:granite": _SYNTHETIC.replace(attention_multiplier=0.125, embedding_multiplier=6.0,
                                             residual_multiplier=0.22, logits_scaling=4.0, arch="granite"),
 }
@@ -347,8 +395,72 @@ class FeedForward(nn.Module):
         return self.w2(act * self.w3(x))
 
 
-class TransformerBlock(nn.Module):
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP (ModelArgs' n_experts): the router, the experts, and Qwen2-MoE's
+    gated shared expert. Computed as transformers computes it: expert by expert in ascending id, each over the
+    tokens that chose it, its weighted output added into a zero tensor of the activation dtype."""
+
     def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)  # the router
+        sub = args.replace(hidden_dim=args.moe_hidden_dim, mlp_bias=False)
+        self.experts = nn.ModuleList(FeedForward(sub) for _ in range(args.n_experts))
+        if args.shared_expert_dim:
+            self.shared_expert = FeedForward(args.replace(hidden_dim=args.shared_expert_dim, mlp_bias=False))
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+        self.k, self.renorm, self.f32_weights = args.n_active_experts, args.norm_topk_prob, \
+            args.moe_weight_dtype == "float32"
+        self.last_routing = None  # (ids, weights, router logits) of the last call, for the recorder
+
+    def route(self, x: torch.Tensor, forced: torch.Tensor | None = None, fault: str | None = None):
+        """x (T, dim) -> router logits (T, E) in the activation dtype, top-k ids (T, k) by descending probability,
+        their weights (T, k) as they scale the experts' outputs, the margin (T,): the k-th minus the (k+1)-th
+        logit (+inf when every expert is taken). ``forced`` (T, k), -1 where not forced: those rows take these
+        experts instead (routing replay), weighted by their own probabilities, renormalised as the model does."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if fault == "router-topk-off-by-one" and self.k < probs.shape[-1]:  # ranks 2..k+1
+            top, ids = (t[:, 1:] for t in torch.topk(probs, self.k + 1, dim=-1))
+        else:
+            top, ids = torch.topk(probs, self.k, dim=-1)
+        if forced is not None:
+            rows = (forced >= 0).all(dim=-1)
+            if bool(rows.any()):
+                ids = torch.where(rows[:, None], forced, ids)
+                top = torch.where(rows[:, None], probs.gather(-1, forced.clamp(min=0)), top)
+        if self.renorm != (fault == "router-norm-topk"):
+            top = top / top.sum(dim=-1, keepdim=True)
+        z = logits.double() if logits.dtype == torch.float64 else logits.float()
+        if self.k < z.shape[-1]:
+            ranked = torch.topk(z, self.k + 1, dim=-1).values
+            margin = ranked[:, self.k - 1] - ranked[:, self.k]
+        else:
+            margin = torch.full(z.shape[:1], float("inf"), dtype=z.dtype)
+        scale = z.square().mean(dim=-1).sqrt()
+        return logits, ids, top if self.f32_weights else top.to(logits.dtype), margin, scale
+
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None, fault: str | None = None) -> torch.Tensor:
+        """x (B, S, dim); ``forced`` (B, S, k) expert ids to take where >= 0 (routing replay); ``fault``: one of
+        config.ROUTER_FAULTS, injected."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits, ids, weights, margin, scale = self.route(flat, None if forced is None else forced.reshape(-1, self.k),
+                                                         fault)
+        self.last_routing = tuple(t.reshape(*shape[:-1], *t.shape[1:]) for t in (ids, weights, margin, scale, logits))
+        out = torch.zeros_like(flat)
+        for e in torch.unique(ids).tolist():  # ascending, as transformers adds them
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](flat[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(flat)
+            out = out + (shared if fault == "shared-expert-gate-dropped" else
+                         torch.sigmoid(self.shared_expert_gate(flat)) * shared)
+        return out.reshape(shape)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         # registered in the order the state dict lists them (the synthetic weights are drawn in that order)
         # OLMo 2 ("post"): each sub-layer's output is normalised before it joins the residual, its input is not;
@@ -362,7 +474,7 @@ class TransformerBlock(nn.Module):
             self.attention_post_norm = norm(args, args.dim)
         if self.pre:
             self.ffn_norm = norm(args, args.dim)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.moe(layer) else FeedForward(args)
         if self.post:
             self.ffn_post_norm = norm(args, args.dim)
         self.dropout = nn.Dropout(args.dropout)
@@ -379,7 +491,12 @@ class TransformerBlock(nn.Module):
         step.record(layer, "attn_update", a)  # what is added to the residual
         u = x + a  # U_ℓ
         step.record(layer, "mid", u)
-        m = self.feed_forward(self.ffn_norm(u) if self.pre else u)
+        h = self.ffn_norm(u) if self.pre else u
+        if isinstance(self.feed_forward, MoE):
+            m = self.feed_forward(h, step.forced_routing(layer), step.faults.router)
+            step.record_routing(layer, *self.feed_forward.last_routing)
+        else:
+            m = self.feed_forward(h)
         m = self._scaled(self.dropout(self.ffn_post_norm(m) if self.post else m))
         step.record(layer, "mlp_update", m)
         out = u + m  # R_ℓ+1
@@ -392,7 +509,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, layer) for layer in range(args.n_layers))
         self.norm = norm(args, args.dim)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=args.lm_head_bias)
         if args.tie_embeddings:

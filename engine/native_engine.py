@@ -15,9 +15,9 @@ import torch
 from .adapters import seeded_adapter
 from .attention import standard_head_map
 from .cache import PrefixKV
-from .calls import Call, Placement, plan_calls
+from .calls import Call, Placement, call_routing, forced_list, plan_calls
 from .compiled import warm_up
-from .config import RunConfig
+from .config import ROUTER_FAULTS, RunConfig
 from .errors import ConfigError
 from .faults import Faults, SkippedKV
 from .prefill import Engine
@@ -58,6 +58,10 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
         if max(lengths) <= min(windows):
             return (f"fault:window-off-by-one cannot show here: no prompt is longer than the window "
                     f"(window {min(windows)}, lengths {lengths})")
+    if name in ROUTER_FAULTS and not args.n_experts:
+        return f"fault:{name} cannot show on this model: it has no mixture of experts"
+    if name == "shared-expert-gate-dropped" and not args.shared_expert_dim:
+        return f"fault:{name} cannot show on this model: its experts have no shared expert"
     if name in ("position-restart", "adapter-mismatch") and (
             run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):
         return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
@@ -106,6 +110,8 @@ def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults
         return Faults(skip_kv=SkippedKV(layer=layer, seq=call.samples.index(f.sample), token=tok))
     if f.name == "window-off-by-one":
         return Faults(window_shift=1)
+    if f.name in ROUTER_FAULTS:
+        return Faults(router=f.name)
     return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
                   last_column=f.name == "last-column")
 
@@ -155,9 +161,12 @@ def execute(prep, recorder):
     run, L = prep.side.run, prep.snapshot.args.n_layers
     if run.numerical.compile:  # compile every shape the calls will see, timed apart from the recorded run
         prep.record["timing"] = {"compile_s": warm_up(prep)}
+    if prep.routing:  # routing replay: the trace says where its router was overruled
+        prep.record["routing_forced"] = forced_list(prep.routing)
     t0 = time.perf_counter()
     gens = [prep.engine.steps(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,
-                              recorder=Placement(recorder, c.runs, c.samples), faults=c.faults)
+                              recorder=Placement(recorder, c.runs, c.samples), faults=c.faults,
+                              routing=call_routing(prep.routing, c.samples))
             for c in prep.calls]
     done = [-1] * len(gens)
     results = [None] * len(gens)

@@ -45,6 +45,9 @@ def check_tp(tp: int, args, *, adapter=None, weight_quant: str = "none", fault: 
     if getattr(args, "qk_norm", "none") == "proj":
         raise ConfigError(f"tp={tp}: this model's QK-norm normalises the whole Q and K projections ({args.arch}), "
                           "which needs every head's values, and each rank holds only its own heads")
+    if getattr(args, "n_experts", 0):
+        raise ConfigError(f"tp={tp}: a mixture of experts ({args.arch}) is not sharded: tensor parallelism here "
+                          "splits attention heads and one dense MLP's width, not experts")
     if adapter is not None:
         raise ConfigError("tp > 1 shards plain linear layers: LoRA adapters are not supported with tensor parallelism")
     if weight_quant != "none":

@@ -130,8 +130,9 @@ class ForwardStep:
     """
 
     def __init__(self, engine: "Engine", cells: Cells, c0: int, c1: int, cache: KVCache, read_through: bool,
-                 faults: Faults, recorder, shapes):
+                 faults: Faults, recorder, shapes, routing: dict | None = None):
         self.engine, self.cache, self.read_through, self.faults = engine, cache, read_through, faults
+        self.routing = routing or {}
         self.recorder, self.shapes, self.c0 = recorder, shapes, c0
         inv = engine.call_inv_freq(cells)
         self.rope = rope_cos_sin(cells.positions[:, c0:c1], inv, engine.dtype, engine.rope_scale)
@@ -198,6 +199,22 @@ class ForwardStep:
     def record(self, layer: int, name: str, x: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.state(layer, name, x, self.c0)
+
+    def record_routing(self, layer: int, ids, weights, margin, scale, logits) -> None:
+        """A mixture of experts' routing over this forward's cells, (B, S, ...) each."""
+        if self.recorder is not None:
+            self.recorder.routing(layer, ids, weights, margin, scale, logits, self.c0)
+
+    def forced_routing(self, layer: int) -> torch.Tensor | None:
+        """(B, S, k) experts to take at this forward's cells (-1: the router's own choice), or None: routing replay
+        forces the reference's choices at the cells where the candidate's flipped."""
+        forced = self.routing.get(layer)
+        if not forced:
+            return None
+        out = torch.full((*self.q_tok.shape, self.engine.args.n_active_experts), -1, dtype=torch.long)
+        for (seq, tok), ids in forced.items():
+            out[(self.q_seq == seq) & (self.q_tok == tok)] = torch.as_tensor(ids, dtype=torch.long)
+        return out
 
 
 def chunk_mask(cells: Cells, c0: int, c1: int, faults: Faults) -> AttentionMask:
@@ -275,8 +292,10 @@ class Engine:
                 return stop.value
 
     def steps(self, input_ids, attention_mask, positions, cache_config: CacheConfig = CacheConfig(), *,
-              segments=None, history: dict | None = None, recorder=None, faults: Faults = Faults(), shapes=None):
-        """Generator form of prefill: yields each layer index once that layer is complete."""
+              segments=None, history: dict | None = None, recorder=None, faults: Faults = Faults(), shapes=None,
+              routing: dict | None = None):
+        """Generator form of prefill: yields each layer index once that layer is complete. ``routing``: experts to
+        force, {layer: {(sequence, token index): expert ids}} (routing replay)."""
         call = self._check(input_ids, attention_mask, positions, segments)
         if self.rng is not None:
             torch.manual_seed(self.rng)
@@ -292,7 +311,8 @@ class Engine:
         read_through = not layout.plain or bool(history) or chunk < n
         ids = torch.where(call.valid, call.ids, torch.zeros_like(call.ids))
         with torch.no_grad():
-            x_last = yield from self._layers(ids, cells, cache, chunk, read_through, recorder, faults, shapes)
+            x_last = yield from self._layers(ids, cells, cache, chunk, read_through, recorder, faults, shapes,
+                                             routing or {})
             result = self._finish(cells, x_last, cache, faults, recorder, identity, history)
         violations = result.cache_metadata["invariant_violations"]
         if violations and cache_config.invariants == "raise":
@@ -322,7 +342,8 @@ class Engine:
                 cache.write(layer, s, k, v, k, pos)
         return cache
 
-    def _layers(self, ids, cells: Cells, cache: KVCache, chunk: int, read_through: bool, recorder, faults, shapes):
+    def _layers(self, ids, cells: Cells, cache: KVCache, chunk: int, read_through: bool, recorder, faults, shapes,
+                routing: dict):
         """The model over the prompt, whole or chunk by chunk; yields ℓ once layer ℓ (states and cache) is
         complete, returns the last layer's output R_L, (B, n, dim)."""
         B, n = ids.shape
@@ -330,7 +351,7 @@ class Engine:
         x_last = None
         for c0 in range(0, n, chunk):
             c1 = min(c0 + chunk, n)
-            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes)
+            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes, routing)
             for layer, x in self.model.layer_by_layer(ids[:, c0:c1], step):
                 if whole:
                     self._emit_cache(recorder, cache, layer)

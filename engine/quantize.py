@@ -25,12 +25,17 @@ class WeightOnlyInt8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# a mixture of experts' router and shared-expert gate stay in the activation dtype, as serving engines keep them:
+# their outputs pick experts, and a quantised router would flip choices no weight-only scheme flips
+ROUTERS = ("gate", "shared_expert_gate")
+
+
 def quantize_int8(model: Transformer) -> str:
-    """Replace every nn.Linear by WeightOnlyInt8Linear; returns the quantised weights' digest."""
+    """Replace every nn.Linear but a router by WeightOnlyInt8Linear; returns the quantised weights' digest."""
     tensors = {}
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in ROUTERS:
                 q = WeightOnlyInt8Linear(child)
                 setattr(parent, name, q)
                 full = f"{parent_name}.{name}".strip(".")

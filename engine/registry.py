@@ -162,6 +162,7 @@ class EngineInfo:
     no_tp: str = ""  # why it does not shard
     faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
     unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
+    replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
 
     def load(self):
         """The engine's module (check, plan, execute)."""
@@ -176,9 +177,10 @@ ENGINES = {e.name: e for e in (
                computes=Computes(FLOATS, CACHE_DTYPES, ("none", "int8")), tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
-                       "window-off-by-one")),
+                       "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
+                       "shared-expert-gate-dropped"), replays_routing=True),
     EngineInfo("transformers", "hf_engine", "Hugging Face transformers' own model, recorded through hooks",
-               TransformersOptions, "transformers", Computes(FLOATS), tp=True),
+               TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True),
     EngineInfo("llama.cpp", "llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",

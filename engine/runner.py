@@ -145,6 +145,7 @@ class Prepared:
     calls: list = field(default_factory=list)
     record: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # what an engine's plan resolved for its execute (never recorded)
+    routing: dict = field(default_factory=dict)  # routing replay: {layer: {(sample, token index): experts}} to force
 
     @property
     def n_cols(self) -> int:

@@ -28,7 +28,6 @@ import tempfile
 
 import numpy as np
 
-from ..dumps.schema import STATES  # the trace's vocabulary: the states the worker may send
 from .calls import plan_calls
 from .errors import ConfigError, PrefillDiffError
 
@@ -71,6 +70,9 @@ def check(prep) -> None:
                   "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
     if snap.adapter is not None:
         no.append("a LoRA adapter")
+    if snap.args.n_experts:
+        no.append(f"a mixture of experts ({snap.args.arch}; the worker reads dense MLPs only, not yet vLLM's fused "
+                  "MoE layers)")
     if snap.args.norm_placement == "post":
         no.append(f"a model of the {snap.args.arch} family (vLLM has no OLMo 2 class of its own: it runs it "
                   "through its transformers backend, whose layers the worker does not read)")
@@ -185,7 +187,7 @@ def model_directory(snapshot, tmp: str) -> str:
     named = {ours: theirs for theirs, ours in SUPPORTED_ARCHS.items()}  # Gemma 3's config class is Gemma3TextConfig
     cfg.architectures = [named.get(snapshot.args.arch) or type(cfg).__name__.replace("Config", "ForCausalLM")]
     cfg.to_json_file(os.path.join(d, "config.json"))
-    state = hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3")
+    state = hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3", arch=snapshot.args.arch)
     if snapshot.args.tie_embeddings:
         state.pop("lm_head.weight", None)
     save_file({k: v.contiguous().float() for k, v in state.items()}, os.path.join(d, "model.safetensors"))
@@ -312,9 +314,8 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
     for layer in range(args.n_layers):
         for head, a in samples:
             s, k = head["index"], head["num_cached_tokens"]
-            for name in STATES:
-                if name in a:
-                    recorder.state(layer, name, s, 0, a[name][layer])
+            for name in head.get("states", ()):  # the states the worker captured (the recorder checks the names)
+                recorder.state(layer, name, s, 0, a[name][layer])
             pos = np.concatenate([np.arange(k), a["positions"]])
             recorder.cache(layer, s, a["keys"][layer], a["values"][layer], pos)
     for head, a in samples:

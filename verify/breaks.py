@@ -20,11 +20,11 @@ from . import wording
 from .results import CacheResult, TensorResult
 
 ORDER = ("shape", "rank_divergence", "finite_mask", "cache_length", "cache_positions", "numerics", "positions",
-         "value", "top_ids")
+         "routing", "value", "top_ids")
 
 SUBLAYER = {**{t.name: t.sublayer for t in LAYER_TENSORS}, **{n: "final" for n in FINAL_TENSORS},
             "topk_ids": "final", "cache_lengths": "attention", "cache_positions": "attention",
-            "positions": "attention"}
+            "positions": "attention", "routing": "mlp"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ class Break:
     """Where and how a comparison first fails."""
     stage: str  # metadata | layer | final
     kind: str  # coverage | metadata | shape | rank_divergence | finite_mask | cache_length | cache_positions |
-    # positions | value | top_ids
+    # positions | routing | value | top_ids
     message: str
     layer: int | None = None
     tensor: str | None = None

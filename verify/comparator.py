@@ -20,6 +20,7 @@ from .final import FinalResult, compare_final
 from .full import compare_full_state
 from .ranks import divergence_break, heads_notes, tiling_break
 from .results import CacheResult, TensorResult, num
+from .routing import RoutingResult, compare_routing, routing_break, stop_comparing
 from .sampled import compare_sampled
 from .stats import compare_stats
 from .tolerance import Policy
@@ -34,6 +35,7 @@ class LayerResult:
     cache: CacheResult
     first_break: Break | None
     numerics: "LayerResult | None" = None  # calibrated: the twin against the reference (check 2)
+    routing: RoutingResult | None = None  # a MoE layer's routing compared
 
     def __bool__(self) -> bool:
         return self.first_break is None
@@ -47,6 +49,8 @@ class LayerResult:
              "cache": {"lengths_ok": self.cache.lengths_ok, "positions_ok": self.cache.positions_ok,
                        "detail": self.cache.detail},
              "tensors": {t.tensor: t.as_dict() for t in self.tensors}}
+        if self.routing is not None:
+            d["routing"] = self.routing.as_dict()
         if self.numerics is not None:
             d["numerics"] = {"passed": bool(self.numerics), "tensors": {
                 t.tensor: {"passed": bool(t), "max_abs": num(t.max_abs), "max_row_rel": num(t.max_row_rel),
@@ -68,6 +72,7 @@ class Comparator:
         align = Alignment(ref, cand)
         self.ctx = Context(ref, cand, policy, align, calib, notes=list(align.notes))
         self.numerics = None  # calibrated, twin apart from the reference: check (2), the twin against it
+        self.unreplayed = []  # explained routing flips whose samples are no longer compared
         if calib is not None:
             levels = {t.level for t in (ref, cand, calib.golden, calib.twin) if t is not None}
             if levels != {"full"}:  # check (1) reads whole rows; a lower level would compare nothing and pass
@@ -96,6 +101,8 @@ class Comparator:
 
     def layer(self, r: LayerView, c: LayerView) -> LayerResult:
         i = r.layer
+        routing = compare_routing(self.ctx, r, c)  # first: an explained flip takes its sample out of what follows
+        self.unreplayed += stop_comparing(self.ctx, routing)
         results = {name: res for name in STATES if (res := self._state(r, c, name)) is not None}
         cache, cache_tensors = check_cache(self.ctx, r, c)
         results.update(cache_tensors)
@@ -103,10 +110,13 @@ class Comparator:
         numerics = None
         if self.numerics is not None:
             numerics = self.numerics.layer(r, self.calib.twin.layer(i))
-        first = self._checks(i, tensors, cache, numerics).first()
+        checks = self._checks(i, tensors, cache, numerics)
+        checks.add("routing", routing_break(routing))
+        first = checks.first()
         if first is not None and first.heads:
             heads_notes(self.ctx, i, first)
-        return LayerResult(layer=i, tensors=tensors, cache=cache, first_break=first, numerics=numerics)
+        return LayerResult(layer=i, tensors=tensors, cache=cache, first_break=first, numerics=numerics,
+                           routing=routing)
 
     def final(self) -> FinalResult:
         return compare_final(self.ctx, None if self.numerics is None else self.numerics.final())

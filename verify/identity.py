@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# key -> (what it is, where a difference first shows: (layer 0 tensors) or "final")
+ANYWHERE = "anywhere"  # a difference shows at the first layer it changes (weights: whose weights differ)
+# key -> (what it is, where a difference first shows: (layer 0 tensors), "final" or ANYWHERE)
 IDENTITY_KEYS = {
     "arch": ("architecture family", ("cache_keys", "cache_values", "attn_update")),
     "rope_theta": ("RoPE base", ("cache_keys", "attn_update", "attn_heads")),
@@ -26,17 +27,31 @@ IDENTITY_KEYS = {
     "mlp_bias": ("MLP biases", ("mlp_update",)),
     "norm_placement": ("norm placement", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
     "norm_scale": ("RMSNorm weight rounding", ("cache_keys", "cache_values", "attn_update", "attn_heads")),
-    "sliding_window": ("sliding window", "anywhere"),
-    "layer_types": ("which layers use the sliding window", "anywhere"),
+    "sliding_window": ("sliding window", ANYWHERE),
+    "layer_types": ("which layers use the sliding window", ANYWHERE),
     "attention_multiplier": ("attention score scale", ("attn_update", "attn_heads")),
     "embedding_multiplier": ("embedding multiplier", ("layer_input", "cache_keys", "cache_values")),
     "residual_multiplier": ("residual multiplier", ("attn_update",)),
     "logits_scaling": ("logits scaling", "final"),
     "lm_head_bias": ("unembedding bias", "final"),
     "tie_embeddings": ("tied embeddings", "final"),
+    "embed_scale": ("embedding scale", ("layer_input", "cache_keys", "cache_values")),
+    "attn_softcap": ("attention soft-cap", ("attn_update", "attn_heads")),
+    "final_softcap": ("final-logit soft-cap", "final"),
+    "rope_local_theta": ("RoPE base of the window layers", ANYWHERE),
+    "n_experts": ("number of experts", ANYWHERE),
+    "n_active_experts": ("experts per token", ANYWHERE),
+    "moe_hidden_dim": ("expert MLP width", ANYWHERE),
+    "norm_topk_prob": ("top-k weights renormalised", ANYWHERE),
+    "moe_weight_dtype": ("precision of the expert weights", ANYWHERE),
+    "shared_expert_dim": ("shared expert width", ANYWHERE),
+    "dense_layers": ("dense layers among the experts", ANYWHERE),
 }
+# ModelArgs fields that are not identity keys, and why: a size shows as a shape break; the rest do not change
+# what a prefill computes
+NOT_IDENTITY = {"dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size",  # sizes
+                "max_position", "tokenizer_vocab_size", "dropout", "attention_rule"}
 ADAPTER_FIRST = ("cache_keys", "cache_values", "attn_update", "attn_heads")  # LoRA on wq, wk, wv, wo
-ANYWHERE = "anywhere"  # a weights difference shows at the first layer whose weights differ
 
 
 def stores_float32(meta: dict) -> bool:

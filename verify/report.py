@@ -64,6 +64,8 @@ class Report:
     calibration: str | None = None  # how values were judged, in words (the header's "rule")
     strict: bool = False  # --strict: an INCONCLUSIVE pass is a failure (verdict, exit status, JUnit, JSON)
     identity: tuple = ()  # the model identity differences (verify/identity.py), each a dict
+    unreplayed: tuple = ()  # explained routing flips whose samples were not compared from their layer on
+    replayed: tuple = ()  # routing flips the candidate was rerun with the reference's experts forced at (dicts)
     timing: Timing = field(default=Timing(), compare=False)  # seconds, for JUnit; two equal verdicts are equal
     provenance: dict = field(default_factory=provenance, compare=False)  # who made the report, how, when
 
@@ -86,7 +88,7 @@ class Report:
         return break_line(b, None if tok is None or tok[1] is None else tok[1])
 
     def __bool__(self) -> bool:
-        return self.first_break is None and not self.failed_strict
+        return self.first_break is None and not self.failed_strict and not self.unreplayed
 
     def __repr__(self) -> str:  # the verdict line; as_dict() has everything
         return f"Report({self.verdict_line()})"
@@ -103,13 +105,34 @@ class Report:
 
     @property
     def verdict(self) -> str:
+        if self.first_break is None and self.unreplayed:
+            return "inconclusive"
         return "pass" if self else "fail"
 
+    @property
+    def flips(self) -> list:
+        """Every routing flip the layers found, in layer order."""
+        return [f for lr in self.layers if lr.routing is not None for f in lr.routing.flips]
+
+    def routing_summary(self) -> dict | None:
+        """Counts of the routing flips (None: no layer compared routing)."""
+        compared = [lr.routing for lr in self.layers if lr.routing is not None]
+        if not compared:
+            return None
+        flips = self.flips
+        return {"tokens_compared": sum(r.compared for r in compared),
+                "flips": len(flips), "explained": sum(f.explained for f in flips),
+                "blamed": sum(not f.explained for f in flips), "replayed": list(self.replayed),
+                "not_compared_samples": sorted({f.sample for f in self.unreplayed})}
+
     def verdict_line(self) -> str:
+        if self.first_break is None and self.unreplayed:
+            return wording.routing_inconclusive(self.unreplayed, len(self.layers), self.n_layers)
         if self.first_break is None:
-            return wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
+            line = wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
                                   identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes),
                                   strict=self.strict)
+            return line + (wording.routing_replayed(len(self.replayed)) if self.replayed else "")
         return wording.failed(self.line(self.first_break))
 
     def as_dict(self) -> dict:
@@ -136,6 +159,7 @@ class Report:
             "notes": list(self.notes),
             "checks_not_done": list(self.skipped),
             "inconclusive": list(self.inconclusive),
+            "routing": self.routing_summary(),
             "identity_differences": [{k: d[k] for k in ("key", "what", "reference", "candidate")}
                                      for d in self.identity],
             "stopped_early": self.stopped_early,
@@ -277,7 +301,8 @@ class Session:
                       token_text={**(self.cand.meta.get("token_text") or {}),
                                   **(self.ref.meta.get("token_text") or {})} or None,
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
-                      calibration=self.rule, identity=self.identity, timing=self.seconds)
+                      calibration=self.rule, identity=self.identity, unreplayed=tuple(self.cmp.unreplayed),
+                      timing=self.seconds)
 
     def _notes(self) -> tuple[list, list]:
         """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,

@@ -192,6 +192,37 @@ def absent_state(name: str, why: str) -> str:
     return f"{name}: not compared, the model's layers do not have it ({why})"
 
 
+def routing_not_compared(layer: int, why: str) -> str:
+    return f"routing at layer {layer}: not compared ({why})"
+
+
+def routing_flip(f, noise: str, n: int) -> str:
+    more = f" (and {n - 1} more token{'s' if n > 2 else ''})" if n > 1 else ""
+    if f.margin == float("inf"):
+        return (f"the candidate takes {len(f.candidate)} experts per token, the reference {len(f.reference)}: "
+                f"experts {list(f.reference)} vs {list(f.candidate)}")
+    return (f"routing flip: experts {list(f.reference)} vs {list(f.candidate)}{more}; the reference's router margin "
+            f"there is {f.margin:.3g}, beyond the {f.bound:.3g} that noise can flip (from {noise})")
+
+
+def routing_inconclusive(flips, n_compared: int, n_layers: int) -> str:
+    samples = sorted({f.sample for f in flips})
+    first = min(f.layer for f in flips)
+    return (f"INCONCLUSIVE | {n_compared}/{n_layers} layers: {len(flips)} routing flip(s) within noise from layer "
+            f"{first}; sample(s) {samples} not compared from there on (the candidate was not rerun with the "
+            "reference's routing)")
+
+
+def routing_replayed(n: int) -> str:
+    return f" | {n} routing flip(s) within noise, replayed with the reference's experts forced"
+
+
+def routing_not_replayed(f) -> str:
+    return (f"sample {f.sample}: not compared from layer {f.layer} on: its token {f.position} took experts "
+            f"{list(f.candidate)} instead of {list(f.reference)}, a flip within noise (margin {f.margin:.3g} <= "
+            f"{f.bound:.3g}), and the candidate was not rerun with the reference's routing")
+
+
 WINDOW_CACHE_NOT_FULL = ("the cache of a sliding-window layer whose two sides hold different numbers of slots: not "
                          "compared below the full level (sampled slots and statistics cover different slots)")
 

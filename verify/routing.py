@@ -1,0 +1,177 @@
+"""A mixture of experts' routing, compared token by token: each side's chosen experts, and whether a token whose
+experts differ (a flip) is explained by noise or blamed on the candidate (docs/tolerances.md, "Routing flips").
+
+A token's experts are compared as sets (the order within the top k only changes weights, which the values
+check). At a flip the reference's margin m (its k-th minus its (k+1)-th router logit) is set against the noise
+of a router logit: the candidate's errors on the two logits must differ by more than m to reorder them, and each
+is at most the noise, so a flip is *explained* when m <= 2·K·noise. Where the verdict is calibrated the noise is
+measured: the reference's and the twin's largest router-logit errors against the float64 golden at that layer,
+added (K: the calibration factor); else it is the dtype envelope atol + (rtol + ntol)·rms(logits) of the
+``router`` tolerance kind (K = 1, the envelope being a bound already). Outside it the flip is a ``routing``
+break.
+
+After an explained flip the candidate's values at that token, and at every later token of its sample in later
+layers (attention carries them), are no longer comparable with the reference's. The comparison stops comparing
+that sample from the flip's layer on and says so; a caller that controls the candidate's router reruns it with
+the reference's experts forced at the flipped tokens (``forced_routing``) and judges that run instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..dumps.reader import LayerView
+from . import wording
+from .breaks import Break
+from .context import Context
+
+BOTH_ERRORS = 2.0  # a flip needs the two logits' errors to differ by more than the margin: 2·noise at most
+
+
+@dataclass(frozen=True)
+class Flip:
+    """A token whose experts differ between the two sides."""
+    layer: int
+    sample: int  # the reference's sample
+    position: int  # token index
+    reference: tuple  # the reference's experts, by descending probability
+    candidate: tuple
+    margin: float  # the reference's k-th minus (k+1)-th router logit there
+    bound: float  # the largest margin noise explains there
+    cand_sample: int
+
+    @property
+    def explained(self) -> bool:
+        return bool(self.margin <= self.bound)
+
+    def as_dict(self) -> dict:
+        return {"layer": self.layer, "sample": self.sample, "position": self.position,
+                "reference": list(self.reference), "candidate": list(self.candidate), "margin": float(self.margin),
+                "bound": float(self.bound), "explained": self.explained}
+
+
+@dataclass(frozen=True)
+class RoutingResult:
+    layer: int
+    compared: int  # tokens whose experts were compared
+    flips: tuple = ()
+    noise: str = ""  # where the bound came from, in words
+    not_compared: str | None = None  # why nothing was compared (routing missing on a side)
+
+    @property
+    def explained(self) -> tuple:
+        return tuple(f for f in self.flips if f.explained)
+
+    @property
+    def blamed(self) -> tuple:
+        return tuple(f for f in self.flips if not f.explained)
+
+    def as_dict(self) -> dict:
+        return {"compared": self.compared, "flips": [f.as_dict() for f in self.flips], "noise": self.noise,
+                "not_compared": self.not_compared}
+
+
+def compare_routing(ctx: Context, r: LayerView, c: LayerView) -> RoutingResult | None:
+    """The layer's routing compared over every aligned token (None: a dense layer on both sides)."""
+    rid, cid = r.routing("ids"), c.routing("ids")
+    if rid is None and cid is None:
+        return None
+    if rid is None or cid is None:
+        side = "reference" if rid is None else "candidate"
+        why = f"the {side} trace records no routing at layer {r.layer}"
+        ctx.skipped.add(wording.routing_not_compared(r.layer, why))
+        return RoutingResult(layer=r.layer, compared=0, not_compared=why)
+    ref_ids, cand_ids = ctx.ref.read(rid), ctx.cand.read(cid)
+    if ref_ids.shape[2] != cand_ids.shape[2]:  # a different top-k: every token flips; the margin is moot
+        return RoutingResult(layer=r.layer, compared=0, flips=(_topk_flip(ctx, r.layer, ref_ids, cand_ids),),
+                             noise="a different number of experts per token")
+    margin, scale = ctx.ref.read(r.routing("margin")), ctx.ref.read(r.routing("scale"))
+    bound_of, noise = _bounds(ctx, r.layer, scale)
+    flips, compared = [], 0
+    for rs, cs in ctx.pairs:
+        cells = ctx.align.cells[rs]
+        a = np.sort(ref_ids[rs, cells.ref_cols], axis=1)
+        b = np.sort(cand_ids[cs, cells.cand_cols], axis=1)
+        compared += len(a)
+        for i in np.flatnonzero((a != b).any(axis=1)):
+            rc = np.arange(ref_ids.shape[1])[cells.ref_cols][i]
+            cc = np.arange(cand_ids.shape[1])[cells.cand_cols][i]
+            flips.append(Flip(layer=r.layer, sample=int(rs), position=int(cells.tokens[i]),
+                              reference=tuple(int(x) for x in ref_ids[rs, rc]),
+                              candidate=tuple(int(x) for x in cand_ids[cs, cc]), margin=float(margin[rs, rc]),
+                              bound=float(bound_of(rs, rc)), cand_sample=int(cs)))
+    return RoutingResult(layer=r.layer, compared=compared, flips=tuple(flips), noise=noise)
+
+
+def _bounds(ctx: Context, layer: int, scale: np.ndarray):
+    """(sample, column) -> the largest margin noise explains, and where the noise came from, in words."""
+    calib = ctx.calib
+    if calib is not None:
+        g = calib.golden.layer(layer).routing("logits")
+        sides = [(name, t, t.layer(layer).routing("logits")) for name, t in
+                 (("reference", ctx.ref), ("twin", calib.twin if calib.twin is not None else ctx.cand))]
+        if g is not None and all(ds is not None for _, _, ds in sides):
+            # each side's own router noise, measured against the float64 golden: the reference's precision and
+            # the candidate's (its twin) both move the logits a flip is judged on
+            errs = {}
+            for name, t, ds in sides:
+                err = 0.0
+                for rs, _ in ctx.pairs:
+                    cols = ctx.align.cells[rs].ref_cols
+                    d = np.abs(t.read(ds, (rs,))[cols].astype(np.float64)
+                               - calib.golden.read(g, (rs,))[cols].astype(np.float64))
+                    err = max(err, float(d.max(initial=0.0)))
+                errs[name] = err
+            bound = BOTH_ERRORS * calib.factor * (errs["reference"] + errs["twin"])
+            return (lambda s, c: bound), (f"the router-logit errors against the float64 golden: the reference's "
+                                          f"{errs['reference']:.2g} and the twin's {errs['twin']:.2g}, times "
+                                          f"{calib.factor:g}")
+    tol = ctx.policy.tol("router_logits", layer)
+    return (lambda s, c: BOTH_ERRORS * (tol.atol + (tol.rtol + tol.ntol) * scale[s, c])), (
+        f"the {ctx.policy.name} envelope on a router logit (atol {tol.atol:g}, rtol {tol.rtol:g}, "
+        f"ntol {tol.ntol:g})")
+
+
+def _topk_flip(ctx: Context, layer: int, ref_ids: np.ndarray, cand_ids: np.ndarray) -> Flip:
+    rs, cs = ctx.pairs[0]
+    cells = ctx.align.cells[rs]
+    rc = np.arange(ref_ids.shape[1])[cells.ref_cols][0]
+    cc = np.arange(cand_ids.shape[1])[cells.cand_cols][0]
+    return Flip(layer=layer, sample=int(rs), position=int(cells.tokens[0]),
+                reference=tuple(int(x) for x in ref_ids[rs, rc]), candidate=tuple(int(x) for x in cand_ids[cs, cc]),
+                margin=float("inf"), bound=0.0, cand_sample=int(cs))
+
+
+def routing_break(res: RoutingResult | None) -> Break | None:
+    """The layer's first flip that noise does not explain."""
+    if res is None or not res.blamed:
+        return None
+    f = res.blamed[0]
+    return Break(stage="layer", kind="routing", message=wording.routing_flip(f, res.noise, len(res.blamed)),
+                 layer=f.layer, tensor="routing", sample=f.sample, position=f.position,
+                 samples=tuple(sorted({x.sample for x in res.blamed})), max_abs_error=f.margin, bound=f.bound)
+
+
+def stop_comparing(ctx: Context, res: RoutingResult | None) -> list:
+    """After explained flips: the samples they reach are not compared from this layer on (their values no longer
+    correspond); returns the flips that caused it. A calibrated or fixed-rule comparison alike."""
+    if res is None or not res.explained:
+        return []
+    gone = {}
+    for f in res.explained:
+        gone.setdefault(f.sample, f)
+    ctx.align.pairs[:] = [p for p in ctx.align.pairs if p[0] not in gone]
+    for s, f in sorted(gone.items()):
+        ctx.skipped.add(wording.routing_not_replayed(f))
+    return list(res.explained)
+
+
+def forced_routing(flips, into: dict | None = None, side: str = "candidate") -> dict:
+    """{layer: {(sample, token index): the reference's experts}} for replaying flips, in the candidate's samples
+    (the candidate's run) or the reference's (its golden and twin, which share its layout)."""
+    out = {} if into is None else into
+    for f in flips:
+        s = f.cand_sample if side == "candidate" else f.sample
+        out.setdefault(f.layer, {})[(s, f.position)] = tuple(f.reference)
+    return out
