@@ -478,6 +478,8 @@ def print_inspect(console, s: dict) -> None:
         print_line(console, Text(f"columns not shown at width {console.width}: "
                                  f"{', '.join(d.replace(chr(10), ' ') for d in dropped)} (inspect --json - has them)",
                                  style="dim"))
+    if s.get("routing"):
+        console.print(_routing_table(s["routing"]))
     console.print(_final_ids_table(s))
     for line in s.get("levels_note") or ():
         print_line(console, plain(line, style="yellow"))
@@ -521,6 +523,21 @@ def _inspect_header(s: dict):
     if prov:  # the command line is foreign text: plain, never markup
         yield plain(f"recorded by prefill-diff {prov.get('version')} at {prov.get('time')}: {prov.get('argv')}",
                     style="dim")
+
+
+def _routing_table(rows: list) -> Table:
+    """A mixture of experts' routing per layer: tokens each expert took, and the token nearest a flip."""
+    t = Table(title="routing (tokens per expert; the smallest router margin: the token nearest a flip)",
+              title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, just in (("layer", "right"), ("tokens per expert", "left"), ("smallest margin", "right"),
+                       ("at", "left")):
+        t.add_column(name, justify=just)
+    for r in rows:
+        low = r.get("nearest_flip") or {}
+        t.add_row(str(r["layer"]), " ".join(map(str, r["tokens_per_expert"])),
+                  "-" if not low else f"{low['margin']:.3g}",
+                  "" if not low else f"sample {low['sample']} pos {low['position']} experts {low['experts']}")
+    return t
 
 
 def _samples_table(s: dict) -> Table:

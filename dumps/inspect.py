@@ -120,6 +120,32 @@ def _layer_rows(t: Trace, layers, names, samples, sample) -> list[dict]:
     return rows
 
 
+def _routing_rows(t: Trace, layers, samples) -> list[dict]:
+    """Per MoE layer: how many of the samples' tokens each expert took, and the smallest router margin (the
+    token nearest a flip)."""
+    rows = []
+    E = t.args.get("n_experts")
+    for i in layers:
+        v = t.layer(i)
+        if v.routing("ids") is None or not E:
+            continue
+        ids, margin = t.read(v.routing("ids")), t.read(v.routing("margin"))
+        load = np.zeros(int(E), dtype=np.int64)
+        low = None
+        for s in samples:
+            cols, toks = t.cells(s)
+            taken = ids[s, cols]
+            load += np.bincount(taken[taken >= 0].ravel(), minlength=int(E))[:int(E)]
+            if cols.size:
+                j = int(np.argmin(margin[s, cols]))
+                m = float(margin[s, cols][j])
+                if low is None or m < low["margin"]:
+                    low = {"sample": int(s), "position": int(toks[j]), "margin": m,
+                           "experts": [int(x) for x in ids[s, cols[j]]]}
+        rows.append({"layer": i, "tokens_per_expert": load.tolist(), "nearest_flip": low})
+    return rows
+
+
 def _final_rows(t: Trace, samples) -> list[dict]:
     fin = t.final
     token_text = t.meta.get("token_text") or {}
@@ -143,7 +169,7 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
     layers = range(t.n_layers) if layer is None else [layer]
     names = STAT_TENSORS if tensor is None else (tensor,) if tensor in STAT_TENSORS else ()
     out = {**_header(t, samples), "layers": _layer_rows(t, layers, names, samples, sample),
-           "final": _final_rows(t, samples),
+           "final": _final_rows(t, samples), "routing": _routing_rows(t, layers, samples),
            "levels_note": [LEVEL_HOLDS[t.level]] if LEVEL_HOLDS.get(t.level) else []}
     want_values = sample is not None and tensor is not None and (layer is not None or tensor in FINAL_TENSORS)
     if want_values:

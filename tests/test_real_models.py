@@ -246,9 +246,9 @@ def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
     cand = record_side(prepare_side(fault, spec, inputs), tmp_path / "c.h5")
     with Trace(ref) as a, Trace(cand) as b:
         rep = compare_traces(a, b)
-    if fault == "fault:window-off-by-one":  # this Qwen2 has no sliding window (tests/test_families.py has one)
+    if fault in CANNOT_SHOW_ON_DENSE:  # this Qwen2 has neither (tests/test_families.py, tests/test_moe.py have)
         assert rep.first_break is None and "INCONCLUSIVE" in rep.verdict_line(), rep.verdict_line()
-        assert any("no sliding-window layer" in note for note in rep.inconclusive), rep.inconclusive
+        assert any(CANNOT_SHOW_ON_DENSE[fault] in note for note in rep.inconclusive), rep.inconclusive
     else:
         assert not rep and "§2.11" in rep.diagnosis, rep.verdict_line()
 
@@ -300,6 +300,12 @@ def test_gelu_llama_is_refused_naming_the_field(llama_dir, tmp_path, run_cli):
     assert "hidden_act='gelu'" in line and "supported: 'silu'" in line, line
     assert "Traceback" not in res.output
 
+
+# faults that need a sliding window or experts: on a dense model without a window they say why they cannot show
+CANNOT_SHOW_ON_DENSE = {"fault:window-off-by-one": "no sliding-window layer",
+                        "fault:router-norm-topk": "no mixture of experts",
+                        "fault:router-topk-off-by-one": "no mixture of experts",
+                        "fault:shared-expert-gate-dropped": "no mixture of experts"}
 
 UNSUPPORTED = [  # (field, value, words the refusal must contain)
     ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
@@ -453,9 +459,9 @@ def test_every_preset_runs_on_smollm2(smol_reference, tmp_path, preset):
     cand = record(preset, tmp_path, "c", inputs=THREE)
     with Trace(smol_reference) as a, Trace(cand) as b:
         rep = compare_traces(a, b)
-    if preset == "fault:window-off-by-one":  # SmolLM2 has no sliding window: nothing can show, and it says so
+    if preset in CANNOT_SHOW_ON_DENSE:  # SmolLM2 has neither a window nor experts: it says so
         assert rep.first_break is None and "INCONCLUSIVE" in rep.verdict_line(), rep.verdict_line()
-        assert any("no sliding-window layer" in note for note in rep.inconclusive), rep.inconclusive
+        assert any(CANNOT_SHOW_ON_DENSE[preset] in note for note in rep.inconclusive), rep.inconclusive
     elif preset.startswith("fault:"):
         assert not rep and "§2.11" in rep.diagnosis, rep.verdict_line()
     else:

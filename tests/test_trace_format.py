@@ -2,6 +2,8 @@
 old versions readable, inspect at every level, and a foreign engine (transformers) writing through hooks."""
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import signal
@@ -145,6 +147,20 @@ def test_committed_v1_trace_stays_readable(run_cli, tmp_path):
     res = run_cli("compare", old, old)
     assert res.exit_code == 0
     # today's engine still agrees with the committed baseline
+    res = run_cli("compare", old, "reference", "--json", tmp_path / "r.json")
+    assert res.exit_code == 0, res.output
+
+
+def test_committed_v12_moe_trace_stays_readable(run_cli, tmp_path):
+    """Format 1.2: a mixture of experts' routing. Read, validated, compared with itself and with today's engine."""
+    old = DATA / "trace-v1.2.h5"
+    with Trace(old) as t:
+        assert t.version == "1.2" and t.args["n_experts"] == 4 and t.args["n_active_experts"] == 2
+        ids = t.layer(1).routing("ids")[()]
+        assert ids.shape == (2, 6, 2) and ((ids >= 0) & (ids < 4) | (ids == -1)).all()
+    res = run_cli("compare", old, old, "--json", tmp_path / "self.json")
+    rep = json.loads((tmp_path / "self.json").read_text())
+    assert res.exit_code == 0 and rep["routing"]["tokens_compared"] == 2 * 9 and rep["routing"]["flips"] == 0
     res = run_cli("compare", old, "reference", "--json", tmp_path / "r.json")
     assert res.exit_code == 0, res.output
 

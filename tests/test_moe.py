@@ -1,0 +1,279 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): the MoE MLP against a naive loop and transformers, every
+execution path, routing recorded (trace format 1.2) and compared, flips explained and replayed or blamed, and the
+router faults localised."""
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from prefill_diff.cli.jobs import run, run_lockstep
+from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.engine.errors import ConfigError, ModelLoadError
+from prefill_diff.engine.model import MODEL_PRESETS, MoE
+from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.verify.report import compare_traces
+
+FAMILIES = ["synthetic:mixtral", "synthetic:qwen2-moe", "synthetic:qwen3-moe"]
+FLOAT32_PATHS = ["batched-left", "batched-right", "packed", "prefix-reuse", "chunked", "paged", "rotate-on-read",
+                 "sdpa", "tiled", "transformers", "transformers-sdpa", "compiled"]
+PRECISION_PATHS = ["bf16", "fp16", "w8", "kv-int8"]
+
+
+def _naive_moe(moe: MoE, x: torch.Tensor, renorm: bool, f32_weights: bool) -> torch.Tensor:
+    """Token by token: softmax over the router logits, the top k, each expert's SwiGLU, weighted and summed."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        p = torch.softmax(moe.gate(x[t]).float(), dim=-1)
+        w, ids = torch.sort(p, descending=True)
+        w, ids = w[:moe.k], ids[:moe.k]
+        if renorm:
+            w = w / w.sum()
+        for e, we in sorted(zip(ids.tolist(), w)):
+            ex = moe.experts[e]
+            y = ex.w2(torch.nn.functional.silu(ex.w1(x[t])) * ex.w3(x[t]))
+            out[t] += (y * (we if f32_weights else we.to(x.dtype))).to(x.dtype)
+        if hasattr(moe, "shared_expert"):
+            sh = moe.shared_expert
+            out[t] += torch.sigmoid(moe.shared_expert_gate(x[t])) * sh.w2(
+                torch.nn.functional.silu(sh.w1(x[t])) * sh.w3(x[t]))
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_moe_mlp_equals_a_naive_loop(family):
+    args = MODEL_PRESETS[family]
+    torch.manual_seed(0)
+    moe = MoE(args)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=args.dim ** -0.5)
+    x = torch.randn(2, 9, args.dim)
+    got = moe(x)
+    want = _naive_moe(moe, x.reshape(-1, args.dim), args.norm_topk_prob, args.moe_weight_dtype == "float32")
+    torch.testing.assert_close(got.reshape(-1, args.dim), want, rtol=1e-5, atol=1e-5)
+    ids, weights, margin, scale, logits = moe.last_routing
+    assert ids.shape == (2, 9, args.n_active_experts) and logits.shape == (2, 9, args.n_experts)
+    top2 = torch.topk(logits.float(), args.n_active_experts + 1, dim=-1).values
+    torch.testing.assert_close(margin, top2[..., -2] - top2[..., -1])
+    if args.norm_topk_prob:
+        torch.testing.assert_close(weights.float().sum(-1), torch.ones(2, 9))
+
+
+@pytest.mark.parametrize("path", FLOAT32_PATHS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_moe_family_passes_each_float32_path_with_routing_compared(family, path):
+    rep = run_lockstep("reference", path, model=ModelSpec(family)).report
+    assert rep.verdict == "pass", rep.verdict_line()
+    s = rep.routing_summary()
+    moe_layers = sum(MODEL_PRESETS[family].moe(i) for i in range(4))
+    assert s is not None and s["tokens_compared"] >= moe_layers * (70 + 45 + 9) - 3 * 70, s
+    assert len(rep.layers) == 4 and not rep.skipped, rep.skipped
+
+
+@pytest.mark.parametrize("path", PRECISION_PATHS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_moe_family_passes_each_precision_path(family, path):
+    """Below float32 routing flips happen on these random routers; each is within noise and replayed."""
+    rep = run("reference", path, model=ModelSpec(family)).report
+    assert rep.verdict == "pass", rep.verdict_line()
+    assert not rep.unreplayed and rep.routing_summary()["blamed"] == 0
+
+
+@pytest.mark.parametrize("family,preset,words", [
+    ("qwen3-moe", "tp2", "a mixture of experts (qwen3_moe) is not sharded"),
+    ("mixtral", "llama.cpp", "a mixture of experts (mixtral; the GGUF writer emits dense"),
+    ("qwen2-moe", "vllm", "a mixture of experts (qwen2_moe; the worker reads dense MLPs only")])
+def test_what_an_engine_cannot_run_of_moe_is_refused_in_one_line(run_cli, family, preset, words, monkeypatch):
+    res = run_cli("run", "reference", preset, "--model", f"synthetic:{family}")
+    assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
+
+
+# -- the router faults -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fault,where", [("fault:router-norm-topk", (0, "mlp_update", "value")),
+                                         ("fault:router-topk-off-by-one", (0, "routing", "routing")),
+                                         ("fault:shared-expert-gate-dropped", (0, "mlp_update", "value"))])
+def test_router_bugs_fail_where_they_should(family, fault, where):
+    rep = run_lockstep("reference", fault, model=ModelSpec(family)).report
+    if fault == "fault:shared-expert-gate-dropped" and family != "synthetic:qwen2-moe":
+        assert rep.first_break is None and any("no shared expert" in i for i in rep.inconclusive), rep.inconclusive
+        return
+    fb = rep.first_break
+    assert (fb.layer, fb.tensor, fb.kind) == where, rep.verdict_line()
+    if fb.kind == "routing":
+        assert fb.max_abs_error > fb.bound and "routing flip: experts" in fb.message
+        assert rep.routing_summary()["blamed"] > 0
+
+
+def test_router_faults_cannot_show_on_a_dense_model():
+    rep = run_lockstep("reference", "fault:router-topk-off-by-one", model=ModelSpec("synthetic")).report
+    assert rep.first_break is None and any("no mixture of experts" in i for i in rep.inconclusive)
+
+
+# -- near ties: flips explained, replayed or not compared ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def near_tie(tmp_path_factory):
+    """A Qwen3-MoE checkpoint whose router scores experts 0 and 1 within 1e-6 of each other at every token:
+    wherever they rank k-th and (k+1)-th, any rounding flips them."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+        for layer in model.model.layers:
+            g = layer.mlp.gate.weight
+            g.normal_(0, 0.2)
+            g[1] = g[0] + 1e-6 * torch.randn_like(g[0])
+    d = tmp_path_factory.mktemp("near-tie")
+    model.save_pretrained(d, safe_serialization=True)
+    return f"hf:{d}"
+
+
+@pytest.mark.parametrize("cand", ["bf16", "fp16"])
+def test_near_ties_flip_within_noise_are_replayed_and_pass(near_tie, cand):
+    rep = run("reference", cand, model=ModelSpec(near_tie)).report
+    assert rep.verdict == "pass", rep.verdict_line()
+    assert len(rep.replayed) >= 1, "the near-tie model must flip: a test with zero flips proves nothing"
+    assert "replayed with the reference's experts forced" in rep.verdict_line()
+    assert rep.routing_summary()["flips"] == 0  # the judged run took the reference's experts there
+
+
+def test_without_replay_the_reached_samples_are_not_compared_and_the_verdict_is_inconclusive(near_tie, tmp_path,
+                                                                                              run_cli):
+    """compare on two recorded traces cannot rerun the candidate: INCONCLUSIVE (exit 1), never PASS."""
+    r, c = tmp_path / "r.h5", tmp_path / "c.h5"
+    assert run_cli("record", "reference", "-o", str(r), "--model", near_tie).exit_code == 0
+    assert run_cli("record", "bf16", "-o", str(c), "--model", near_tie).exit_code == 0
+    res = run_cli("compare", str(r), str(c), "--json", "-")
+    rep = json.loads(res.output[res.output.index("{"):])
+    assert res.exit_code == 1 and rep["verdict"] == "inconclusive", rep["verdict_line"]
+    assert rep["verdict_line"].startswith("INCONCLUSIVE") and rep["routing"]["explained"] >= 1
+    assert rep["routing"]["not_compared_samples"] and any("not compared from layer" in s
+                                                          for s in rep["checks_not_done"])
+    flips = [f for lr in rep["layers"] for f in (lr.get("routing") or {}).get("flips", [])]
+    assert flips and all(f["explained"] and f["margin"] <= f["bound"] for f in flips)
+
+
+def test_a_wrong_expert_after_a_near_tie_is_still_blamed(near_tie):
+    """Replay forces only the flips noise explains: the off-by-one router still breaks as routing."""
+    rep = run_lockstep("reference", "fault:router-topk-off-by-one", model=ModelSpec(near_tie)).report
+    assert rep.first_break is not None and rep.first_break.kind == "routing", rep.verdict_line()
+
+
+# -- the trace: format 1.2 ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_trace(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe")
+    return record_side(prepare_side("batched-left", ModelSpec("synthetic:qwen3-moe")), d / "t.h5")
+
+
+def test_routing_is_recorded_for_the_moe_layers_only(moe_trace):
+    args = MODEL_PRESETS["synthetic:qwen3-moe"]
+    with Trace(moe_trace) as t:
+        assert t.version == "1.2"
+        for i in range(args.n_layers):
+            lv = t.layer(i)
+            if not args.moe(i):
+                assert lv.routing("ids") is None
+                continue
+            ids = lv.routing("ids")[()]
+            w = lv.routing("weights")[()]
+            for s in range(t.n_samples):
+                cols, _ = t.cells(s)
+                assert ((ids[s, cols] >= 0) & (ids[s, cols] < args.n_experts)).all()
+                np.testing.assert_allclose(w[s, cols].sum(-1), 1.0, rtol=1e-6)  # norm_topk_prob
+                assert (lv.routing("margin")[s][cols] >= 0).all()
+                assert lv.routing("logits").shape[2] == args.n_experts
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda f: f["layers/000/routing/ids"].__setitem__((0, 0, 0), 9), "ids must be experts in [0, 4)"),
+    (lambda f: f.move("layers/000/routing", "layers/003/routing"), "layer 3 is dense"),
+    (lambda f: f["layers/001/routing"].__delitem__("margin"), "missing required dataset /layers/001/routing/margin"),
+])
+def test_the_reader_refuses_bad_routing(moe_trace, tmp_path, edit, words):
+    import shutil
+    bad = tmp_path / "bad.h5"
+    shutil.copy(moe_trace, bad)
+    with h5py.File(bad, "r+") as f:
+        edit(f)
+    with pytest.raises(TraceError, match=words.replace("[", r"\[").replace(")", r"\)").replace("(", r"\(")):
+        Trace(bad).__enter__()
+
+
+def test_older_traces_still_read_and_a_dense_model_writes_no_routing(tmp_path):
+    from pathlib import Path
+    with Trace(Path(__file__).parent / "data" / "trace-v1.0.h5") as t:
+        assert t.layer(0).routing("ids") is None
+    p = record_side(prepare_side("reference", ModelSpec("synthetic")), tmp_path / "d.h5")
+    with h5py.File(p) as f:
+        assert "routing" not in f["layers/000"]
+
+
+# -- checkpoints saved by transformers ------------------------------------------------------------------
+
+def _checkpoint(kind, tmp_path):
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    common = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = {"mixtral": lambda: MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common),
+           "qwen2_moe": lambda: Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                               shared_expert_intermediate_size=96, mlp_only_layers=[1], **common),
+           "qwen3_moe": lambda: Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                               norm_topk_prob=True, decoder_sparse_step=1, **common)}[kind]()
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.3)
+    d = tmp_path / kind
+    model.save_pretrained(d, safe_serialization=True)
+    return d, model
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_transformers_checkpoints_agree_with_our_engine(kind, tmp_path, run_cli):
+    d, model = _checkpoint(kind, tmp_path)
+    res = run_cli("run", "reference", "transformers", "--model", f"hf:{d}", "--json", "-")
+    rep = json.loads(res.output[res.output.index("{"):])
+    assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
+    assert len(rep["layers"]) == 3 and rep["routing"]["tokens_compared"] > 0 and not rep["checks_not_done"]
+    from prefill_diff.engine.prefill import Engine
+    from prefill_diff.engine.sources import load_snapshot
+    ids = torch.tensor([[5, 17, 33, 250, 7, 9, 11, 12]])
+    ours = Engine(load_snapshot(ModelSpec(f"hf:{d}"))).prefill(ids, torch.ones_like(ids), torch.arange(8)[None])
+    with torch.no_grad():
+        theirs = model(input_ids=ids).logits[0, -1]
+    assert float((ours.next_logits[0].float() - theirs).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("sliding_window", 16, "a sliding window with experts is not implemented"),
+    ("mlp_only_layers", [7], "a list of layer indices below 3"),
+    ("num_experts_per_tok", 0, "a positive integer")])
+def test_moe_config_fields_are_checked(field, value, words, tmp_path):
+    from prefill_diff.engine.sources import load_snapshot
+    d, _ = _checkpoint("qwen2_moe" if field == "mlp_only_layers" else "mixtral", tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    snap = load_snapshot(ModelSpec(f"hf:{d}"))
+    assert snap.foreign is not None and words in snap.foreign, snap.foreign
+    with pytest.raises(ModelLoadError, match="supported"):
+        snap.build()
