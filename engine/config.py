@@ -59,8 +59,8 @@ except ModuleNotFoundError:  # Python 3.10
 BATCHING = ("unbatched", "left", "right", "packed")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
           "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write",
-          "window-off-by-one", "router-norm-topk", "router-topk-off-by-one", "shared-expert-gate-dropped")
-ROUTER_FAULTS = ("router-norm-topk", "router-topk-off-by-one", "shared-expert-gate-dropped")  # MoE: in the MLP
+          "window-off-by-one", "router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped")
+ROUTER_FAULTS = ("router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped")  # MoE: in the MLP
 
 
 @dataclass(frozen=True)
@@ -294,8 +294,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                "where it does): a wrong norm_topk_prob", {"fault": {"name": "router-norm-topk"}}),
     "fault:router-topk-off-by-one": ("a mixture of experts' router takes the experts ranked 2..k+1, not 1..k",
                                      {"fault": {"name": "router-topk-off-by-one"}}),
-    "fault:shared-expert-gate-dropped": ("Qwen2-MoE's shared expert added without its sigmoid gate",
-                                         {"fault": {"name": "shared-expert-gate-dropped"}}),
+    "fault:shared-gate-dropped": ("Qwen2-MoE's shared expert added without its sigmoid gate",
+                                         {"fault": {"name": "shared-gate-dropped"}}),
     "fault:tp-missing-allreduce": ("tensor parallel, 2 ranks: layer 0's attention output projection is not "
                                    "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
     "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",

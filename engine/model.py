@@ -454,7 +454,7 @@ class MoE(nn.Module):
             out.index_add_(0, tok, y.to(out.dtype))
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat)
-            out = out + (shared if fault == "shared-expert-gate-dropped" else
+            out = out + (shared if fault == "shared-gate-dropped" else
                          torch.sigmoid(self.shared_expert_gate(flat)) * shared)
         return out.reshape(shape)
 

@@ -60,7 +60,7 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
                     f"(window {min(windows)}, lengths {lengths})")
     if name in ROUTER_FAULTS and not args.n_experts:
         return f"fault:{name} cannot show on this model: it has no mixture of experts"
-    if name == "shared-expert-gate-dropped" and not args.shared_expert_dim:
+    if name == "shared-gate-dropped" and not args.shared_expert_dim:
         return f"fault:{name} cannot show on this model: its experts have no shared expert"
     if name in ("position-restart", "adapter-mismatch") and (
             run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):

@@ -178,7 +178,7 @@ ENGINES = {e.name: e for e in (
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
-                       "shared-expert-gate-dropped"), replays_routing=True),
+                       "shared-gate-dropped"), replays_routing=True),
     EngineInfo("transformers", "hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True),
     EngineInfo("llama.cpp", "llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",

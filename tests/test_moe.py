@@ -97,10 +97,10 @@ def test_what_an_engine_cannot_run_of_moe_is_refused_in_one_line(run_cli, family
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("fault,where", [("fault:router-norm-topk", (0, "mlp_update", "value")),
                                          ("fault:router-topk-off-by-one", (0, "routing", "routing")),
-                                         ("fault:shared-expert-gate-dropped", (0, "mlp_update", "value"))])
+                                         ("fault:shared-gate-dropped", (0, "mlp_update", "value"))])
 def test_router_bugs_fail_where_they_should(family, fault, where):
     rep = run_lockstep("reference", fault, model=ModelSpec(family)).report
-    if fault == "fault:shared-expert-gate-dropped" and family != "synthetic:qwen2-moe":
+    if fault == "fault:shared-gate-dropped" and family != "synthetic:qwen2-moe":
         assert rep.first_break is None and any("no shared expert" in i for i in rep.inconclusive), rep.inconclusive
         return
     fb = rep.first_break

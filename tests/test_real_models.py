@@ -305,7 +305,7 @@ def test_gelu_llama_is_refused_naming_the_field(llama_dir, tmp_path, run_cli):
 CANNOT_SHOW_ON_DENSE = {"fault:window-off-by-one": "no sliding-window layer",
                         "fault:router-norm-topk": "no mixture of experts",
                         "fault:router-topk-off-by-one": "no mixture of experts",
-                        "fault:shared-expert-gate-dropped": "no mixture of experts"}
+                        "fault:shared-gate-dropped": "no mixture of experts"}
 
 UNSUPPORTED = [  # (field, value, words the refusal must contain)
     ("partial_rotary_factor", 0.5, "partial_rotary_factor=0.5"),
