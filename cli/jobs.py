@@ -28,7 +28,7 @@ from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, prec
                                 precisions, same_precisions, sibling_paths, unit_roundoff)
 from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
 from ..verify.report import Report, Session, compare_traces
-from ..verify.routing import forced_routing
+from ..verify.routing import forced_routing, replay_cells
 from ..verify.tolerance import Policy
 
 # label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
@@ -275,11 +275,12 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                                               snapshot=ref_prep.snapshot)
             report = _judge_open(r, c, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset,
                                  allow_identity=allow_identity)
-            forced, forced_ref, rounds = {}, {}, 0
+            forced, forced_ref, rounds, flips = {}, {}, 0, 0
             while report.unreplayed and _replays(cand_prep) and rounds < REPLAY_ROUNDS:
-                # routing replay: the candidate again, the reference's experts forced where it flipped within noise
-                forced = forced_routing(report.unreplayed, forced)
-                forced_ref = forced_routing(report.unreplayed, forced_ref, side="reference")
+                # routing replay: the candidate again, the reference's experts forced at its near ties
+                flips += len(report.unreplayed)
+                forced = forced_routing(replay_cells(report), forced)
+                forced_ref = forced_routing(replay_cells(report), forced_ref, side="reference")
                 again = rec.prepare_side(cand, model, inputs)
                 again.routing = forced
                 paths[1] = rec.record_side(again, os.path.join(work, f"cand-replay{rounds + 1}.h5"), level, force,
@@ -294,7 +295,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                     report = _judge_open(r, c2, tolerance, plan, siblings, kept=(keep, keep),
                                          allow_subset=allow_subset, allow_identity=allow_identity)
             if rounds:
-                report = replace(report, replayed=_replayed(forced))
+                report = replace(report, replayed=_replayed(forced), replayed_flips=flips)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -456,14 +457,15 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
     kw = dict(level=level, tolerance=tolerance, calibrate=calibrate, factor=factor, allow_subset=allow_subset,
               allow_identity=allow_identity)
     out = _run_lockstep(ref, cand, model, inputs, **kw)
-    forced, forced_ref, rounds = {}, {}, 0
+    forced, forced_ref, rounds, flips = {}, {}, 0, 0
     while out.report.unreplayed and out.replays and rounds < REPLAY_ROUNDS:
-        forced = forced_routing(out.report.unreplayed, forced)
-        forced_ref = forced_routing(out.report.unreplayed, forced_ref, side="reference")
+        flips += len(out.report.unreplayed)
+        forced = forced_routing(replay_cells(out.report), forced)
+        forced_ref = forced_routing(replay_cells(out.report), forced_ref, side="reference")
         out = _run_lockstep(ref, cand, model, inputs, routing=(forced, forced_ref), **kw)
         rounds += 1
     if rounds:
-        out = replace(out, report=replace(out.report, replayed=_replayed(forced)))
+        out = replace(out, report=replace(out.report, replayed=_replayed(forced), replayed_flips=flips))
     return out
 
 

@@ -568,16 +568,26 @@ class Trace:
             raise TraceError(f"{where}: the metadata declares no experts (model.args.n_experts, n_active_experts)")
         if i in (self.args.get("dense_layers") or ()):
             raise TraceError(f"{where}: layer {i} is dense (model.args.dense_layers) but holds routing")
+        if not A <= E:
+            raise TraceError(f"{where}: the metadata declares {A} experts per token of {E}")
         if E * self.n_cols * 8 > ROW_LIMIT:
             raise TraceError(f"{where}: rows of {E * self.n_cols} router logits, larger than a reader allocates")
         for name, el in sc.ROUTING.items():
             self._element(g, el, dims, layer=i, required=name != "logits" or self.level == "full")
-        ids = self.read(g[sc.ROUTING["ids"].rel()])
-        bad = (ids != -1) & ((ids < 0) | (ids >= E))
-        if bad.any():
-            s, c, _ = np.argwhere(bad)[0]
-            raise TraceError(f"{where}: ids must be experts in [0, {E}) or -1 (got {int(ids[s, c].max())} at sample "
-                             f"{s}, column {c})")
+        ids_ds, margin_ds, scale_ds = (g[sc.ROUTING[n].rel()] for n in ("ids", "margin", "scale"))
+        for s in range(self.n_samples):  # one sample's rows at a time
+            cols, toks = self.cells(s)
+            ids = self.read(ids_ds, (s,))[cols]
+            if ids.size and (ids.min() < 0 or ids.max() >= E):
+                c = int(cols[np.argwhere((ids < 0) | (ids >= E))[0][0]])
+                raise TraceError(f"{where}: ids at the valid cells must be experts in [0, {E}) (sample {s}, column "
+                                 f"{c} holds {self.read(ids_ds, (s,))[c].tolist()})")
+            if A > 1 and ids.size and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
+                raise TraceError(f"{where}: a cell of sample {s} names one expert twice")
+            margin, scale = self.read(margin_ds, (s,))[cols], self.read(scale_ds, (s,))[cols]
+            if not ((margin >= 0).all() and (np.isfinite(scale) & (scale >= 0)).all()):
+                raise TraceError(f"{where}: margins (>= 0) and logit scales (finite, >= 0) of sample {s} are out of "
+                                 "range at a valid cell")
 
     def _check_sampled(self, i: int, g: h5py.Group):
         """The sampled level's datasets and their ``channels``/``width`` attributes (compare indexes with them)."""

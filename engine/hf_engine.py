@@ -407,7 +407,7 @@ def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = N
     return handles
 
 
-def forward_call(model, call, recorder, routing: dict | None = None) -> dict:
+def forward_call(model, call, recorder, routing: dict | None = None, record_routing: bool = False) -> dict:
     """One transformers forward over a padded rectangle, recorded through ``recorder`` (forward coordinates);
     returns {state: why} for the states its layers do not have. ``routing``: experts to force, {layer: {(row,
     token index): experts}} (routing replay)."""
@@ -417,7 +417,7 @@ def forward_call(model, call, recorder, routing: dict | None = None) -> dict:
     seq = torch.where(valid, torch.arange(ids.shape[0])[:, None].expand_as(ids), torch.full_like(ids, -1))
     recorder.inputs(ids, valid, pos, tok, seq)
     states, absent = {}, {}
-    handles = _hooks(model, recorder, states, absent, (tok, seq), routing)
+    handles = _hooks(model, recorder, states, absent, (tok, seq) if record_routing else None, routing)
     try:
         with torch.no_grad():
             out = model(input_ids=torch.where(valid, ids, 0), attention_mask=mask, position_ids=pos, use_cache=True)
@@ -451,9 +451,12 @@ def execute(prep, recorder):
     absent = {}
     if prep.routing:  # routing replay: the trace says where its router was overruled
         prep.record["routing_forced"] = forced_list(prep.routing)
+    # routing is recorded for the mixtures of experts our engine implements (softmax routers whose sizes the trace
+    # declares); a foreign MoE (sigmoid or grouped routers: DeepSeek-V3, GLM-4-MoE, OLMoE) records its states only
+    moe = prep.snapshot.foreign is None and prep.snapshot.args.n_experts > 0
     for call in prep.calls:
         absent.update(forward_call(model, call, Placement(recorder, call.runs, call.samples),
-                                   call_routing(prep.routing, call.samples)))
+                                   call_routing(prep.routing, call.samples), record_routing=moe))
     if absent:  # the trace says which states this model's layers do not have, and why
         recorder.update_meta(absent_states=absent)
     for layer in range(prep.snapshot.args.n_layers):

@@ -27,7 +27,7 @@ def _b(kind, tensor="mid", **kw) -> Break:
 
 def test_the_order_runs_from_structure_to_values():
     assert ORDER == ("shape", "rank_divergence", "finite_mask", "cache_length", "cache_positions", "numerics",
-                     "positions", "value", "top_ids")
+                     "positions", "routing", "value", "top_ids")  # a wrong expert is the cause of the MLP's values
 
 
 def test_shape_is_picked_over_value_at_the_same_layer_whatever_the_filing_order():

@@ -50,6 +50,7 @@ class Alignment:
     def __init__(self, ref: Trace, cand: Trace):
         self.ref, self.cand = ref, cand
         self.pairs, self.ref_only, self.cand_only = match_samples(ref, cand)
+        self.dropped = []  # pairs an explained routing flip took out of the comparison (verify/routing.py)
         self.cells: dict[int, Cells] = {}  # reference sample -> its aligned cells
         self.notes: list[str] = []
         for rs, cs in self.pairs:

@@ -91,7 +91,11 @@ class Comparator:
     calib = property(lambda self: self.ctx.calib)
     pairs = property(lambda self: self.ctx.pairs)
     notes = property(lambda self: self.ctx.notes)
-    skipped = property(lambda self: self.ctx.skipped)
+    @property
+    def skipped(self) -> set:
+        """What was not compared, the twin's check (2) included (a twin's own routing flip takes its sample out)."""
+        twin = set() if self.numerics is None else {wording.twin_skipped(x) for x in self.numerics.skipped}
+        return self.ctx.skipped | twin
 
     def metadata_break(self) -> Break | None:
         """Traces that cannot be compared (a ``metadata`` break) or reference samples left out (``coverage``)."""

@@ -24,7 +24,8 @@ def workflow_error(report: Report) -> str | None:
     if report:
         return None
     fb = report.first_break
-    where = "INCONCLUSIVE (strict)" if fb is None else break_site(fb)
+    where = ("INCONCLUSIVE (routing flips not replayed)" if report.unreplayed else "INCONCLUSIVE (strict)") \
+        if fb is None else break_site(fb)
     lines = [report.verdict_line()]
     if fb is not None and fb.message and fb.message not in lines[0]:
         lines.append(fb.message)
@@ -32,5 +33,6 @@ def workflow_error(report: Report) -> str | None:
         lines.append("hint: " + report.diagnosis)
     if fb is None:  # --strict holds an INCONCLUSIVE pass as a failure: say which fault cannot show
         lines += ["INCONCLUSIVE: " + n for n in report.inconclusive]
+        lines += [n for n in report.skipped if "not compared from layer" in n]  # samples a routing flip took out
     message = "\n".join(visible(x) for x in lines)  # visible: a newline in foreign text is written as \n
     return f"::error title={escape_property(visible('prefill-diff: ' + where))}::{escape_data(message)}"

@@ -68,6 +68,10 @@ def _cases(report: Report, not_reached) -> list[Case]:
     if report.failed_strict:  # --strict: a fault that cannot show here fails the gate, as the verdict says
         cases.append(Case("inconclusive (strict)", "failure", visible(report.verdict_line()),
                           "\n".join(visible(n) for n in report.inconclusive), "inconclusive"))
+    if report.unreplayed and report.first_break is None:  # routing flips within noise, not replayed: not a pass
+        cases.append(Case("routing", "failure", visible(report.verdict_line()),
+                          "\n".join(visible(n) for n in report.skipped if "not compared from layer" in n),
+                          "inconclusive"))
     return cases
 
 

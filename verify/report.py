@@ -65,7 +65,8 @@ class Report:
     strict: bool = False  # --strict: an INCONCLUSIVE pass is a failure (verdict, exit status, JUnit, JSON)
     identity: tuple = ()  # the model identity differences (verify/identity.py), each a dict
     unreplayed: tuple = ()  # explained routing flips whose samples were not compared from their layer on
-    replayed: tuple = ()  # routing flips the candidate was rerun with the reference's experts forced at (dicts)
+    replayed: tuple = ()  # the cells a routing replay forced the reference's experts at (dicts)
+    replayed_flips: int = 0  # the explained flips that led to it
     timing: Timing = field(default=Timing(), compare=False)  # seconds, for JUnit; two equal verdicts are equal
     provenance: dict = field(default_factory=provenance, compare=False)  # who made the report, how, when
 
@@ -122,7 +123,8 @@ class Report:
         flips = self.flips
         return {"tokens_compared": sum(r.compared for r in compared),
                 "flips": len(flips), "explained": sum(f.explained for f in flips),
-                "blamed": sum(not f.explained for f in flips), "replayed": list(self.replayed),
+                "blamed": sum(not f.explained for f in flips), "replayed_flips": self.replayed_flips,
+                "replayed": list(self.replayed),
                 "not_compared_samples": sorted({f.sample for f in self.unreplayed})}
 
     def verdict_line(self) -> str:
@@ -132,7 +134,7 @@ class Report:
             line = wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
                                   identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes),
                                   strict=self.strict)
-            return line + (wording.routing_replayed(len(self.replayed)) if self.replayed else "")
+            return line + (wording.routing_replayed(self.replayed_flips, len(self.replayed)) if self.replayed else "")
         return wording.failed(self.line(self.first_break))
 
     def as_dict(self) -> dict:
@@ -219,6 +221,9 @@ def record_notes(t: Trace, side: str) -> tuple[list, list]:
     fault = rec.get("fault") or {}
     if fault.get("cannot_show"):
         inconclusive.append(fault["cannot_show"])
+    forced = rec.get("routing_forced")
+    if isinstance(forced, list) and forced:  # a routing replay: this side's router was overruled
+        notes.append(wording.routing_was_forced(side, len(forced)))
     return notes, inconclusive
 
 
@@ -285,7 +290,7 @@ class Session:
             self.seconds = self.seconds._replace(final=time.perf_counter() - start)
             self._checked(final.first_break)
         if stopped_early and self.layers:
-            self.cmp.skipped.add(wording.stopped_at(self.layers[-1].layer, self.ref.n_layers))
+            self.cmp.ctx.skipped.add(wording.stopped_at(self.layers[-1].layer, self.ref.n_layers))
         notes, inconclusive = self._notes()
         fb = self.first_break
         if fb is not None and fb.kind == "identity":

@@ -52,12 +52,23 @@ class Flip:
 
 
 @dataclass(frozen=True)
+class NearTie:
+    """A token where the reference's own margin is within noise: a replay forces its experts there in advance."""
+    layer: int
+    sample: int
+    cand_sample: int
+    position: int
+    reference: tuple
+
+
+@dataclass(frozen=True)
 class RoutingResult:
     layer: int
     compared: int  # tokens whose experts were compared
     flips: tuple = ()
     noise: str = ""  # where the bound came from, in words
     not_compared: str | None = None  # why nothing was compared (routing missing on a side)
+    near_ties: tuple = ()  # every aligned token (compared samples or not) whose reference margin noise explains
 
     @property
     def explained(self) -> tuple:
@@ -101,40 +112,66 @@ def compare_routing(ctx: Context, r: LayerView, c: LayerView) -> RoutingResult |
                               reference=tuple(int(x) for x in ref_ids[rs, rc]),
                               candidate=tuple(int(x) for x in cand_ids[cs, cc]), margin=float(margin[rs, rc]),
                               bound=float(bound_of(rs, rc)), cand_sample=int(cs)))
-    return RoutingResult(layer=r.layer, compared=compared, flips=tuple(flips), noise=noise)
+    ties = []
+    for rs, cs in list(ctx.pairs) + ctx.align.dropped:
+        cells = ctx.align.cells[rs]
+        rcols = np.arange(ref_ids.shape[1])[cells.ref_cols]
+        near = np.flatnonzero(margin[rs, rcols] <= bound_of(rs, rcols))
+        ties += [NearTie(layer=r.layer, sample=int(rs), cand_sample=int(cs), position=int(cells.tokens[i]),
+                         reference=tuple(int(x) for x in ref_ids[rs, rcols[i]])) for i in near]
+    return RoutingResult(layer=r.layer, compared=compared, flips=tuple(flips), noise=noise, near_ties=tuple(ties))
 
 
 def _bounds(ctx: Context, layer: int, scale: np.ndarray):
-    """(sample, column) -> the largest margin noise explains, and where the noise came from, in words."""
+    """(sample, column) -> the largest margin noise explains there, and where the noise came from, in words."""
     calib = ctx.calib
     if calib is not None:
         g = calib.golden.layer(layer).routing("logits")
-        sides = [(name, t, t.layer(layer).routing("logits")) for name, t in
-                 (("reference", ctx.ref), ("twin", calib.twin if calib.twin is not None else ctx.cand))]
-        if g is not None and all(ds is not None for _, _, ds in sides):
-            # each side's own router noise, measured against the float64 golden: the reference's precision and
-            # the candidate's (its twin) both move the logits a flip is judged on
-            errs = {}
-            for name, t, ds in sides:
-                err = 0.0
-                for rs, _ in ctx.pairs:
-                    cols = ctx.align.cells[rs].ref_cols
-                    d = np.abs(t.read(ds, (rs,))[cols].astype(np.float64)
-                               - calib.golden.read(g, (rs,))[cols].astype(np.float64))
-                    err = max(err, float(d.max(initial=0.0)))
-                errs[name] = err
-            bound = BOTH_ERRORS * calib.factor * (errs["reference"] + errs["twin"])
-            return (lambda s, c: bound), (f"the router-logit errors against the float64 golden: the reference's "
-                                          f"{errs['reference']:.2g} and the twin's {errs['twin']:.2g}, times "
-                                          f"{calib.factor:g}")
+        twin = calib.twin if calib.twin is not None else ctx.ref  # the reference is its own twin
+        sides = [(t, t.layer(layer).routing("logits")) for t in (ctx.ref, twin)]
+        if g is not None and all(ds is not None for _, ds in sides):
+            noise = _measured_noise(ctx, g, sides)
+            bound = {k: BOTH_ERRORS * calib.factor * v for k, v in noise.items()}
+            return (lambda s, c: bound[s][c]), (f"the reference's and the twin's router-logit errors against the "
+                                                f"float64 golden there, times {calib.factor:g}")
     tol = ctx.policy.tol("router_logits", layer)
     return (lambda s, c: BOTH_ERRORS * (tol.atol + (tol.rtol + tol.ntol) * scale[s, c])), (
         f"the {ctx.policy.name} envelope on a router logit (atol {tol.atol:g}, rtol {tol.rtol:g}, "
         f"ntol {tol.ntol:g})")
 
 
+def _measured_noise(ctx: Context, golden_ds, sides) -> dict:
+    """{reference sample: (C,) noise}: at each cell, the reference's plus the twin's largest router-logit error
+    against the golden, each at least its median over the layer's cells (as check 1 floors a row's noise), so one
+    cell that happens to be exact does not make a flip there look impossible. Golden and twin share the
+    reference's layout: one sample and its columns index all three."""
+    per_side = []
+    for t, ds in sides:
+        errs = {}
+        for rs in _all_samples(ctx):
+            cols = ctx.align.cells[rs].ref_cols
+            e = np.full(ctx.ref.n_cols, np.nan)
+            e[cols] = np.abs(t.read(ds, (rs,))[cols].astype(np.float64)
+                             - ctx.calib.golden.read(golden_ds, (rs,))[cols].astype(np.float64)).max(axis=-1)
+            errs[rs] = e
+        finite = np.concatenate([e[np.isfinite(e)] for e in errs.values()]) if errs else np.zeros(0)
+        median = float(np.median(finite)) if finite.size else 0.0
+        per_side.append({rs: np.fmax(e, median) for rs, e in errs.items()})
+    return {rs: per_side[0][rs] + per_side[1][rs] for rs in per_side[0]}
+
+
+def _all_samples(ctx: Context) -> list:
+    """Every matched reference sample, the ones an explained flip took out of the comparison included."""
+    return sorted({rs for rs, _ in list(ctx.pairs) + ctx.align.dropped})
+
+
 def _topk_flip(ctx: Context, layer: int, ref_ids: np.ndarray, cand_ids: np.ndarray) -> Flip:
-    rs, cs = ctx.pairs[0]
+    """The two sides take different numbers of experts per token: a flip at every token, shown at the first."""
+    pairs = list(ctx.pairs) or list(ctx.align.dropped)
+    if not pairs or not np.size(np.arange(ref_ids.shape[1])[ctx.align.cells[pairs[0][0]].ref_cols]):
+        return Flip(layer=layer, sample=0, position=0, reference=(), candidate=(), margin=float("inf"), bound=0.0,
+                    cand_sample=0)
+    rs, cs = pairs[0]
     cells = ctx.align.cells[rs]
     rc = np.arange(ref_ids.shape[1])[cells.ref_cols][0]
     cc = np.arange(cand_ids.shape[1])[cells.cand_cols][0]
@@ -161,17 +198,26 @@ def stop_comparing(ctx: Context, res: RoutingResult | None) -> list:
     gone = {}
     for f in res.explained:
         gone.setdefault(f.sample, f)
+    ctx.align.dropped.extend(p for p in ctx.align.pairs if p[0] in gone)
     ctx.align.pairs[:] = [p for p in ctx.align.pairs if p[0] not in gone]
     for s, f in sorted(gone.items()):
         ctx.skipped.add(wording.routing_not_replayed(f))
     return list(res.explained)
 
 
-def forced_routing(flips, into: dict | None = None, side: str = "candidate") -> dict:
-    """{layer: {(sample, token index): the reference's experts}} for replaying flips, in the candidate's samples
-    (the candidate's run) or the reference's (its golden and twin, which share its layout)."""
+def forced_routing(cells, into: dict | None = None, side: str = "candidate") -> dict:
+    """{layer: {(sample, token index): the reference's experts}} for a replay, in the candidate's samples (the
+    candidate's run) or the reference's (its golden and twin, which share its layout); ``cells``: flips or near
+    ties."""
     out = {} if into is None else into
-    for f in flips:
+    for f in cells:
         s = f.cand_sample if side == "candidate" else f.sample
         out.setdefault(f.layer, {})[(s, f.position)] = tuple(f.reference)
     return out
+
+
+def replay_cells(report) -> list:
+    """What a replay forces: every near tie of the reference the report's layers found (a flip can only happen
+    there, so one rerun settles every later layer too), and every explained flip."""
+    return [t for lr in report.layers if lr.routing is not None for t in lr.routing.near_ties] + \
+        list(report.unreplayed)

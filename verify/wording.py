@@ -213,8 +213,18 @@ def routing_inconclusive(flips, n_compared: int, n_layers: int) -> str:
             "reference's routing)")
 
 
-def routing_replayed(n: int) -> str:
-    return f" | {n} routing flip(s) within noise, replayed with the reference's experts forced"
+def routing_was_forced(side: str, n: int) -> str:
+    return (f"the {side} ran with its router overruled at {n} token(s) (a routing replay forced the reference's "
+            "experts there: record.routing_forced)")
+
+
+def twin_skipped(what: str) -> str:
+    return f"check (2), the twin against the reference: {what}"
+
+
+def routing_replayed(flips: int, cells: int) -> str:
+    return (f" | {flips} routing flip(s) within noise, replayed with the reference's experts forced at its {cells} "
+            "near-tie token(s)")
 
 
 def routing_not_replayed(f) -> str:
