@@ -11,6 +11,8 @@ import shutil
 
 import h5py
 import numpy as np
+
+from prefill_diff.dumps.schema import FORMAT_VERSION
 import pytest
 
 from prefill_diff.dumps.ranks import RankTrace, merge_stats, open_any
@@ -105,7 +107,7 @@ def test_tp2_passes_and_each_rank_holds_its_heads_of_the_unsharded_run(runs):
 def test_rank_set_reads_as_one_logical_trace(runs):
     ref, cand = runs("reference"), runs("tp2")
     with Trace(ref) as r, open_any(cand) as t:
-        assert isinstance(t, RankTrace) and t.version == "1.1"
+        assert isinstance(t, RankTrace) and t.version == FORMAT_VERSION  # rank traces arrived in 1.1
         assert t.args["n_heads"] == 4 and t.args["n_kv_heads"] == 2
         assert [x["query_heads"] for x in t.meta["parallel"]["ranks"]] == [[0, 2], [2, 4]]
         v, w = t.layer(1), r.layer(1)
