@@ -24,6 +24,7 @@ from .cache import torch_dtype
 from .errors import ConfigError, ModelLoadError
 from .gguf_loader import smollm2_path
 from .hub import hf_state_dict
+from .model import router_margin
 from .parallel import current
 from .calls import Placement, call_routing, forced_list, plan_calls
 
@@ -346,14 +347,9 @@ def _routing_hook(i, gate, rec, cells, forced: dict):
             if renorm:
                 w = w / w.sum(dim=-1, keepdim=True)
             ids, scores = torch.where(rows, f, ids), torch.where(rows, w.to(scores.dtype), scores)
-        z = logits.double() if logits.dtype == torch.float64 else logits.float()
-        if k < z.shape[-1]:
-            ranked = torch.topk(z, k + 1, dim=-1).values
-            margin = ranked[:, k - 1] - ranked[:, k]
-        else:
-            margin = torch.full(z.shape[:1], float("inf"), dtype=z.dtype)
-        rec.routing(i, ids.reshape(B, S, k), scores.reshape(B, S, k), margin.reshape(B, S),
-                    z.square().mean(dim=-1).sqrt().reshape(B, S), logits.reshape(B, S, -1), 0)
+        margin, scale = router_margin(logits, k)
+        rec.routing(i, ids.reshape(B, S, k), scores.reshape(B, S, k), margin.reshape(B, S), scale.reshape(B, S),
+                    logits.reshape(B, S, -1), 0)
         return (logits, scores, ids) if forced else None
     return hook
 

@@ -395,6 +395,18 @@ class FeedForward(nn.Module):
         return self.w2(act * self.w3(x))
 
 
+def router_margin(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> the margin (T,): the k-th minus the (k+1)-th logit (+inf when all E are taken),
+    and the RMS of each row (T,), the scale of their noise; in float32 (float64 for a float64 model)."""
+    z = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if k < z.shape[-1]:
+        ranked = torch.topk(z, k + 1, dim=-1).values
+        margin = ranked[:, k - 1] - ranked[:, k]
+    else:
+        margin = torch.full(z.shape[:1], float("inf"), dtype=z.dtype)
+    return margin, z.square().mean(dim=-1).sqrt()
+
+
 class MoE(nn.Module):
     """A mixture of experts in place of the MLP (ModelArgs' n_experts): the router, the experts, and Qwen2-MoE's
     gated shared expert. Computed as transformers computes it: expert by expert in ascending id, each over the
@@ -430,13 +442,7 @@ class MoE(nn.Module):
                 top = torch.where(rows[:, None], probs.gather(-1, forced.clamp(min=0)), top)
         if self.renorm != (fault == "router-norm-topk"):
             top = top / top.sum(dim=-1, keepdim=True)
-        z = logits.double() if logits.dtype == torch.float64 else logits.float()
-        if self.k < z.shape[-1]:
-            ranked = torch.topk(z, self.k + 1, dim=-1).values
-            margin = ranked[:, self.k - 1] - ranked[:, self.k]
-        else:
-            margin = torch.full(z.shape[:1], float("inf"), dtype=z.dtype)
-        scale = z.square().mean(dim=-1).sqrt()
+        margin, scale = router_margin(logits, self.k)
         return logits, ids, top if self.f32_weights else top.to(logits.dtype), margin, scale
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None, fault: str | None = None) -> torch.Tensor:
