@@ -28,7 +28,7 @@ from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, prec
                                 precisions, same_precisions, sibling_paths, unit_roundoff)
 from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
 from ..verify.report import Report, Session, compare_traces
-from ..verify.routing import forced_routing, replay_cells
+from ..verify.routing import forced_routing, replay_cells, wants_replay
 from ..verify.tolerance import Policy
 
 # label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
@@ -183,8 +183,7 @@ def record_calibration(ref_side, plan: CalibPlan, golden_path: str, twin_path: s
         if side is None:
             paths.append(None)
             continue
-        prep = rec.prepare(side, snapshot)
-        prep.routing = routing or {}
+        prep = rec.prepare(side, snapshot, routing=routing)
         paths.append(rec.record_side(prep, path, "full", force, progress=_on(progress, label)))
     return paths[0], paths[1]
 
@@ -276,13 +275,12 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
             report = _judge_open(r, c, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset,
                                  allow_identity=allow_identity)
             forced, forced_ref, rounds, flips = {}, {}, 0, 0
-            while report.unreplayed and _replays(cand_prep) and rounds < REPLAY_ROUNDS:
+            while _replays(cand_prep) and rounds < REPLAY_ROUNDS and wants_replay(report, forced):
                 # routing replay: the candidate again, the reference's experts forced at its near ties
                 flips += len(report.unreplayed)
                 forced = forced_routing(replay_cells(report), forced)
                 forced_ref = forced_routing(replay_cells(report), forced_ref, side="reference")
-                again = rec.prepare_side(cand, model, inputs)
-                again.routing = forced
+                again = rec.prepare_side(cand, model, inputs, routing=forced)
                 paths[1] = rec.record_side(again, os.path.join(work, f"cand-replay{rounds + 1}.h5"), level, force,
                                            progress=_on(progress, "candidate, routing replayed"))
                 rounds += 1
@@ -458,7 +456,7 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
               allow_identity=allow_identity)
     out = _run_lockstep(ref, cand, model, inputs, **kw)
     forced, forced_ref, rounds, flips = {}, {}, 0, 0
-    while out.report.unreplayed and out.replays and rounds < REPLAY_ROUNDS:
+    while out.replays and rounds < REPLAY_ROUNDS and wants_replay(out.report, forced):
         flips += len(out.report.unreplayed)
         forced = forced_routing(replay_cells(out.report), forced)
         forced_ref = forced_routing(replay_cells(out.report), forced_ref, side="reference")
@@ -476,9 +474,8 @@ def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, t
     explicit = _explicit(tolerance)
     check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
     rec = _sides()
-    preps = [rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)]
     forced, forced_ref = routing or ({}, {})
-    preps[1].routing = forced
+    preps = [rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs, routing=forced)]
     if any(p.side.run.tp > 1 for p in preps):
         raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
                           "(tp > 1) runs in its own processes: drop --fail-fast")
@@ -497,8 +494,7 @@ def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, t
             sides = rec.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
             for side in (sides.golden, sides.twin):
                 if side is not None:
-                    prep = rec.prepare(side, preps[0].snapshot)
-                    prep.routing = forced_ref  # routing replay: every side takes the same experts there
+                    prep = rec.prepare(side, preps[0].snapshot, routing=forced_ref)  # every side: the same experts
                     _start(rec, prep, level, recs, gens)
                     names.append(f"{side.origin} (in memory)")
         return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset, allow_identity),

@@ -29,9 +29,11 @@ from ..verify.calibrate import parse_precision_key
 OnLayer = Callable[[int], None]  # a progress callback, called with each finished layer's index
 
 
-def prepare_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None = None) -> Prepared:
-    """A preset or config file, with the shared model and prompts, ready to run (model loaded, requests checked)."""
-    return prepare(load_side(source, model, inputs))
+def prepare_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None = None, *,
+                 routing: dict | None = None) -> Prepared:
+    """A preset or config file, with the shared model and prompts, ready to run (model loaded, requests checked);
+    ``routing``: experts to force (routing replay, prepare's)."""
+    return prepare(load_side(source, model, inputs), routing=routing)
 
 
 def capture(prep: Prepared, recorder: Recorder, extra_meta: dict | None = None) -> Iterator[int]:

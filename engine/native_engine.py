@@ -76,7 +76,8 @@ def plan(prep, positions, pad: int, tp) -> None:
     prep.record["quantized_weights_digest"] = engine.quantized_digest
     rows, pos, history = [list(t) for t in tokens], positions, {}
     if run.reuse is not None:
-        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, prep.side.inputs.segments)
+        history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, prep.side.inputs.segments,
+                                            prep.routing)
         prep.record["reuse"] = outcomes
         restart = run.fault is not None and run.fault.name == "position-restart"
         for s, kv in history.items():
@@ -123,8 +124,10 @@ def _reuse_meta(engine: Engine, run: RunConfig, tenant: str) -> dict:
             "tenant": tenant}
 
 
-def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, positions, segments):
-    """The earlier requests: prefill each prompt's first prefix_len tokens into a prefix cache, then look up."""
+def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, positions, segments,
+                    routing: dict):
+    """The earlier requests: prefill each prompt's first prefix_len tokens into a prefix cache, then look up.
+    ``routing``: experts to force (routing replay), at the prefix's tokens as at the rest."""
     reuse = run.reuse
     k = reuse.prefix_len
     builder = engine
@@ -139,7 +142,7 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
         if len(toks) <= k:
             continue
         res = builder.prefill(torch.tensor([toks[:k]]), torch.ones(1, k, dtype=torch.long),
-                              torch.tensor([positions[s][:k]]), run.cache)
+                              torch.tensor([positions[s][:k]]), run.cache, routing=call_routing(routing, [s]))
         kv = PrefixKV([res.kv_cache.stored(layer, 0) for layer in range(snapshot.args.n_layers)],
                       builder.identity(run.cache.layout.resolved(builder.numerical.dtype)))
         pcache.insert(toks[:k], kv, _reuse_meta(builder, run, cache_tenant), cache_tenant,

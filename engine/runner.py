@@ -152,8 +152,10 @@ class Prepared:
         return max(run.t0 + run.c1 - run.c0 for call in self.calls for run in call.runs)
 
 
-def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
-    """Load the model, tokenize, and plan the prefill calls (including any earlier prefix requests)."""
+def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None = None) -> Prepared:
+    """Load the model, tokenize, and plan the prefill calls (including any earlier prefix requests). ``routing``:
+    experts to force, {layer: {(sample, token index): experts}} (routing replay), known before planning because
+    a reused prefix is prefilled then."""
     snapshot = snapshot or load_snapshot(side.model)
     run = side.run
     if snapshot.foreign is not None and run.engine != "transformers":
@@ -162,6 +164,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None) -> Prepared:
     side = replace(side, inputs=apply_mask(side.inputs))
     tokens, texts = resolve_tokens(side.inputs, snapshot)
     prep = Prepared(side, snapshot, tokens, texts)
+    prep.routing = routing or {}
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": None},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
     set_deterministic(run.numerical.deterministic, compiling=run.numerical.compile)

@@ -150,3 +150,64 @@ TABLE = {
     "fault:adapter-mismatch": (("layer", 0, "value"), "row 6"),
     "fault:masked-row-softmax": (("layer", 0, "finite_mask"), "row 7"),
 }
+
+
+@pytest.fixture(scope="session")
+def near_tie(tmp_path_factory):
+    """A Qwen3-MoE checkpoint whose router scores experts 0 and 1 within 1e-6 of each other at every token:
+    wherever they rank k-th and (k+1)-th, any rounding flips them."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+        for layer in model.model.layers:
+            g = layer.mlp.gate.weight
+            g.normal_(0, 0.2)
+            g[1] = g[0] + 1e-6 * torch.randn_like(g[0])
+    d = tmp_path_factory.mktemp("near-tie")
+    model.save_pretrained(d, safe_serialization=True)
+    return f"hf:{d}"
+
+
+@pytest.fixture(scope="session")
+def batch_tie(tmp_path_factory):
+    """A Qwen3-MoE checkpoint (two experts, one active) whose layer-0 router ties exactly at every token of the
+    built-in prompts: its two rows differ along a direction orthogonal to all 124 of the router's inputs (there
+    are 128 dimensions), so the reference's margin there is rounding alone and any path that rounds differently
+    (padding, packing) may flip it — the flips batching really causes, not a bf16 envelope."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from prefill_diff.cli.recording import prepare_side
+    from prefill_diff.engine.spec import ModelSpec
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=2,
+                         num_experts_per_tok=1, moe_intermediate_size=64, norm_topk_prob=True,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    d = tmp_path_factory.mktemp("batch-tie")
+    model.save_pretrained(d / "untied", safe_serialization=True)  # its own path: snapshots are kept by source
+    inputs = []  # layer 0's router inputs at every token of the built-in prompts
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: inputs.append(a[0][0].double()))
+    with torch.no_grad():
+        for tokens in prepare_side("reference", ModelSpec(f"hf:{d / 'untied'}")).tokens:
+            model(torch.tensor([list(tokens)]))
+    hook.remove()
+    v = torch.linalg.svd(torch.cat(inputs))[2][-1]  # orthogonal to every one of them
+    with torch.no_grad():
+        g = model.model.layers[0].mlp.gate.weight
+        base = g[0].double()
+        g[0], g[1] = (base + 0.5 * v).float(), (base - 0.5 * v).float()
+    model.save_pretrained(d, safe_serialization=True)
+    return f"hf:{d}"

@@ -69,6 +69,7 @@ class RoutingResult:
     noise: str = ""  # where the bound came from, in words
     not_compared: str | None = None  # why nothing was compared (routing missing on a side)
     near_ties: tuple = ()  # every aligned token (compared samples or not) whose reference margin noise explains
+    hidden_ties: tuple = ()  # near ties at tokens the candidate's trace has no cell for (a reused prefix's own pass)
 
     @property
     def explained(self) -> tuple:
@@ -112,14 +113,21 @@ def compare_routing(ctx: Context, r: LayerView, c: LayerView) -> RoutingResult |
                               reference=tuple(int(x) for x in ref_ids[rs, rc]),
                               candidate=tuple(int(x) for x in cand_ids[cs, cc]), margin=float(margin[rs, rc]),
                               bound=float(bound_of(rs, rc)), cand_sample=int(cs)))
-    ties = []
+    ties, hidden = [], []
     for rs, cs in list(ctx.pairs) + ctx.align.dropped:
         cells = ctx.align.cells[rs]
         rcols = np.arange(ref_ids.shape[1])[cells.ref_cols]
         near = np.flatnonzero(margin[rs, rcols] <= bound_of(rs, rcols))
         ties += [NearTie(layer=r.layer, sample=int(rs), cand_sample=int(cs), position=int(cells.tokens[i]),
                          reference=tuple(int(x) for x in ref_ids[rs, rcols[i]])) for i in near]
-    return RoutingResult(layer=r.layer, compared=compared, flips=tuple(flips), noise=noise, near_ties=tuple(ties))
+        # tokens the candidate computed outside its trace (a reused prefix's own prefill) or not at all: a flip
+        # there is unseen, and shows only through the cache it wrote
+        cols, toks = ctx.ref.cells(rs)
+        unseen = np.flatnonzero(~np.isin(toks, cells.tokens) & (margin[rs, cols] <= bound_of(rs, cols)))
+        hidden += [NearTie(layer=r.layer, sample=int(rs), cand_sample=int(cs), position=int(toks[i]),
+                           reference=tuple(int(x) for x in ref_ids[rs, cols[i]])) for i in unseen]
+    return RoutingResult(layer=r.layer, compared=compared, flips=tuple(flips), noise=noise, near_ties=tuple(ties),
+                         hidden_ties=tuple(hidden))
 
 
 def _bounds(ctx: Context, layer: int, scale: np.ndarray):
@@ -218,6 +226,20 @@ def forced_routing(cells, into: dict | None = None, side: str = "candidate") -> 
 
 def replay_cells(report) -> list:
     """What a replay forces: every near tie of the reference the report's layers found (a flip can only happen
-    there, so one rerun settles every later layer too), and every explained flip."""
-    return [t for lr in report.layers if lr.routing is not None for t in lr.routing.near_ties] + \
-        list(report.unreplayed)
+    there, so one rerun settles every later layer too), those the candidate computed outside its trace included,
+    and every explained flip."""
+    return [t for lr in report.layers if lr.routing is not None for t in lr.routing.near_ties + lr.routing.hidden_ties] \
+        + list(report.unreplayed)
+
+
+def wants_replay(report, forced: dict) -> bool:
+    """Whether a routing replay can change the verdict: an explained flip took samples out of the comparison, or
+    the report fails where the reference has near ties at tokens the candidate computed outside its trace (a
+    reused prefix's own prefill: a flip there is unseen, and shows only as a different cache) that are not
+    forced yet."""
+    if report.unreplayed:
+        return True
+    if report.verdict != "fail":
+        return False
+    hidden = [t for lr in report.layers if lr.routing is not None for t in lr.routing.hidden_ties]
+    return any(forced.get(t.layer, {}).get((t.cand_sample, t.position)) != tuple(t.reference) for t in hidden)
