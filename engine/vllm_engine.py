@@ -70,9 +70,6 @@ def check(prep) -> None:
                   "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
     if snap.adapter is not None:
         no.append("a LoRA adapter")
-    if snap.args.n_experts:
-        no.append(f"a mixture of experts ({snap.args.arch}; the worker reads dense MLPs only, not yet vLLM's fused "
-                  "MoE layers)")
     if snap.args.norm_placement == "post":
         no.append(f"a model of the {snap.args.arch} family (vLLM has no OLMo 2 class of its own: it runs it "
                   "through its transformers backend, whose layers the worker does not read)")
@@ -318,10 +315,30 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
                 recorder.state(layer, name, s, 0, a[name][layer])
             pos = np.concatenate([np.arange(k), a["positions"]])
             recorder.cache(layer, s, a["keys"][layer], a["values"][layer], pos)
+            _routing(recorder, prep, layer, head, a)
     for head, a in samples:
         s, n = head["index"], len(prep.tokens[head["index"]])
         recorder.final(s, a["norm_last"], a["logits"][:args.vocab_size], n - head["num_cached_tokens"] - 1, n - 1)
     _run_meta(recorder, prep, meta, samples)
+
+
+def _routing(recorder, prep, layer: int, head: dict, a: dict) -> None:
+    """A MoE layer's routing at the sample's computed positions, as vLLM's router decided it; the margin and the
+    logits' scale computed here from its logits, as our engine computes them."""
+    args = prep.snapshot.args
+    moe = head.get("moe_layers") or []
+    if not args.moe(layer):
+        return
+    if layer not in moe:
+        raise WorkerFailed(f"vLLM ran layer {layer} without the capture seeing its router (it has experts in "
+                           f"{args.arch}); the worker does not know this MoE layer")
+    import torch  # deferred: the margin is computed as our engine's
+    from .model import router_margin
+    j = moe.index(layer)
+    logits = torch.from_numpy(a["router_logits"][j])
+    margin, scale = router_margin(logits, args.n_active_experts)
+    recorder.routing(layer, head["index"], 0, a["routing_ids"][j], a["routing_weights"][j], margin.numpy(),
+                     scale.numpy(), logits.numpy())
 
 
 def _run_meta(recorder, prep, meta: dict, samples: list) -> None:

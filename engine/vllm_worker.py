@@ -12,9 +12,10 @@ recorder and the trace; the two talk in plain arrays:
   length, a JSON header, then the raw bytes of the arrays the header lists (name, dtype, shape), in order.
   Frames: ``meta`` (what vLLM ran: versions, effective engine arguments and model config, block size, KV
   dtype, attention backend, how its kernels round to bfloat16), one ``sample`` per prompt (per layer the
-  five residual-stream states and the per-head attention output at the positions vLLM computed, the KV
-  cache as stored for every position, read back through the block table in the step where the sample's
-  prefill completed, the positions, the final norm and the raw logits at the last token), then ``done``;
+  five residual-stream states and the per-head attention output at the positions vLLM computed, each
+  mixture-of-experts layer's routing there (router logits, experts and their weights), the KV cache as
+  stored for every position, read back through the block table in the step where the sample's prefill
+  completed, the positions, the final norm and the raw logits at the last token), then ``done``;
   or one ``error`` (``kind`` input: vLLM refused the request or the model; internal: anything else).
 
 Capture is through forward hooks on the real model object (the engine core runs in this process:
@@ -194,6 +195,22 @@ def _rounding(model, dtype) -> str | None:
 
 # -- capture ------------------------------------------------------------------------------------------
 
+ROUTING = ("router_logits", "routing_ids", "routing_weights")  # sent per MoE layer, beside the states
+
+
+def _mlp(layer):
+    """The layer's MLP sub-layer: Mixtral calls its mixture ``block_sparse_moe``, every other family ``mlp``."""
+    return getattr(layer, "block_sparse_moe", None) or layer.mlp
+
+
+def _router(layer):
+    """The router of a layer whose MLP is vLLM's fused mixture of experts (its runner's ``router``: the object
+    whose ``select_experts`` turns router logits into experts and weights), or None for a dense layer."""
+    experts = getattr(_mlp(layer), "experts", None)
+    router = getattr(experts, "router", None)
+    return router if router is not None and hasattr(router, "select_experts") else None
+
+
 def _np(x: torch.Tensor) -> np.ndarray:
     """A float32 copy (vLLM reuses its buffers; numpy has no bfloat16)."""
     return x.detach().to(torch.float32).cpu().numpy().copy()
@@ -213,8 +230,16 @@ class Capture:
         self.step = None
         self.layout = None
         self.handles = []
+        self.routers = []  # (router, its own select_experts): put back by remove()
         self.recording = False
         self._install()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        for router, select in self.routers:
+            router.select_experts = select
+        self.routers = []
 
     # hooks
     def _install(self):
@@ -238,10 +263,13 @@ class Capture:
                 h.append(layer.post_attention_layernorm.register_forward_pre_hook(
                     lambda mod, args, i=i: self._put(i, "mid", args[0])))
                 h.append(layer.mlp.register_forward_hook(self._keep(i, "mlp_update", scale)))
-            else:  # Llama, Qwen, Mistral, Phi-3: the residual add fused into the next pre-norm
+            else:  # Llama, Qwen, Mistral, Phi-3 and their MoE: the residual add fused into the next pre-norm
                 h.append(layer.self_attn.register_forward_hook(self._keep(i, "attn_update")))
                 h.append(layer.post_attention_layernorm.register_forward_hook(self._mid(i)))
-                h.append(layer.mlp.register_forward_hook(self._keep(i, "mlp_update")))
+                h.append(_mlp(layer).register_forward_hook(self._keep(i, "mlp_update")))
+            router = _router(layer)
+            if router is not None:
+                self.routers.append(self._route(i, router))
             h.append(layer.self_attn.o_proj.register_forward_pre_hook(self._heads(i)))
             if self.fault.get("name") == "cache-write" and i == self.fault.get("layer"):
                 h.append(layer.self_attn.attn.register_forward_hook(self._overwrite))
@@ -257,6 +285,27 @@ class Capture:
             x = out[0] if isinstance(out, tuple) else out
             self._put(i, name, x if scale == 1.0 else x * scale)
         return hook
+
+    def _route(self, i, router):
+        """A MoE layer's routing as its router decided it: each step's router logits (T, E), and the experts (T, k)
+        with their weights in descending order (vLLM's top-k leaves them unsorted). Wraps the router's
+        ``select_experts`` (a plain object, not a module: no hook reaches it) and returns what it returned."""
+        select = router.select_experts
+
+        def wrapped(*args, **kwargs):
+            weights, ids = select(*args, **kwargs)
+            logits = kwargs.get("router_logits", args[1] if len(args) > 1 else None)
+            if self.recording and logits is not None:
+                n = self.step["n"]
+                z = logits[:n].detach().to(torch.float32).cpu()
+                chosen = ids[:n].detach().to(torch.int64).cpu()
+                order = torch.argsort(-z.gather(-1, chosen), dim=-1, stable=True)
+                self.step_rows[(i, "router_logits")] = z.numpy().copy()
+                self.step_rows[(i, "routing_ids")] = chosen.gather(-1, order).numpy().copy()
+                self.step_rows[(i, "routing_weights")] = _np(weights[:n].detach().cpu().gather(-1, order))
+            return weights, ids
+        router.select_experts = wrapped
+        return router, select
 
     def _mid(self, i):
         return lambda mod, args, out: self._put(i, "mid", out[1])
@@ -520,8 +569,7 @@ def run(read_request, channel: Channel) -> None:
             sample_of[rid] = i
         outputs += _drain(engine)
     t_run = time.perf_counter() - t1
-    for h in cap.handles:
-        h.remove()
+    cap.remove()
     rounding = _rounding(model, cap.model_dtype)
     by_sample = {int(re.match(r"pd-(\d+)", o.request_id).group(1)): o for o in outputs}
     channel.send({"type": "meta", "vllm": vllm.__version__, "torch": torch.__version__,
@@ -543,18 +591,22 @@ def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int) 
     if rec is None or done is None or "logits" not in done:
         raise RuntimeError(f"vLLM finished prompt {i} without the capture seeing its prefill complete")
     arrays, states = {}, []
-    for name in dict.fromkeys(name for _, name in rec["states"]):  # the states the hooks captured
+    for name in dict.fromkeys(name for _, name in rec["states"] if name not in ROUTING):  # the states captured
         rows = [np.concatenate(rec["states"][(layer, name)], axis=0) for layer in range(n_layers)
                 if (layer, name) in rec["states"]]
         if len(rows) == n_layers:
             arrays[name] = np.stack(rows)  # (layers, computed tokens, width)
             states.append(name)
+    moe = sorted({layer for layer, name in rec["states"] if name == "routing_ids"})
+    for name in ROUTING:  # (MoE layers, computed tokens, k or E)
+        if moe:
+            arrays[name] = np.stack([np.concatenate(rec["states"][(layer, name)], axis=0) for layer in moe])
     arrays.update(keys=done["cache"]["keys"], values=done["cache"]["values"],
                   positions=np.asarray(rec["positions"], dtype=np.int64),
                   norm_last=done["norm_last"], logits=done["logits"])
     cached = int(getattr(output, "num_cached_tokens", 0) or 0) if output is not None else 0
     channel.send({"type": "sample", "index": i, "num_cached_tokens": cached, "steps": rec["steps"],
-                  "states": states}, arrays)
+                  "states": states, "moe_layers": moe}, arrays)
 
 
 def main(argv) -> int:

@@ -303,6 +303,43 @@ def test_vllm_runs_the_dense_families(family, vllm_python, run_cli):
     assert len(rep["layers"]) == 4 and rep["rule"].startswith("fixed float32 rule")
 
 
+@pytest.mark.parametrize("family", ["synthetic:mixtral", "synthetic:qwen2-moe", "synthetic:qwen3-moe"])
+def test_vllm_runs_the_mixtures_of_experts_and_records_its_routing(family, vllm_python, run_cli, tmp_path):
+    """vLLM's fused MoE layers (Qwen2-MoE's gated shared expert, Qwen3-MoE's dense last layer) against our engine
+    in float32: the same experts at every token of every MoE layer, and the values within the float32 rule."""
+    rep = _json(res := run_cli("run", "reference", "vllm", "--model", family, "--json", "-", "--out", tmp_path))
+    assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
+    from prefill_diff.dumps.reader import Trace
+    from prefill_diff.engine.model import MODEL_PRESETS
+    args = MODEL_PRESETS[family]
+    moe = [i for i in range(args.n_layers) if args.moe(i)]
+    n_tokens = 0
+    with Trace(tmp_path / "ref.h5") as ref, Trace(tmp_path / "cand.h5") as cand:
+        for i in range(args.n_layers):
+            assert (cand.layer(i).routing("ids") is None) == (i not in moe), i
+        for s in range(ref.n_samples):
+            (rc, rt), (cc, ct) = ref.cells(s), cand.cells(s)
+            assert np.array_equal(rt, ct)  # both unbatched: every token computed, in order
+            n_tokens += len(rc)
+            for i in moe:  # vLLM's own choices, in descending weight, and its router logits at the full level
+                r, c = ref.layer(i), cand.layer(i)
+                ids_r, ids_c = r.routing("ids")[s][rc], c.routing("ids")[s][cc]
+                assert np.array_equal(np.sort(ids_r, -1), np.sort(ids_c, -1)), (s, i)
+                assert (np.diff(c.routing("weights")[s][cc], axis=-1) <= 0).all()
+                np.testing.assert_allclose(c.routing("logits")[s][cc], r.routing("logits")[s][rc], atol=1e-4)
+    assert rep["routing"]["tokens_compared"] == n_tokens * len(moe) and rep["routing"]["flips"] == 0, rep["routing"]
+
+
+def test_vllm_bf16_flips_on_a_near_tie_are_inconclusive_never_pass(near_tie, vllm_python, run_cli):
+    """vLLM cannot be told which experts to take: an explained flip takes its sample out of the comparison from
+    that layer on, and the verdict is INCONCLUSIVE (exit status 1)."""
+    rep = _json(res := run_cli("run", "reference", "vllm-bf16", "--model", near_tie, "--json", "-"))
+    assert res.exit_code == 1 and rep["verdict"] == "inconclusive", rep["verdict_line"]
+    r = rep["routing"]
+    assert r["flips"] >= 1 and r["explained"] == r["flips"] and not r["blamed"] and not r["replayed"], r
+    assert r["not_compared_samples"] and "not rerun with the reference's routing" in rep["verdict_line"]
+
+
 def test_a_hugging_face_checkpoint_against_vllm(vllm_python, run_cli, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(5)
