@@ -52,7 +52,8 @@ def run_bytes(args, lengths, batched: bool) -> int:
 
 
 def available_bytes() -> int | None:
-    """Memory available to this process now: MemAvailable, or the cgroup's limit less its use if smaller."""
+    """Memory available to this process now: MemAvailable, or less where the cgroup's limit less its use, or the
+    address space left under RLIMIT_AS, is smaller."""
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -75,7 +76,26 @@ def available_bytes() -> int | None:
                 avail = min(avail, int(limit) - int(f.read().strip()))
     except (OSError, ValueError):
         pass
-    return avail
+    space = address_space_left()
+    return avail if space is None else min(avail, space)
+
+
+def address_space_left() -> int | None:
+    """The address space this process may still map under RLIMIT_AS (``ulimit -v``, ``prlimit --as``): the soft
+    limit less the VmSize it has mapped already; None when there is no limit."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, ValueError, OSError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status") as f:
+            size = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:")), 0)
+    except (OSError, ValueError):
+        size = 0
+    return max(0, soft - size)
 
 
 def _gib(n: int) -> str:
@@ -89,8 +109,11 @@ def check(what: str, need: int, detail: str) -> None:
     avail = available_bytes()
     if avail is None or need <= HEADROOM * avail:
         return
+    space = address_space_left()
+    where = "this process may still map under its address-space limit (RLIMIT_AS)" if space is not None and \
+        space <= avail else "this machine has available"
     raise ConfigError(f"{what} needs about {_gib(need)} of memory ({detail}), more than the "
-                      f"{_gib(int(HEADROOM * avail))} this machine has available; refused before allocating "
+                      f"{_gib(int(HEADROOM * avail))} {where}; refused before allocating "
                       "(--ignore-memory-estimate to try anyway)")
 
 

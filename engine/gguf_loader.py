@@ -6,12 +6,14 @@ one float32 copy of the weights plus the tensor being dequantised.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 
 import numpy as np
 import torch
 
-from .errors import ModelLoadError
+from . import budget
+from .errors import ConfigError, ModelLoadError, visible
 from .hub import Tokenizer, check_state
 from .model import ModelArgs
 from .snapshot import Snapshot
@@ -86,6 +88,38 @@ GGUF_FIELDS = {
 _ACCEPTED_PREFIXES = ("general.", "tokenizer.", "quantize.", "GGUF.")
 
 
+# The type and range of each metadata value read into ModelArgs, checked before any is used: key -> (kind,
+# required). "size": a positive integer below 2**31; "number": a positive finite number; "text": a string.
+GGUF_TYPES = {"block_count": ("size", True), "embedding_length": ("size", True),
+              "feed_forward_length": ("size", True), "attention.head_count": ("size", True),
+              "context_length": ("size", False), "attention.head_count_kv": ("size", False),
+              "attention.key_length": ("size", False), "attention.value_length": ("size", False),
+              "rope.dimension_count": ("size", False), "vocab_size": ("size", False),
+              "attention.layer_norm_rms_epsilon": ("number", False), "rope.freq_base": ("number", False),
+              "rope.scaling.factor": ("number", False), "rope.scaling.type": ("text", False)}
+_KINDS = {"size": "a positive integer below 2**31", "number": "a positive finite number", "text": "a string"}
+
+
+def _check_types(reader, arch: str, source: str) -> None:
+    """Every value GGUF_TYPES names has its type and range, and the required ones are present: a refusal names
+    the key and the value."""
+    import gguf
+    for short, (kind, required) in GGUF_TYPES.items():
+        key = f"{arch}.{short}"
+        f = reader.fields.get(key)
+        if f is None:
+            if required:
+                raise ModelLoadError(f"{source}: GGUF metadata has no {key} ({_KINDS[kind]})")
+            continue
+        v = None if not f.types or f.types[0] == gguf.GGUFValueType.ARRAY else f.contents()
+        ok = {"size": lambda: isinstance(v, int) and not isinstance(v, bool) and 0 < v < 2 ** 31,
+              "number": lambda: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0,
+              "text": lambda: isinstance(v, str)}[kind]()
+        if not ok:
+            shown = "an array" if v is None else _shown(v)
+            raise ModelLoadError(f"{source}: GGUF metadata {key}={shown} is not valid (it must be {_KINDS[kind]})")
+
+
 def _check_fields(reader, arch: str, source: str) -> None:
     get = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
     for key in reader.fields:
@@ -93,8 +127,9 @@ def _check_fields(reader, arch: str, source: str) -> None:
             continue
         short = key[len(arch) + 1:] if key.startswith(arch + ".") else None
         if short not in GGUF_FIELDS:
-            raise ModelLoadError(f"{source}: GGUF metadata {key}={_shown(_field(reader, key))} is not one our "
-                                 "engine implements (unknown key; supported keys: see "
+            name = key if len(key) <= 60 else key[:57] + "..."
+            raise ModelLoadError(f"{source}: GGUF metadata {visible(name)}={_shown(_field(reader, key))} is not one "
+                                 "our engine implements (unknown key; supported keys: see "
                                  "prefill_diff.engine.gguf_loader.GGUF_FIELDS)")
         check, why = GGUF_FIELDS[short]
         want = None if check is None else check(_field(reader, key), get)
@@ -129,25 +164,31 @@ def load_gguf(path: str, source: str) -> Snapshot:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # gguf raises ValueError and others on a damaged file
         raise ModelLoadError(f"{source}: not a readable GGUF file ({type(e).__name__}: {e})") from None
-    arch = _field(reader, "general.architecture")
+    try:
+        arch = _field(reader, "general.architecture")
+    except Exception:  # a value gguf cannot decode
+        arch = None
     if arch not in SUPPORTED:
-        raise ModelLoadError(f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
+        raise ModelLoadError(f"{source}: architecture {_shown(arch)} is not supported (supported: "
+                             f"{', '.join(SUPPORTED)})")
+    _check_types(reader, arch, source)
     _check_fields(reader, arch, source)
-    n_heads, n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv", g("attention.head_count")))
-    dim = int(g("embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(g("vocab_size", len(tokens.data) if tokens is not None else 0))
-    # llama.cpp permutes Q/K rows for its RoPE layout only when converting "llama" models (Llama, Mistral,
-    # SmolLM); qwen2 files keep Hugging Face's order (transformers reverses it for "llama" only, too)
-    permuted = arch == "llama"
-    state = {}
+    names = {}
     for t in reader.tensors:
         ours = _our_name(t.name)
         if ours is not None and arch != "qwen3" and ours.endswith(("q_norm.weight", "k_norm.weight")):
             ours = None  # QK-norm is qwen3's: llama.cpp's llama and qwen2 graphs would not apply it
         if ours is None:  # e.g. rope_freqs (llama3 RoPE scaling), ffn_gate_inp (MoE)
-            raise ModelLoadError(f"{source}: tensor {t.name!r} is not part of the model our engine implements")
+            raise ModelLoadError(f"{source}: tensor {_shown(t.name)} is not part of the model our engine implements")
+        names[ours] = t
+    args = _args(reader, arch, names, source)
+    budget.check_model(args, source)  # from the metadata alone, before a single tensor is dequantised
+    # llama.cpp permutes Q/K rows for its RoPE layout only when converting "llama" models (Llama, Mistral,
+    # SmolLM); qwen2 files keep Hugging Face's order (transformers reverses it for "llama" only, too)
+    permuted = arch == "llama"
+    n_heads, n_kv = args.n_heads, args.n_kv_heads
+    state = {}
+    for ours, t in names.items():
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if permuted and ours.endswith("wq.weight"):
             w = unpermute(w, n_heads)
@@ -156,22 +197,38 @@ def load_gguf(path: str, source: str) -> Snapshot:
         if not w.flags.writeable or not w.flags.c_contiguous:  # float32 tensors come straight from the mmap
             w = np.array(w, order="C")
         state[ours] = torch.from_numpy(w)
-    tied = "output.weight" not in state
-    if tied:
+    if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
-    args = ModelArgs(dim=dim, n_layers=int(g("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
-                     head_dim=_head_dim(g), hidden_dim=int(g("feed_forward_length")),
-                     vocab_size=vocab, norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-                     rope_theta=float(g("rope.freq_base", 10000.0)), tie_embeddings=tied,
-                     qkv_bias="layers.0.attention.wq.bias" in state, o_bias="layers.0.attention.wo.bias" in state,
-                     mlp_bias="layers.0.feed_forward.w1.bias" in state,
-                     qk_norm="head" if arch == "qwen3" else "none",
-                     max_position=int(g("context_length", 8192)), arch=arch)
     check_state(args, state, source)
     tokenizer = _gguf_tokenizer(path, source)
     if tokenizer is not None:
         args = args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
     return Snapshot(source, args, state, tokenizer=tokenizer)
+
+
+def _args(reader, arch: str, names: dict, source: str) -> ModelArgs:
+    """ModelArgs from the typed metadata and the tensors' names (which biases and norms the file holds)."""
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)
+    n_heads = g("attention.head_count")
+    dim = g("embedding_length")
+    if g("attention.key_length") is None and dim % n_heads:
+        raise ModelLoadError(f"{source}: GGUF metadata {arch}.embedding_length={dim} is not a multiple of "
+                             f"{arch}.attention.head_count={n_heads}, and no {arch}.attention.key_length gives the "
+                             "head dimension")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = g("vocab_size", len(tokens.data) if tokens is not None else 0)
+    try:
+        return ModelArgs(dim=dim, n_layers=g("block_count"), n_heads=n_heads,
+                         n_kv_heads=g("attention.head_count_kv", n_heads), head_dim=_head_dim(g),
+                         hidden_dim=g("feed_forward_length"), vocab_size=vocab,
+                         norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+                         rope_theta=float(g("rope.freq_base", 10000.0)), tie_embeddings="output.weight" not in names,
+                         qkv_bias="layers.0.attention.wq.bias" in names, o_bias="layers.0.attention.wo.bias" in names,
+                         mlp_bias="layers.0.feed_forward.w1.bias" in names,
+                         qk_norm="head" if arch == "qwen3" else "none", max_position=g("context_length", 8192),
+                         arch=arch)
+    except ConfigError as e:  # sizes that do not fit together (e.g. heads that do not divide into groups)
+        raise ModelLoadError(f"{source}: GGUF metadata: {e}") from None
 
 
 def _gguf_tokenizer(path: str, source: str):

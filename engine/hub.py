@@ -13,7 +13,8 @@ import re
 
 import torch
 
-from .errors import ConfigError, ModelLoadError, UnsupportedModel
+from . import budget, safetensors_check
+from .errors import ConfigError, ModelLoadError, UnsupportedModel, read_small_file
 from .model import ModelArgs
 from .skeleton import state_shapes
 from .snapshot import Snapshot
@@ -225,6 +226,15 @@ def _moe_sizes(v, cfg, arch):
     return None if arch not in _MOE or _positive_int(v, cfg, arch) is None else "a positive integer"
 
 
+def _finite_positive(v, cfg, arch):
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+    return None if ok else "a positive finite number"
+
+
+def _names(v, cfg, arch):
+    return None if isinstance(v, list) and all(isinstance(a, str) for a in v) else "a list of class names"
+
+
 def _multiplier(v, cfg, arch):
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
     return None if ok else "a positive finite number"
@@ -278,6 +288,12 @@ def _rope_dict(v, cfg, arch):
     missing = sorted(_ROPE_KEYS[kind] - set(v))
     if missing:
         return f"rope_type {kind!r} with {missing}"
+    for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
+        if v.get(key) is not None and _finite_positive(v[key], cfg, arch) is not None:
+            return f"{key} as a positive finite number (got {_short(v[key])})"
+    omax = v.get("original_max_position_embeddings")
+    if omax is not None and _positive_int(omax, cfg, arch) is not None:
+        return f"original_max_position_embeddings as a positive integer (got {_short(omax)})"
     if v.get("partial_rotary_factor", 1.0) != 1.0:
         return "partial_rotary_factor 1.0 (partial rotary embeddings are not implemented)"
     if kind == "longrope":
@@ -303,8 +319,7 @@ _BOOKKEEPING = "bookkeeping: does not change what the model computes"
 # never blacklist, so a config that asks for something we do not implement is never run as something else.
 HF_FIELDS = {
     # -- the architecture and its sizes, read into ModelArgs
-    "architectures": (_USED, "picks llama, mistral, qwen2, qwen3 or olmo2; anything else is refused before this "
-                             "table"),
+    "architectures": (_names, "picks the family (SUPPORTED_ARCHS); anything else is refused before this table"),
     "model_type": (_model_type, "transformers builds the model from model_type: it must name the same class"),
     "hidden_size": (_positive_int, "d, read into ModelArgs.dim"),
     "num_hidden_layers": (_positive_int, "L, ModelArgs.n_layers"),
@@ -314,8 +329,8 @@ HF_FIELDS = {
     "head_dim": (_head_dim, "d_h (absent: hidden_size / num_attention_heads), ModelArgs.head_dim"),
     "intermediate_size": (_positive_int, "the MLP width, ModelArgs.hidden_dim"),
     "vocab_size": (_positive_int, "|V|, ModelArgs.vocab_size"),
-    "rms_norm_eps": (_USED, "ModelArgs.norm_eps (validated there: positive)"),
-    "max_position_embeddings": (_USED, "ModelArgs.max_position; bounds the positions a prompt may use"),
+    "rms_norm_eps": (_finite_positive, "ModelArgs.norm_eps"),
+    "max_position_embeddings": (_positive_int, "ModelArgs.max_position; bounds the positions a prompt may use"),
     "tie_word_embeddings": (_one_of(True, False), "both implemented; false needs an lm_head.weight in the checkpoint"),
     # -- what each layer computes
     "hidden_act": (lambda v, c, a: None if a in _GEMMA else _one_of("silu")(v, c, a),
@@ -368,8 +383,9 @@ HF_FIELDS = {
     "qk_norm": (_one_of(False), "QK-norm is not implemented"),
     "qk_layernorm": (_one_of(False), "QK-norm is not implemented"),
     "use_mrope": (_one_of(False), "multimodal RoPE is not implemented"),
-    "original_max_position_embeddings": (_USED, "LongRoPE's original length, when its table does not give it"),
-    "rope_theta": (_USED, "θ_base, ModelArgs.rope_theta (validated there: positive)"),
+    "original_max_position_embeddings": (lambda v, c, a: None if v is None else _positive_int(v, c, a),
+                                         "LongRoPE's original length, when its table does not give it"),
+    "rope_theta": (_finite_positive, "θ_base, ModelArgs.rope_theta"),
     "rope_parameters": (_rope_params, "transformers 5: rope_theta and rope_type default, linear or llama3 (Gemma 3: "
                                       "one such table per layer type)"),
     "rope_scaling": (_rope_dict, "transformers 4: rope_type (or type) default, linear or llama3; null"),
@@ -567,24 +583,61 @@ def check_state(args: ModelArgs, state: dict, where: str) -> None:
         raise ModelLoadError(f"{where}: weights are missing tensors {missing[:5]}")
 
 
+CONFIG_MAX_BYTES = 16 << 20  # a transformers config is kilobytes; anything near this is not one
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+# The fields any decoder's config names with one meaning, checked whatever the family (ours or one only
+# transformers runs) before anything is read from them: field -> check(value) -> None or what it must be.
+COMMON_FIELDS = {
+    "architectures": _names, "model_type": lambda v, c, a: None if isinstance(v, str) else "a string",
+    **{k: _positive_int for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                                  "vocab_size", "max_position_embeddings")},
+    **{k: lambda v, c, a: None if v is None else _positive_int(v, c, a) for k in ("num_key_value_heads", "head_dim")},
+    "rms_norm_eps": _finite_positive, "rope_theta": _finite_positive,
+    "tie_word_embeddings": lambda v, c, a: None if isinstance(v, bool) else "true or false",
+}
+
+
 def _read_config(path: str, where: str) -> dict:
+    """config.json as a JSON object: a regular file (never a FIFO or a device), at most CONFIG_MAX_BYTES, strict
+    JSON (NaN and Infinity are not numbers), the COMMON_FIELDS typed."""
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    if not os.path.lexists(cfg_path):
         raise ModelLoadError(f"{where}: no config.json (expected a local Hugging Face checkpoint directory)")
+    raw = read_small_file(cfg_path, "config.json", CONFIG_MAX_BYTES)
     try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{where}: cannot read config.json ({e})") from None
+        cfg = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
+    except (ValueError, RecursionError) as e:
+        raise ModelLoadError(f"{where}: config.json is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{where}: config.json must hold a JSON object (got {type(cfg).__name__})")
+    for key, check in COMMON_FIELDS.items():
+        if key in cfg and check(cfg[key], cfg, "") is not None:
+            raise ModelLoadError(f"{where}: config.json {key}={_short(cfg[key])} is not valid (it must be "
+                                 f"{check(cfg[key], cfg, '')})")
     return cfg
 
 
 def _weight_files(path: str, where: str) -> list[str]:
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    """The checkpoint's safetensors files, each header checked against its file (engine/safetensors_check.py),
+    no tensor named by two of them."""
+    try:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    except OSError as e:
+        raise ModelLoadError(f"{where}: cannot list the checkpoint directory ({e.strerror})") from None
     if not files:
         raise ModelLoadError(f"{where}: no *.safetensors files (pickled .bin checkpoints are not loaded)")
+    owner = {}
+    for fn in files:
+        for tensor in safetensors_check.check(os.path.join(path, fn), where):
+            if tensor in owner:
+                raise ModelLoadError(f"{where}: tensor {_short(tensor)} is defined twice, in {owner[tensor]} and "
+                                     f"{fn} (which one the model holds would depend on the order of reading)")
+            owner[tensor] = fn
     return files
 
 
@@ -592,6 +645,7 @@ def load_hf_dir(path: str) -> Snapshot:
     where = f"hf:{path}"
     cfg = _read_config(path, where)
     args = args_from_hf_config(cfg, where)
+    budget.check_model(args, where)  # from the config alone, before a single weight is read
     files = _weight_files(path, where)
     try:
         from safetensors.torch import load_file
@@ -599,7 +653,11 @@ def load_hf_dir(path: str) -> Snapshot:
         raise ModelLoadError("hf: models need safetensors: pip install 'prefill-diff[hf]'") from None
     state = {}
     for fn in files:
-        for name, t in load_file(os.path.join(path, fn)).items():
+        try:
+            tensors = load_file(os.path.join(path, fn))
+        except Exception as e:  # the header was checked; what remains is the library's own refusal of the data
+            raise ModelLoadError(f"{where}: cannot read {fn} ({type(e).__name__}: {str(e)[:200]})") from None
+        for name, t in tensors.items():
             for part, tensor in unfused(name, t, args, where):
                 ours = hf_to_ours(part, args.norm_placement, MOE_STYLE.get(args.arch))
                 if ours is not None:
@@ -652,6 +710,7 @@ def describe_hf_dir(path: str, refusal: str) -> Snapshot:
                          arch=str(cfg.get("model_type") or (cfg.get("architectures") or ["?"])[0])[:64])
     except (ConfigError, TypeError) as e:
         raise ModelLoadError(f"{where}: {e}") from None
+    budget.check_model(args, where)  # its sizes alone (a lower bound: its own layers may hold more)
     digest = hashlib.sha256()
     for fn in ["config.json"] + files:
         digest.update(fn.encode() + b"\0")

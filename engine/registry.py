@@ -70,6 +70,7 @@ class TransformersOptions:
             raise ConfigError(f"attn_implementation must be 'eager' or 'sdpa' (got {self.attn_implementation!r})")
 
 
+GGML_MAX_N_THREADS = 512  # ggml's own limit on a computation's threads (ggml.h)
 LLAMACPP_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # ggml type names
 
 
@@ -89,8 +90,10 @@ class LlamaCppOptions:
             raise ConfigError(f"flash_attn must be true, false or \"auto\" (got {self.flash_attn!r})")
         for key in ("n_ubatch", "n_batch"):
             _positive(key, getattr(self, key))
-        if not isinstance(self.n_threads, int) or isinstance(self.n_threads, bool) or self.n_threads < 0:
-            raise ConfigError(f"n_threads must be a non-negative integer, 0 for automatic (got {self.n_threads!r})")
+        if not isinstance(self.n_threads, int) or isinstance(self.n_threads, bool) or \
+                not 0 <= self.n_threads <= GGML_MAX_N_THREADS:
+            raise ConfigError(f"n_threads must be an integer from 0 (automatic) to {GGML_MAX_N_THREADS}, ggml's "
+                              f"limit (got {self.n_threads!r})")
         for key in ("type_k", "type_v"):
             if getattr(self, key) not in LLAMACPP_CACHE_TYPES:
                 raise ConfigError(f"{key} must be one of {', '.join(LLAMACPP_CACHE_TYPES)} "

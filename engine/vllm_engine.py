@@ -28,6 +28,7 @@ import tempfile
 
 import numpy as np
 
+from . import budget
 from .calls import plan_calls
 from .errors import ConfigError, PrefillDiffError
 
@@ -78,6 +79,8 @@ def check(prep) -> None:
         no.append("explicit position ids (vLLM numbers positions itself, from 0)")
     if no:
         raise ConfigError("the vllm engine runs vLLM as vLLM runs; it does not support " + "; ".join(no))
+    budget.check(f"vLLM ([run.vllm] kv_cache_mib = {opts.kv_cache_mib})", (opts.kv_cache_mib << 20) +
+                 budget.model_bytes(snap.args), "its KV cache space plus the model's weights, in its own process")
     if opts.warm and run.batching != "packed":
         raise ConfigError("warm = true fills vLLM's prefix cache for a run of all prompts in one engine: it needs "
                           "batching = \"packed\"")
