@@ -10,6 +10,7 @@ comparing two trace files never loads torch.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -261,6 +262,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     keep = out_dir is not None
     work = out_dir if keep else tempfile.mkdtemp(prefix="prefill-diff-")
     os.makedirs(work, exist_ok=True)
+    lock = _hold_out_dir(work) if keep else None
     try:
         paths = [rec.record_side(p, os.path.join(work, name), level, force, progress=_on(progress, label))
                  for p, name, label in ((ref_prep, "ref.h5", "reference"), (cand_prep, "cand.h5", "candidate"))]
@@ -295,9 +297,33 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
             if rounds:
                 report = replace(report, replayed=_replayed(forced), replayed_flips=flips)
     finally:
+        if lock is not None:
+            os.close(lock)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     return Outcome(report, *(paths if keep else (None, None)))
+
+
+OUT_LOCK = ".prefill-diff.lock"  # in a run's --out directory, held while the run writes and reads its traces
+
+
+def _hold_out_dir(out_dir: str) -> int:
+    """An exclusive lock on ``out_dir`` for this run (a lock file inside it; the descriptor is returned): a second
+    run into the same directory at the same time would overwrite the traces this one is judging."""
+    path = os.path.join(out_dir, OUT_LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        raise ConfigError(f"--out {out_dir}: cannot create its lock file ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"--out {out_dir} is being written by another prefill-diff run now; give this run its own "
+                          "--out directory") from None
+    except OSError:
+        pass  # a file system without locks: run unlocked
+    return fd
 
 
 REPLAY_ROUNDS = 3  # a replayed run may flip elsewhere within noise: each round forces those too

@@ -6,6 +6,7 @@ The engine's modules import torch; they are imported only by the commands that r
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -85,12 +86,33 @@ class Cli(click.Group):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             ctx.exit(141)
-        except Exception as e:  # a bug, not bad input
+        except Exception as e:  # a bug, not bad input; or the environment refused (memory, disk)
+            said = environment_failure(e)
+            if said is not None:
+                raise BadInput(visible(said)) from None
             if os.environ.get("PREFILL_DIFF_DEBUG"):
                 raise
             click.echo(f"internal error: {type(e).__name__}: {visible(e)} (set PREFILL_DIFF_DEBUG=1 for the "
                        "traceback)", err=True)
             ctx.exit(EXIT_INTERNAL)
+
+
+# torch's words when an allocation fails: its CPU allocator, a size that overflows, CUDA's out of memory
+_ALLOCATION = ("can't allocate memory", "Storage size calculation overflowed", "DefaultCPUAllocator",
+               "out of memory", "not enough memory")
+
+
+def environment_failure(e: BaseException) -> str | None:
+    """One line for an error the environment caused (an allocation refused, a full disk, a file system that is
+    read-only), naming what was refused; None for anything else (a bug)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, RuntimeError) and any(w in text for w in _ALLOCATION):
+        return (f"not enough memory: an allocation was refused ({text[:300]}); a smaller model, fewer or shorter "
+                "prompts, or a lower --level")
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+        where = f" writing {e.filename!r}" if e.filename else " (standard output, or a file being written)"
+        return f"the file system refused the write{where}: {e.strerror or text} (errno {e.errno})"
+    return None
 
 
 GENEROUS_WIDTH = 120  # columns of the report when stdout is not a terminal and COLUMNS is unset (CI logs, pipes)
@@ -607,6 +629,12 @@ def _unraisable(hook):
 
 
 def main():
+    try:  # torch's libraries fail to load (oneMKL aborts with a FATAL ERROR) from a deleted working directory
+        os.getcwd()
+    except OSError:
+        click.echo("Error: the working directory no longer exists (it was deleted or moved away): cd to one that "
+                   "does, then run again", err=True)
+        sys.exit(EXIT_BAD_INPUT)
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)  # timeout, kill and CI cancellation: cleaned up like Ctrl-C
     sys.unraisablehook = _unraisable(sys.unraisablehook)

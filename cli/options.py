@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import click
 
@@ -187,6 +188,16 @@ def calibration_options(f):
     )(f)
 
 
+def as_given(arg: str) -> str:
+    """A command-line argument as the bytes the OS gave, read as UTF-8: under a C or POSIX locale without UTF-8
+    mode Python decodes argv as ASCII, each byte above 127 a lone surrogate (surrogateescape), so valid UTF-8
+    text arrives mangled. Bytes that are not UTF-8 stay escaped (and a prompt refuses them by byte offset)."""
+    try:
+        return os.fsencode(arg).decode("utf-8")
+    except (UnicodeError, ValueError):
+        return arg
+
+
 def shared_inputs(model, prompts, tokens):
     """--model/--prompt/--tokens -> (ModelSpec or None, Inputs or None)."""
     if not (model or prompts or tokens):
@@ -195,6 +206,7 @@ def shared_inputs(model, prompts, tokens):
     spec = ModelSpec(model) if model else None
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")
+    prompts = [as_given(p) for p in prompts]
     for i, p in enumerate(prompts):
         if not p.strip():
             raise ConfigError(f"--prompt number {i + 1} is empty (got {p!r}); give some text")

@@ -9,7 +9,7 @@ from dataclasses import replace
 import click
 
 from ..dumps.recorder import TraceExistsError
-from ..engine.errors import PrefillDiffError, visible
+from ..engine.errors import PrefillDiffError, check_name_length, partial_sibling, visible
 from ..verify.github import workflow_error
 from ..verify.junit import to_junit
 from ..verify.markdown import to_markdown
@@ -60,6 +60,7 @@ def check_output_file(path, what: str, force: bool = True) -> None:
     if path is None or path == "-":
         return
     path = str(path)
+    check_name_length(path, what)
     if os.path.isdir(path):
         raise PrefillDiffError(f"cannot write {what} {path}: it is a directory")
     if os.path.exists(path):
@@ -152,8 +153,29 @@ def github_actions(report, out: dict) -> None:
 
 
 def write_text(path, text):
+    """``text`` into the file at ``path``, whole or not at all: a regular file (or a new one) is written beside
+    itself and renamed into place, so that a full disk leaves no truncated report; anything else (a FIFO,
+    /dev/stderr) is written as it is."""
+    path = os.fspath(path)
     try:
-        with open(path, "w", encoding="utf-8") as f:
+        regular = not os.path.exists(path) or os.path.isfile(path)
+    except OSError:
+        regular = False
+    if not regular:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise PrefillDiffError(f"cannot write {path}: {e.strerror}") from None
+        return
+    tmp = partial_sibling(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+        os.replace(tmp, path)
     except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise PrefillDiffError(f"cannot write {path}: {e.strerror}") from None

@@ -21,7 +21,7 @@ from ..engine import parallel
 from ..engine.config import (Inputs, Side, at_precision, in_float64, load_side, on_engine, precision_of,
                              run_from_dict)
 from ..engine.engines import execute, token_texts, trace_meta
-from ..engine.errors import ConfigError, PrefillDiffError
+from ..engine.errors import ConfigError, PrefillDiffError, check_name_length, partial_sibling
 from ..engine.runner import Prepared, prepare
 from ..engine.spec import ModelSpec
 from ..verify.calibrate import parse_precision_key
@@ -168,12 +168,13 @@ def record_ranks(prep: Prepared, path, level: str = "full", force: bool = False,
         raise ConfigError("--level sampled is not supported for tensor-parallel runs (each rank would draw its "
                           "channel subset from its own shard); use full or stats")
     out = rank_dir(path, tp)
+    check_name_length(out, f"the tp={tp} trace directory")
     if os.path.exists(out) and not force:
         raise TraceExistsError(f"{out} exists; pass --force to overwrite it")
     if os.path.exists(out) and not os.path.isdir(out):
         raise ConfigError(f"{out} exists and is not a directory (a tp={tp} run writes a directory of rank traces)")
     parent = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = partial_sibling(os.path.join(parent, os.path.basename(out)))
     os.makedirs(tmp)
     try:
         try:
@@ -200,10 +201,22 @@ def _raise_rank_error(tmp, tp, exc):
     bad = [e for e in errors if e[1] == "input"]
     if bad:
         raise PrefillDiffError(bad[0][2]) from None
+    killed = getattr(exc, "signal_name", None)  # torch.multiprocessing's ProcessExitedException
+    if killed:
+        raise PrefillDiffError(f"tensor-parallel rank {getattr(exc, 'error_index', '?')} was killed by {killed} (the "
+                               "kernel's out-of-memory killer, a timeout or a person); no trace was written") from None
+    taken = [(r, msg) for r, _, msg in errors if any(w in msg for w in PORT_TAKEN)]
+    if taken:
+        raise PrefillDiffError(f"tensor-parallel rank {taken[0][0]} could not open the rendezvous port on 127.0.0.1: "
+                               "another process took it after it was found free; run again") from None
     if errors:
         r, _, msg = errors[0]
         raise RuntimeError(f"tensor-parallel rank {r} failed: {msg}") from None
     raise RuntimeError(f"tensor-parallel ranks failed: {str(exc).splitlines()[0][:300]}") from None
+
+
+# how c10d says the rendezvous port is taken (its TCPStore server cannot bind)
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
 
 
 def _record_rank(ctx, side: Side, tmp: str, level: str, compression, extra_meta: dict, run_id: str,

@@ -81,7 +81,7 @@ from typing import NamedTuple, Protocol
 import h5py
 import numpy as np
 
-from ..engine.errors import INTERRUPT, PrefillDiffError
+from ..engine.errors import INTERRUPT, PrefillDiffError, check_name_length, partial_sibling
 from . import native
 from .provenance import provenance
 from . import metacheck
@@ -267,6 +267,10 @@ def place(tmp, path, force: bool) -> None:
         raise TraceExistsError(f"{path} appeared while this trace was being recorded (another process writing "
                                "the same path?); it was not replaced and this trace was not kept; pass --force to "
                                "overwrite") from None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB"
 
 
 class RecorderError(PrefillDiffError):
@@ -708,11 +712,15 @@ class Recorder:
             self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False,
                                libver=LIBVER)
         else:
-            if self.path.exists() and not force:
-                raise TraceExistsError(f"{self.path} exists; pass --force to overwrite it")
-            if self.path.is_dir():
-                raise RecorderError(f"{self.path} is a directory")
-            self.tmp = self.path.with_name(f".{self.path.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                check_name_length(self.path, "the trace")
+                if self.path.exists() and not force:
+                    raise TraceExistsError(f"{self.path} exists; pass --force to overwrite it")
+                if self.path.is_dir():
+                    raise RecorderError(f"{self.path} is a directory")
+            except OSError as e:
+                raise RecorderError(f"cannot write {self.path}: {e.strerror}") from None
+            self.tmp = Path(partial_sibling(self.path))
             _PARTIAL.add(self.tmp)  # registered before it exists, so an interrupt at any moment can remove it
             try:
                 self.f = h5py.File(self.tmp, "w", libver=LIBVER)
@@ -806,6 +814,8 @@ class Recorder:
             m[toks] = np.arange(len(toks))
             self._slot_of_tok.append(m)
         self._ds = {}
+        if self.tmp is not None:
+            self._check_space()
         if self.level == "sampled":
             P = max(len(t) for t in self._sampled_toks)
             st = np.full((S, P), -1, dtype=np.int64)
@@ -814,6 +824,32 @@ class Recorder:
             self.dims["P"] = P
             sc.SAMPLED_TOKENS.create(self.f, self.dims, data=st)
             self.f[sc.SAMPLED_GROUP].attrs[sc.ATTR_SEED] = self.sample_seed
+
+    def size_estimate(self) -> int:
+        """Bytes this trace will take, from its sizes alone (an upper bound: every state at every cell, the
+        cache at every slot, in float64 where the run is float64): what the file system must have free."""
+        d, S, C, N = self.dims["dim"], self.dims["S"], self.dims["C"], self.dims["N"]
+        item = 8 if (self.meta.get("engine") or {}).get("dtype") == "float64" else 4
+        width = max(d, self.args["n_heads"] * self.args["head_dim"])
+        if self.level == "full":
+            per_layer = len(STATES) * S * C * width + 2 * S * self.dims["H"] * N * self.dims["D"] + \
+                S * C * self.dims.get("E", 0)
+        else:  # statistics and checksums; sampled rows of a few tokens and channels
+            per_layer = (len(STATES) + 2) * S * (self.sample_tokens * self.sample_channels + 64)
+        return int(1.1 * item * (self.args["n_layers"] * per_layer + 2 * S * self.dims["vocab"] + 8 * S * C)) + (1 << 20)
+
+    def _check_space(self) -> None:
+        """Refuse to start a trace its file system has no room for: HDF5 cannot recover from a full disk (it
+        crashes the process after the failed write), so the space is checked before the first array."""
+        where = os.path.dirname(os.path.abspath(self.tmp))
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            return  # a file system that does not say: the write itself will tell
+        free, need = st.f_bavail * st.f_frsize, self.size_estimate()
+        if need > free:
+            raise RecorderError(f"not enough space for the trace {self.path}: it needs about {_mib(need)}, and its "
+                                f"file system ({where}) has {_mib(free)} free")
 
     def _group(self, layer: int) -> h5py.Group:
         g = self._groups.get(layer)

@@ -7,6 +7,7 @@ of ours and nothing heavy, so every package may import it (tests/test_layering.p
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import unicodedata
 
@@ -102,6 +103,34 @@ def regular_file(path, what: str, limit: int | None = None) -> str:
     if limit is not None and st.st_size > limit:
         raise PrefillDiffError(f"{p}: the {what} is {st.st_size} bytes, over the {limit}-byte limit")
     return p
+
+
+def name_max(directory: str) -> int:
+    """The longest file name (in bytes) the file system holding ``directory`` allows (255 where it does not say)."""
+    try:
+        return os.pathconf(directory or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def check_name_length(path, what: str) -> None:
+    """Refuse an output path whose file name is longer than its file system allows, before any work."""
+    d, name = os.path.split(os.path.abspath(os.fspath(path)))
+    n, limit = len(os.fsencode(name)), name_max(d)
+    if n > limit:
+        raise PrefillDiffError(f"cannot write {what}: its file name is {n} bytes, more than the {limit} the file "
+                               f"system allows ({visible(name[:40])}...)")
+
+
+def partial_sibling(path) -> str:
+    """A hidden name beside ``path`` to write it under before renaming it into place: ``.NAME.partial-PID-HEX``,
+    or ``.partial-PID-HEX`` where that would be a longer file name than the file system allows."""
+    d, name = os.path.split(os.fspath(path))
+    tag = f"partial-{os.getpid()}-{secrets.token_hex(4)}"
+    full = f".{name}.{tag}"
+    if len(os.fsencode(full)) > name_max(os.path.abspath(d or ".")):
+        full = f".{tag}"
+    return os.path.join(d, full)
 
 
 def read_small_file(path, what: str, limit: int = CONFIG_LIMIT) -> bytes:

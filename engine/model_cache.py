@@ -162,14 +162,41 @@ def cached(source: str, kind: str, convert: Callable, save: Callable, load: Call
     name = f"{digest}-{kind}"
     with _held(os.path.join(models, name)) as there:  # prune leaves the entry alone while it is loaded
         entry = _lookup(models, name, digest) if there else None
+        if entry is _UNTRUSTED:  # another user's, or writable by others: never loaded, never replaced
+            return convert()
         if entry is not None:
             return load(entry)
     value = convert()
+    reclaim(models)
     try:
         _store(models, name, digest, os.path.getsize(source), lambda d: save(value, d), source=source)
-    except OSError as e:
-        _say(f"cannot write the model cache in {models} ({e.strerror or e}); running without it")
+    except Exception as e:  # a full or read-only disk, said by the OS or by a writer's own error (safetensors)
+        why = getattr(e, "strerror", None) or f"{type(e).__name__}: {str(e)[:200]}"
+        _say(f"cannot write the model cache in {models} ({why}); running without it")
     return value
+
+
+def reclaim(models: str) -> int:
+    """Remove the temporary directories of conversions that are no longer running (killed: their lock file is
+    there and nobody holds it), ours only, before writing a new entry; returns how many. Never one whose
+    conversion still holds its lock, nor one without a lock file (prune decides those)."""
+    gone = 0
+    try:
+        names = os.listdir(models)
+    except OSError:
+        return 0
+    for name in names:
+        tmp = os.path.join(models, name)
+        if not name.startswith(TMP_PREFIX) or name.endswith(LOCK_SUFFIX) or name + LOCK_SUFFIX not in names:
+            continue
+        try:
+            if os.lstat(tmp).st_uid != os.getuid() or os.lstat(tmp + LOCK_SUFFIX).st_uid != os.getuid():
+                continue
+            if _writer_running(tmp + LOCK_SUFFIX) is False:
+                gone += _remove_locked(models, tmp, tmp + LOCK_SUFFIX) is None
+        except OSError:
+            continue
+    return gone
 
 
 def _say(message: str) -> None:
@@ -253,11 +280,21 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _lookup(models: str, name: str, digest: str) -> Entry | None:
-    """The verified entry, None when there is none; a damaged or stale one is reported and moved aside."""
+_UNTRUSTED = object()  # _lookup: an entry that is not ours to trust
+
+
+def _lookup(models: str, name: str, digest: str):
+    """The verified entry, None when there is none; a damaged or stale one is reported and moved aside; an entry
+    another user owns or others may write (its directory or a file in it) is reported and left alone:
+    _UNTRUSTED (its manifest could have been recomputed over edited weights, as ssh ignores such key files)."""
     path = os.path.join(models, name)
     if not os.path.lexists(path):
         return None
+    why = _untrusted(path)
+    if why is not None:
+        _say(f"model cache entry {path} {why}: not used; converting afresh (and not caching: the entry's name is "
+             "taken)")
+        return _UNTRUSTED
     try:
         entry = Entry(path, _verify(path, digest))
     except _Unusable as why:
@@ -269,6 +306,25 @@ def _lookup(models: str, name: str, digest: str) -> Entry | None:
     except OSError:
         pass  # another user's entry, a read-only cache: still used
     return entry
+
+
+def _untrusted(path: str) -> str | None:
+    """Why the entry at ``path`` is not to be trusted (owned by another user, or writable by group or others:
+    the directory or any file in it), or None."""
+    me = os.getuid()
+    try:
+        paths = [path] + [os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path]
+        for p in paths:
+            st = os.lstat(p)
+            if st.st_uid != me:
+                return f"is owned by uid {st.st_uid}, not by you ({me})" if p == path else \
+                    f"holds {os.path.basename(p)}, owned by uid {st.st_uid}, not by you ({me})"
+            if st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode):
+                return f"{'is' if p == path else 'holds ' + os.path.basename(p) + ','} writable by others " \
+                       f"(mode {stat.S_IMODE(st.st_mode):o})"
+    except OSError:
+        return None  # gone or unreadable: verification says so
+    return None
 
 
 @contextmanager
@@ -428,11 +484,15 @@ def _store(models: str, name: str, digest: str, size: int, write: Callable[[str]
             st = os.lstat(fpath)
             if not stat.S_ISREG(st.st_mode):  # our writers write flat files; anything else is a bug
                 raise RuntimeError(f"model cache writer left {fname!r}, not a regular file")
+            if st.st_mode & 0o022:  # whatever the umask: an entry others may write is not trusted (_untrusted)
+                os.chmod(fpath, stat.S_IMODE(st.st_mode) & ~0o022)
             files[fname] = {"size": st.st_size, "sha256": file_sha256(fpath)}
         body = {"source_sha256": digest, "source_size": size, "versions": versions(), "files": files, "meta": meta}
         if source is not None:
             body["source"] = os.path.abspath(source)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
+        fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
             json.dump({"body": body, "sha256": _body_sha256(body)}, f, sort_keys=True, indent=1)
         try:
             os.rename(tmp, os.path.join(models, name))

@@ -14,6 +14,7 @@ usual environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) instead: see docs
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -162,4 +163,17 @@ def launch(fn, world: int, args: tuple) -> None:
     """Run fn(rank, world, port, started, *args) in ``world`` spawned processes; raises if one fails."""
     import torch.multiprocessing as mp
     port = free_port()
-    mp.spawn(fn, args=(world, port, time.time()) + tuple(args), nprocs=world, join=True)
+    # the ranks' c10d warnings, and spawn's own "Terminating process" when one fails, are not ours to print: the
+    # failure is said in one line by the caller (errors still reach stderr)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    quiet = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+    saved = {k: os.environ.get(k) for k in quiet}
+    os.environ.update({k: os.environ.get(k) or v for k, v in quiet.items()})  # a user's own setting wins
+    try:
+        mp.spawn(fn, args=(world, port, time.time()) + tuple(args), nprocs=world, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
