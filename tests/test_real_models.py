@@ -343,8 +343,8 @@ def test_an_unsupported_field_is_refused_by_every_engine_but_transformers(llama_
     assert "rope_interleaved=true" in res.output and "only the transformers engine" in res.output
 
 
-@pytest.mark.parametrize("field,value,words", [("head_dim", 0, "head_dim must be a positive integer (got 0)"),
-                                               ("num_key_value_heads", -2, "num_key_value_heads must be a positive")])
+@pytest.mark.parametrize("field,value,words", [("head_dim", 0, "head_dim=0 is not valid (it must be a positive"),
+                                               ("num_key_value_heads", -2, "num_key_value_heads=-2 is not valid")])
 def test_a_malformed_size_is_an_error_not_a_foreign_model(llama_dir, tmp_path, field, value, words):
     from prefill_diff.engine.errors import ModelLoadError
     d = _edited(llama_dir[0], tmp_path / "x", **{field: value})
