@@ -6,6 +6,7 @@ of ours and nothing heavy, so every package may import it (tests/test_layering.p
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import stat
@@ -103,6 +104,15 @@ def regular_file(path, what: str, limit: int | None = None) -> str:
     if limit is not None and st.st_size > limit:
         raise PrefillDiffError(f"{p}: the {what} is {st.st_size} bytes, over the {limit}-byte limit")
     return p
+
+
+def strict_json(raw: bytes):
+    """UTF-8 JSON as JSON defines it: NaN, Infinity and -Infinity (which Python's parser accepts) are refused with
+    ValueError, as are bytes that are not UTF-8 (UnicodeDecodeError is a ValueError); nesting too deep for the
+    parser raises RecursionError."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not a JSON number")
+    return json.loads(raw.decode("utf-8"), parse_constant=refuse)
 
 
 def name_max(directory: str) -> int:

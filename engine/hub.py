@@ -14,7 +14,7 @@ import re
 import torch
 
 from . import budget, safetensors_check
-from .errors import ConfigError, ModelLoadError, UnsupportedModel, read_small_file
+from .errors import ConfigError, ModelLoadError, UnsupportedModel, read_small_file, strict_json
 from .model import ModelArgs
 from .skeleton import state_shapes
 from .snapshot import Snapshot
@@ -586,10 +586,6 @@ def check_state(args: ModelArgs, state: dict, where: str) -> None:
 CONFIG_MAX_BYTES = 16 << 20  # a transformers config is kilobytes; anything near this is not one
 
 
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not a JSON number")
-
-
 # The fields any decoder's config names with one meaning, checked whatever the family (ours or one only
 # transformers runs) before anything is read from them: field -> check(value) -> None or what it must be.
 COMMON_FIELDS = {
@@ -610,7 +606,7 @@ def _read_config(path: str, where: str) -> dict:
         raise ModelLoadError(f"{where}: no config.json (expected a local Hugging Face checkpoint directory)")
     raw = read_small_file(cfg_path, "config.json", CONFIG_MAX_BYTES)
     try:
-        cfg = json.loads(raw.decode("utf-8"), parse_constant=_not_json)
+        cfg = strict_json(raw)
     except (ValueError, RecursionError) as e:
         raise ModelLoadError(f"{where}: config.json is not valid JSON ({str(e)[:200]})") from None
     if not isinstance(cfg, dict):

@@ -15,7 +15,7 @@ import os
 import stat
 import struct
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, strict_json
 
 HEADER_MAX_BYTES = 100 << 20  # the safetensors library's own limit on the header
 # the dtypes the format defines, and each element's size in bytes (sub-byte fp4/fp6 formats are not loaded)
@@ -55,8 +55,8 @@ def check(path: str, where: str) -> dict:
 
 def _entries(raw: bytes, data_len: int, name: str, where: str) -> dict:
     try:
-        header = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        header = strict_json(raw)
+    except (ValueError, RecursionError) as e:
         raise ModelLoadError(f"{where}: {name}'s header is not UTF-8 JSON ({str(e)[:120]})") from None
     if not isinstance(header, dict):
         raise ModelLoadError(f"{where}: {name}'s header must be a JSON object (got {type(header).__name__})")
@@ -98,10 +98,6 @@ def _span(tensor: str, entry, data_len: int, name: str, where: str) -> tuple:
 
 def _count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def _refuse_constant(constant: str):
-    raise ValueError(f"{constant} is not a JSON number")
 
 
 def _shown(v) -> str:
