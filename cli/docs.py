@@ -9,7 +9,7 @@ import difflib
 import importlib.util
 from pathlib import Path
 
-from ..engine.errors import ConfigError
+from ..engine.shared.errors import ConfigError
 
 
 def installed() -> dict[str, Path]:

@@ -2,11 +2,11 @@
 
 The CLI parses its options, calls one of these and renders what it returns; a Python program can call them
 the same way (README, "From Python"). Data flows one way: a side is prepared by the engine and recorded into
-a trace (``cli/recording.py``), and two traces are compared by ``verify/``. The tolerance policy is resolved
+a trace (``cli/sides.py``), and two traces are compared by ``verify/``. The tolerance policy is resolved
 here, once, and passed down; whether traces are kept is known before the report is built.
 
-``recording`` imports the engine (and torch); it is imported only when a side runs (``_sides()``), so
-comparing two trace files never loads torch.
+``cli/sides.py`` imports the engine (and torch); it is imported only when a side runs (``_import_sides()``),
+so comparing two trace files never loads torch.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..dumps.provenance import timestamp
-from ..dumps.ranks import is_rank_set, open_any
+from ..dumps.rank_merge import is_rank_set, open_any
 from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
 from ..dumps.schema import LEVELS
-from ..engine.errors import ConfigError, PrefillDiffError
+from ..engine.shared.errors import ConfigError, PrefillDiffError
 from ..engine.registry import ENGINES, OURS, twin_maker
 from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, precision_key, precision_label,
                                 precisions, same_precisions, sibling_paths, unit_roundoff)
@@ -36,10 +36,10 @@ from ..verify.tolerance import Policy
 SideProgress = Callable[[str], Callable[[int], None] | None]
 
 
-def _sides():
-    """The recording half of a job (engine, torch), imported when a side runs."""
-    from . import recording
-    return recording
+def _import_sides():
+    """The half of a job that runs the engine (cli/sides.py: torch), imported when a side runs."""
+    from . import sides
+    return sides
 
 
 @dataclass(frozen=True)
@@ -176,20 +176,20 @@ def record_calibration(ref_side, plan: CalibPlan, golden_path: str, twin_path: s
                        routing: dict | None = None) -> tuple[str, str | None]:
     """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions, by the plan's maker;
     ``routing``: experts to force, in the reference's samples (routing replay: every side takes the same)."""
-    rec = _sides()
-    sides = rec.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
+    sides = _import_sides()
+    made = sides.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
     paths = []
-    for side, path, label in ((sides.golden, golden_path, "golden (float64)"),
-                              (sides.twin, twin_path, f"twin ({plan.label})")):
+    for side, path, label in ((made.golden, golden_path, "golden (float64)"),
+                              (made.twin, twin_path, f"twin ({plan.label})")):
         if side is None:
             paths.append(None)
             continue
-        prep = rec.prepare(side, snapshot, routing=routing)
-        paths.append(rec.record_side(prep, path, "full", force, progress=_on(progress, label)))
+        prep = sides.prepare(side, snapshot, routing=routing)
+        paths.append(sides.record_side(prep, path, "full", force, progress=_progress_for(progress, label)))
     return paths[0], paths[1]
 
 
-def _on(progress: SideProgress | None, label: str):
+def _progress_for(progress: SideProgress | None, label: str):
     return None if progress is None else progress(label)
 
 
@@ -256,19 +256,19 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                             factor=factor, allow_subset=allow_subset, allow_identity=allow_identity)
     explicit = _explicit(tolerance)
     check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
-    rec = _sides()
-    ref_prep, cand_prep = rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs)
+    sides = _import_sides()
+    ref_prep, cand_prep = sides.prepare_side(ref, model, inputs), sides.prepare_side(cand, model, inputs)
     check_coverage(ref_prep.tokens, cand_prep.tokens, allow_subset)
     keep = out_dir is not None
     work = out_dir if keep else tempfile.mkdtemp(prefix="prefill-diff-")
     os.makedirs(work, exist_ok=True)
     lock = _hold_out_dir(work) if keep else None
     try:
-        paths = [rec.record_side(p, os.path.join(work, name), level, force, progress=_on(progress, label))
+        paths = [sides.record_side(p, os.path.join(work, name), level, force, progress=_progress_for(progress, label))
                  for p, name, label in ((ref_prep, "ref.h5", "reference"), (cand_prep, "cand.h5", "candidate"))]
         with open_any(paths[0]) as r, open_any(paths[1]) as c:
             plan = _plan_for(r, c, calibrate=calibrate, explicit=explicit, level=level, factor=factor,
-                             twin_is_cand=rec.twin_is_cand(ref_prep, cand_prep))
+                             twin_is_cand=sides.twin_is_cand(ref_prep, cand_prep))
             siblings = None
             if plan.use and not plan.twin_is_cand:
                 siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
@@ -282,9 +282,9 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                 flips += len(report.unreplayed)
                 forced = forced_routing(replay_cells(report), forced)
                 forced_ref = forced_routing(replay_cells(report), forced_ref, side="reference")
-                again = rec.prepare_side(cand, model, inputs, routing=forced)
-                paths[1] = rec.record_side(again, os.path.join(work, f"cand-replay{rounds + 1}.h5"), level, force,
-                                           progress=_on(progress, "candidate, routing replayed"))
+                again = sides.prepare_side(cand, model, inputs, routing=forced)
+                paths[1] = sides.record_side(again, os.path.join(work, f"cand-replay{rounds + 1}.h5"), level, force,
+                                           progress=_progress_for(progress, "candidate, routing replayed"))
                 rounds += 1
                 if siblings is not None:  # the golden and the twin take the same experts there
                     siblings = record_calibration(ref_prep.side, plan, os.path.join(work, f"golden-replay{rounds}.h5"),
@@ -360,16 +360,16 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     timestamp()
     if twin_of is not None and level != "full":
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
-    rec = _sides()
-    prep = rec.prepare_side(config, model, inputs)
-    path = rec.record_side(prep, output, level, force, compression, progress=_on(progress, "recording"),
+    sides = _import_sides()
+    prep = sides.prepare_side(config, model, inputs)
+    path = sides.record_side(prep, output, level, force, compression, progress=_progress_for(progress, "recording"),
                            tolerance=spec)
     done = Recorded(str(path), level, prep.snapshot.args.n_layers, len(prep.tokens))
     if on_written is not None:
         on_written(done)
     if twin_of is None:
         return done
-    prec = rec.precisions_of(twin_of, model, inputs)
+    prec = sides.precisions_of(twin_of, model, inputs)
     with open_any(done.path) as t:
         own, engine = precisions(t.meta), _engine(t.meta)
     maker = twin_maker(engine, prec)
@@ -434,23 +434,23 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance
                       factor, allow_subset, allow_identity) -> Outcome:
     """``compare BASELINE PRESET``: record the candidate (and, calibrated, the baseline's golden and twin)
     into a temporary directory, with the baseline's model and prompts, and compare."""
-    rec = _sides()
+    sides = _import_sides()
     with open_any(baseline) as base:
         side, why_not = None, None
         try:  # the baseline's own side, to record its golden and twin from
-            side = rec.baseline_side(base.meta, base.name, base.samples, model, inputs)
+            side = sides.baseline_side(base.meta, base.name, base.samples, model, inputs)
         except PrefillDiffError as e:  # an old or foreign baseline without a usable run record: no twin
             why_not = str(e)
-        spec = model or rec.baseline_spec(base.meta)
-        ins = inputs or rec.Inputs(token_ids=tuple(base.samples))
+        spec = model or sides.baseline_spec(base.meta)
+        ins = inputs or sides.Inputs(token_ids=tuple(base.samples))
         level = level or base.level
     check_calibration(calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor)
     if calibrate and side is None:
         raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
-    prep = rec.prepare_side(candidate, spec, ins)
+    prep = sides.prepare_side(candidate, spec, ins)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-")
     try:
-        path = rec.record_side(prep, os.path.join(tmp, "cand.h5"), level)
+        path = sides.record_side(prep, os.path.join(tmp, "cand.h5"), level)
         with open_any(baseline) as ref, open_any(path) as cand:
             plan = _plan_for(ref, cand, calibrate=calibrate, explicit=_declared_by(ref, tolerance, calibrate),
                              level=level, factor=factor)
@@ -499,29 +499,29 @@ def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, t
     """run_lockstep once; ``routing``: the experts to force (the candidate's samples, the reference's) or None."""
     explicit = _explicit(tolerance)
     check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
-    rec = _sides()
+    sides = _import_sides()
     forced, forced_ref = routing or ({}, {})
-    preps = [rec.prepare_side(ref, model, inputs), rec.prepare_side(cand, model, inputs, routing=forced)]
+    preps = [sides.prepare_side(ref, model, inputs), sides.prepare_side(cand, model, inputs, routing=forced)]
     if any(p.side.run.tp > 1 for p in preps):
         raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
                           "(tp > 1) runs in its own processes: drop --fail-fast")
     check_coverage(preps[0].tokens, preps[1].tokens, allow_subset)
-    twin_is_cand = rec.twin_is_cand(*preps)
+    twin_is_cand = sides.twin_is_cand(*preps)
     names = [f"{ref} (in memory)", f"{cand} (in memory)"]
     recs, gens = [], []
     try:
         for p in preps:
-            _start(rec, p, level, recs, gens)
+            _start(sides, p, level, recs, gens)
         plan = plan_calibration(precisions(recs[0].meta), precisions(recs[1].meta), calibrate=calibrate,
                                 explicit=explicit, level=level, factor=factor, twin_is_cand=twin_is_cand,
                                 ref_engine=_engine(recs[0].meta), cand_engine=_engine(recs[1].meta))
         calibrated = plan.use and not plan.twin_is_cand
         if calibrated:
-            sides = rec.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
-            for side in (sides.golden, sides.twin):
+            made = sides.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
+            for side in (made.golden, made.twin):
                 if side is not None:
-                    prep = rec.prepare(side, preps[0].snapshot, routing=forced_ref)  # every side: the same experts
-                    _start(rec, prep, level, recs, gens)
+                    prep = sides.prepare(side, preps[0].snapshot, routing=forced_ref)  # every side: the same experts
+                    _start(sides, prep, level, recs, gens)
                     names.append(f"{side.origin} (in memory)")
         return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset, allow_identity),
                        replays=_replays(preps[1]))
@@ -532,10 +532,10 @@ def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, t
             r.abort()
 
 
-def _start(rec, prep, level: str, recs: list, gens: list) -> None:
+def _start(sides, prep, level: str, recs: list, gens: list) -> None:
     """A side's in-memory recorder and generator, advanced through its first layer."""
     recs.append(Recorder(None, level))
-    gens.append(rec.capture(prep, recs[-1]))
+    gens.append(sides.capture(prep, recs[-1]))
     next(gens[-1])
 
 

@@ -1,5 +1,5 @@
 """prefill-diff's commands: each parses its options, calls one function of ``cli/jobs.py`` (``cache``: of
-``engine/model_cache.py``), renders the result.
+``engine/models/model_cache.py``), renders the result.
 
 The engine's modules import torch; they are imported only by the commands that run a side (through
 ``jobs``), so `--help`, `inspect` and `compare A.h5 B.h5` start without it.
@@ -24,10 +24,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgres
 
 from ..dumps import native, provenance
 from ..dumps.inspect import summarize
-from ..dumps.ranks import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
+from ..dumps.rank_merge import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
-from ..engine import model_cache  # light: no torch
-from ..engine.errors import INTERRUPT, PrefillDiffError, visible
+from ..engine.models import model_cache  # light: no torch
+from ..engine.shared.errors import INTERRUPT, PrefillDiffError
+from ..engine.shared.untrusted import visible
 from . import jobs
 from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
                       model_options, report_options, shared_inputs, tolerance_options)
@@ -390,9 +391,9 @@ def ledger(config, model, prompts, tokens):
     """
     quiet_libraries()
     from ..engine.config import Inputs, load_side  # the engine (torch): imported only by commands that run it
-    from ..engine.ledger import ledger as build
-    from ..engine.runner import default_token_ids, prepare
-    from ..engine.spec import ModelSpec
+    from ..engine.native.ledger import ledger as build
+    from ..engine.prepared import default_token_ids, prepare
+    from ..engine.models.spec import ModelSpec
     spec, inputs = shared_inputs(model, prompts, tokens)
     if config is None:
         spec = spec or ModelSpec("seed-2.8")
@@ -483,7 +484,7 @@ def vllm_setup(directory, pip_args):
         export PREFILL_DIFF_VLLM_PYTHON=$PWD/.vllm-venv/bin/python
         prefill-diff run vllm vllm-prefix-cache
     """
-    from ..engine import vllm_env  # light: no torch, no vLLM
+    from ..engine.foreign import vllm_env  # light: no torch, no vLLM
     python = vllm_env.setup(directory, pip_args, say=lambda s: click.echo(s, err=True))
     click.echo(f"export PREFILL_DIFF_VLLM_PYTHON={python}")
 

@@ -6,9 +6,10 @@ import os
 
 import click
 
-from ..engine import budget
-from ..engine.errors import ConfigError, check_int64
-from ..engine.spec import ModelSpec
+from ..engine.models import budget
+from ..engine.shared.errors import ConfigError
+from ..engine.shared.untrusted import check_int64
+from ..engine.models.spec import ModelSpec
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
 
@@ -69,7 +70,7 @@ def _memory_check(ctx, param, value):
 
 def _model_cache(ctx, param, value):
     if value is not None:
-        from ..engine import model_cache  # light: no torch
+        from ..engine.models import model_cache  # light: no torch
         model_cache.configure(value)
     return value
 

@@ -9,7 +9,8 @@ from dataclasses import replace
 import click
 
 from ..dumps.recorder import TraceExistsError
-from ..engine.errors import PrefillDiffError, check_name_length, partial_sibling, visible
+from ..engine.shared.errors import PrefillDiffError
+from ..engine.shared.untrusted import check_name_length, partial_sibling, visible
 from ..verify.github import workflow_error
 from ..verify.junit import to_junit
 from ..verify.markdown import to_markdown

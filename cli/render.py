@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..dumps.schema import LAYER_TENSORS
-from ..engine.errors import visible
+from ..engine.shared.untrusted import visible
 from ..verify.markdown import fmt_error
 
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
@@ -84,7 +84,7 @@ def print_line(console, text, seps: tuple = ()) -> None:
     console.print(text if isinstance(text, Fields) else Fields(text, seps), soft_wrap=True)
 
 
-def _g(x) -> str:
+def _num(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
@@ -326,21 +326,21 @@ def _metrics_lines(tr) -> Text:
         return plain(f"{tr.tensor}: not compared ({tr.note or 'no values'})")
     if tr.level == "stats":
         head = (f"{tr.tensor} (stats level, {tr.compared} statistics): largest statistic error "
-                f"{_g(tr.max_abs)}, {tr.n_bad} statistics out of tolerance")
-        extra = f"; would pass with atol >= {_g(tr.needed.atol)}" if tr.n_bad else ""
+                f"{_num(tr.max_abs)}, {tr.n_bad} statistics out of tolerance")
+        extra = f"; would pass with atol >= {_num(tr.needed.atol)}" if tr.n_bad else ""
         return Text(head + extra + ("" if tr else f"  {BAD}"), style="" if tr else "red")
-    s = (f"{tr.tensor} ({tr.level} level, {tr.compared} values): max abs {_g(tr.max_abs)}, max rel "
-         f"{_g(tr.max_rel)}, mean abs {_g(tr.mean_abs)}, cosine {_g(tr.cosine)}, largest row error "
-         f"{_g(tr.max_row_rel)} of the row norm, " +
+    s = (f"{tr.tensor} ({tr.level} level, {tr.compared} values): max abs {_num(tr.max_abs)}, max rel "
+         f"{_num(tr.max_rel)}, mean abs {_num(tr.mean_abs)}, cosine {_num(tr.cosine)}, largest row error "
+         f"{_num(tr.max_row_rel)} of the row norm, " +
          (f"{tr.calib.bad_rows} of {tr.calib.rows} rows beyond {tr.calib.factor:g}x the twin's noise (largest "
-          f"ratio {_g(tr.calib.max_ratio)})" if tr.calib is not None else f"{tr.n_bad} out of tolerance"))
+          f"ratio {_num(tr.calib.max_ratio)})" if tr.calib is not None else f"{tr.n_bad} out of tolerance"))
     if tr.worst:
         s += (f", worst at sample {tr.worst[0]} pos {tr.worst[1]} channel {tr.worst[2]}"
-              f" (tolerance there {_g(tr.worst_bound)})")
+              f" (tolerance there {_num(tr.worst_bound)})")
     n = tr.needed
-    s += (f"; would pass with --noise-factor {_g(tr.calib.min_factor)}" if tr.calib is not None else
-          f"; would pass with atol >= {_g(n.atol)}, rtol >= {_g(n.rtol)}, ntol >= {_g(n.ntol)} "
-          f"or row_rtol >= {_g(n.row_rtol)}")
+    s += (f"; would pass with --noise-factor {_num(tr.calib.min_factor)}" if tr.calib is not None else
+          f"; would pass with atol >= {_num(n.atol)}, rtol >= {_num(n.rtol)}, ntol >= {_num(n.ntol)} "
+          f"or row_rtol >= {_num(n.row_rtol)}")
     if not tr.finite_ok:
         f = tr.finite
         s += (f"; non-finite: {f.cand_only} finite only in the candidate, {f.ref_only} only in "
@@ -562,8 +562,8 @@ def _layer_stats_table(s: dict, width: int):
         first = True
         for name, st in row["tensors"].items():
             nf = f"{st['nonfinite']}/{st['pad_nonfinite']}"
-            rows.append([Text(str(row["layer"]) if first else ""), plain(name), Text(_g(st["min"])),
-                         Text(_g(st["max"])), Text(_g(st["mean"])), Text(_g(st["l2"])),
+            rows.append([Text(str(row["layer"]) if first else ""), plain(name), Text(_num(st["min"])),
+                         Text(_num(st["max"])), Text(_num(st["mean"])), Text(_num(st["l2"])),
                          Text(nf + " " + BAD, style="red") if nf != "0/0" else Text(nf + "  "),
                          Text(",".join(map(str, row["cache_lengths"])) if first else "")])
             first = False

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..engine.errors import PrefillDiffError
+from ..engine.shared.errors import PrefillDiffError
 from .reader import Trace
 from .schema import ATTR_CHANNELS, FINAL, FINAL_TENSORS, SAMPLED_TOKENS, STAT_COLUMNS, STAT_TENSORS
 

@@ -13,7 +13,7 @@ import sys
 from datetime import datetime, timezone
 from importlib import metadata
 
-from ..engine.errors import ConfigError
+from ..engine.shared.errors import ConfigError
 
 EPOCH_VAR = "SOURCE_DATE_EPOCH"
 ARGV_LIMIT = 8192  # characters of the command line kept: a trace's metadata strings are bounded (dumps/metacheck.py)

@@ -16,7 +16,8 @@ from typing import Iterator, NamedTuple
 import h5py
 import numpy as np
 
-from ..engine.errors import PrefillDiffError, regular_file, visible
+from ..engine.shared.errors import PrefillDiffError
+from ..engine.shared.untrusted import regular_file, visible
 from .chunks import ChunkReader
 from .metacheck import MetaError, check_meta, check_meta_against_file
 from . import schema as sc
@@ -293,7 +294,7 @@ class LayerView:
 class Trace:
     """A trace file opened for reading. Raises TraceError with the file name on any problem."""
 
-    # True only for the in-memory view dumps.ranks builds over rank files it has opened (and checked) as
+    # True only for the in-memory view dumps.rank_merge builds over rank files it has opened (and checked) as
     # traces one by one: its virtual datasets are ours, so check_storage would refuse them for no reason
     _built_here = False
 

@@ -81,12 +81,14 @@ from typing import NamedTuple, Protocol
 import h5py
 import numpy as np
 
-from ..engine.errors import INTERRUPT, PrefillDiffError, check_name_length, partial_sibling
+from ..engine.shared.errors import INTERRUPT, PrefillDiffError
+from ..engine.shared.untrusted import check_name_length, partial_sibling
 from . import native
 from .provenance import provenance
 from . import metacheck
 from . import schema as sc
-from .schema import ACT_DTYPES, FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
+from .schema import (ACT_DTYPES, FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES,
+    layer_group)
 
 _MASK64 = (1 << 64) - 1
 # HDF5 1.8 object formats and newer carry checksums on every metadata block, so damaged metadata is
@@ -648,7 +650,7 @@ def _gather(x, rows: np.ndarray, channels: np.ndarray, heads: int | None = None)
 class TraceWriter(Protocol):
     """The interface through which a trace is written, in trace coordinates (sample, stored column): what
     ``Recorder`` implements, in a file or in memory, for a whole run or one tensor-parallel rank. (An engine
-    reports in its own forward coordinates, (batch row, column); engine.runner.Placement maps those onto
+    reports in its own forward coordinates, (batch row, column); engine.prepared.Placement maps those onto
     these calls.) The order: ``begin``; then ``inputs``, ``state``, ``cache`` and ``layer_done`` per layer;
     ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``. A layer's statistics,
     cache positions and sampled values, the inputs and the final outputs are kept in memory until ``close``;

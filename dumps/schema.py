@@ -29,7 +29,7 @@ READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds opt
 
 LEVELS = ("full", "sampled", "stats")
 
-from ..engine.precisions import CACHE_DTYPES, FLOATS, PRECISION_ORDER
+from ..engine.shared.precisions import CACHE_DTYPES, FLOATS, PRECISION_ORDER
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # a kind's tolerance (verify.
 TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND,
             "router_logits": "router"}  # a MoE layer's router scores: the noise a routing flip is judged against
 
-# Precisions (engine/precisions.py, the shared leaf, declares them): of activations (an engine's dtype), of KV
+# Precisions (engine/shared/precisions.py, the shared leaf, declares them): of activations (an engine's dtype), of KV
 # caches (those and int8/fp8), and all of them coarsest first.
 ACT_DTYPES = FLOATS
 KV_DTYPES = CACHE_DTYPES

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from .coords import TraceRun
-from .faults import Faults
-from .recording import TraceRecorder
+from .native.faults import Faults
+from .trace_recorder import TraceRecorder
 
 
 class Placement:

@@ -45,11 +45,12 @@ import typing
 from dataclasses import asdict, dataclass, fields, replace
 
 from . import registry
-from .cache import CacheLayout
-from .errors import ConfigError, PrefillDiffError, check_int64, check_prompt_text, read_small_file
-from .model import ModelArgs
-from .prefill import CacheConfig, NumericalConfig
-from .spec import ModelSpec
+from .native.kv_cache import CacheLayout
+from .shared.errors import ConfigError, PrefillDiffError
+from .shared.untrusted import check_int64, check_prompt_text, read_small_file
+from .native.model import ModelArgs
+from .native.prefill import CacheConfig, NumericalConfig
+from .models.spec import ModelSpec
 
 try:
     import tomllib
@@ -126,7 +127,7 @@ class RunConfig:
     cache: CacheConfig = CacheConfig()
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
-    tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
+    tp: int = 1  # tensor-parallel ranks, one process each (engine/native/parallel.py)
     options: object | None = None
 
     def __post_init__(self):

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from .config import describe
-from .model import longrope_switch, rope_attention_factor, rope_inv_freq
-from .recording import TraceRecorder
-from .runner import Prepared
+from .native.model import longrope_switch, rope_attention_factor, rope_inv_freq
+from .trace_recorder import TraceRecorder
+from .prepared import Prepared
 
 def execute(prep: Prepared, recorder: TraceRecorder):
     """Run ``prep`` into ``recorder``: a generator yielding each completed layer index; returns the run record."""

@@ -18,7 +18,7 @@ The entry declares the rest as data, so nothing else in the project asks "which 
 - ``computes``: the precisions it runs on request (verify/calibrate.py's ``precisions`` dicts: ``dtype``,
   ``weight_quant``, ``cache_dtype``). A calibrated verdict's golden (float64) and twin (the candidate's
   precisions) run on the reference's engine when it can run both, else on ours (``twin_maker``).
-- ``tp``: whether ``[run] tp > 1`` shards it over processes (engine/parallel.py), else why not.
+- ``tp``: whether ``[run] tp > 1`` shards it over processes (engine/native/parallel.py), else why not.
 
 This module imports nothing heavy (no torch): the CLI reads it before any engine loads, and an engine's
 module (its third-party package) is imported only when a side runs on it.
@@ -28,8 +28,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field, fields
 
-from .errors import ConfigError
-from .precisions import CACHE_DTYPES, FLOATS, FP8
+from .shared.errors import ConfigError
+from .shared.precisions import CACHE_DTYPES, FLOATS, FP8
 
 GOLDEN = {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}
 
@@ -115,7 +115,7 @@ VLLM_REFUSED_ARGS = {"model": "[model] source", "tokenizer": "nothing (prompts g
 
 @dataclass(frozen=True)
 class VllmOptions:
-    """[run.vllm]: vLLM in the user's own Python environment (engine/vllm_engine.py).
+    """[run.vllm]: vLLM in the user's own Python environment (engine/foreign/vllm_engine.py).
 
     ``python`` is the interpreter of that environment (else $PREFILL_DIFF_VLLM_PYTHON, else this one when it has
     vLLM); it is never recorded in a trace, so a trace can never choose what runs. ``engine_args`` go to
@@ -176,19 +176,19 @@ class EngineInfo:
 
 
 ENGINES = {e.name: e for e in (
-    EngineInfo("native", "native_engine", "our engine: the contract's layer template, every execution path",
+    EngineInfo("native", "native.engine", "our engine: the contract's layer template, every execution path",
                computes=Computes(FLOATS, CACHE_DTYPES, ("none", "int8")), tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
                        "shared-gate-dropped"), replays_routing=True),
-    EngineInfo("transformers", "hf_engine", "Hugging Face transformers' own model, recorded through hooks",
+    EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True),
-    EngineInfo("llama.cpp", "llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
+    EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
                no_tp="llama.cpp runs the whole model in one process"),
-    EngineInfo("vllm", "vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, kernels), "
+    EngineInfo("vllm", "foreign.vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, kernels), "
                "run in the user's own environment and captured through hooks", VllmOptions, "vllm",
                Computes(("float32", "bfloat16", "float16"), ("float32", "bfloat16", "float16") + FP8),
                no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),

@@ -184,8 +184,8 @@ def batch_tie(tmp_path_factory):
     (padding, packing) may flip it — the flips batching really causes, not a bf16 envelope."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from prefill_diff.cli.recording import prepare_side
-    from prefill_diff.engine.spec import ModelSpec
+    from prefill_diff.cli.sides import prepare_side
+    from prefill_diff.engine.models.spec import ModelSpec
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=2,

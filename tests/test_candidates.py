@@ -7,7 +7,7 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 from prefill_diff.verify.tolerance import Policy, Tolerance, KINDS
 
@@ -177,7 +177,7 @@ def test_fault_masked_row_softmax_nan_in_padding_then_spread(store):
 # -- paged cache and prefix-cache conditions -------------------------------------------------------
 
 def test_paged_logical_reads_equal_contiguous():
-    from prefill_diff.engine.cache import CacheLayout, KVCache
+    from prefill_diff.engine.native.kv_cache import CacheLayout, KVCache
     g = torch.Generator().manual_seed(0)
     caches = [KVCache(2, 3, CacheLayout(kind=k, dtype="float32", page_size=3), torch.float32)
               for k in ("contiguous", "paged")]
@@ -212,8 +212,8 @@ def _meta(**over):
     ("cache_dtype", "int8", "condition 4"), ("key_rotation", "pre", "condition 4"),
 ])
 def test_prefix_reuse_refused_for_each_metadata_condition(key, value, condition):
-    from prefill_diff.engine.cache import PrefixKV
-    from prefill_diff.engine.reuse import PrefixCache
+    from prefill_diff.engine.native.kv_cache import PrefixKV
+    from prefill_diff.engine.native.reuse import PrefixCache
     pc = PrefixCache()
     kv = PrefixKV([(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.arange(2))], {})
     pc.insert([1, 2], kv, _meta(), "a")
@@ -223,8 +223,8 @@ def test_prefix_reuse_refused_for_each_metadata_condition(key, value, condition)
 
 
 def test_prefix_reuse_refused_when_boundary_cuts_a_segment():
-    from prefill_diff.engine.cache import PrefixKV
-    from prefill_diff.engine.reuse import PrefixCache
+    from prefill_diff.engine.native.kv_cache import PrefixKV
+    from prefill_diff.engine.native.reuse import PrefixCache
     pc = PrefixCache()
     kv = PrefixKV([(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.arange(2))], {})
     pc.insert([1, 2], kv, _meta(), "a")
@@ -234,8 +234,8 @@ def test_prefix_reuse_refused_when_boundary_cuts_a_segment():
 
 
 def test_cross_tenant_reuse_refused_unless_policy_allows(store, tmp_path):
-    from prefill_diff.engine.cache import PrefixKV
-    from prefill_diff.engine.reuse import PrefixCache
+    from prefill_diff.engine.native.kv_cache import PrefixKV
+    from prefill_diff.engine.native.reuse import PrefixCache
     kv = PrefixKV([(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.arange(2))], {})
     pc = PrefixCache()
     pc.insert([1, 2], kv, _meta(), "tenant-a", share=True)

@@ -238,7 +238,7 @@ def test_chunks_that_are_not_one_row_are_read_by_h5py(tmp_path):
 def test_virtual_views_writable_files_and_user_blocks_are_read_by_h5py(tmp_path):
     path = record(tmp_path / "t.h5")
 
-    class View(Trace):  # as dumps.ranks.RankTrace: a logical view the tool built itself
+    class View(Trace):  # as dumps.rank_merge.RankTrace: a logical view the tool built itself
         _built_here = True
 
     with View(path) as t:

@@ -12,7 +12,7 @@ from conftest import Capture, padded
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.dumps.schema import FORMAT_NAME, FORMAT_VERSION
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 
 
 @pytest.fixture
@@ -155,8 +155,8 @@ def _write_numpy_trace(path, samples, rope="rotate-half"):
     """Exactly as the Recorder docstring says: meta with model.args and engine.dtype, then per sample its
     inputs, per layer every state and the cache, then the final outputs."""
     from prefill_diff.dumps import Recorder
-    from prefill_diff.engine.sources import load_snapshot
-    from prefill_diff.engine.spec import ModelSpec
+    from prefill_diff.engine.models.sources import load_snapshot
+    from prefill_diff.engine.models.spec import ModelSpec
     snap = load_snapshot(ModelSpec())
     w = {k: v.numpy() for k, v in snap.state.items()}
     a = snap.args

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import Capture, padded
-from prefill_diff.engine.errors import MaskError, PreconditionError
-from prefill_diff.engine.model import MODEL_PRESETS
-from prefill_diff.engine.prefill import CacheConfig, Engine, Faults, NumericalConfig, prefill
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.sources import load_snapshot
-from prefill_diff.engine.spec import ModelSpec
-from prefill_diff.engine.synthetic import synthetic_state
+from prefill_diff.engine.shared.errors import MaskError, PreconditionError
+from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.native.prefill import CacheConfig, Engine, Faults, NumericalConfig, prefill
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.sources import load_snapshot
+from prefill_diff.engine.models.spec import ModelSpec
+from prefill_diff.engine.models.synthetic import synthetic_state
 
 
 def naive_prefill(state, args, tokens, positions):
@@ -162,8 +162,8 @@ def test_last_valid_gather_mixed_lengths(snap, prompts):
 def test_seed_2_8_shapes():
     """The §2.8 ledger: B=1, n=12, d=8, L=2, H_q=2, H_kv=1, d_h=4, |V|=20; 192 cached scalars."""
     from prefill_diff.engine.config import Inputs, load_side
-    from prefill_diff.engine.ledger import ledger
-    from prefill_diff.engine.runner import default_token_ids, prepare
+    from prefill_diff.engine.native.ledger import ledger
+    from prefill_diff.engine.prepared import default_token_ids, prepare
     side = load_side("reference", ModelSpec("seed-2.8"), Inputs(token_ids=default_token_ids(20, (12,))))
     (lg,) = ledger(prepare(side))
     rows = dict(lg.rows)
@@ -189,7 +189,7 @@ def test_cache_lengths_and_positions_after_prefill(snap, prompts):
 
 
 def test_skip_kv_breaks_invariant_1(snap, prompts):
-    from prefill_diff.engine.errors import CacheInvariantError
+    from prefill_diff.engine.shared.errors import CacheInvariantError
     ids, mask, pos = padded(prompts, "left")
     with pytest.raises(CacheInvariantError, match="invariant 1"):
         Engine(snap).prefill(ids, mask, pos, faults=Faults(skip_kv=(1, 0, 3)))
@@ -201,7 +201,7 @@ def test_skip_kv_breaks_invariant_1(snap, prompts):
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_cache_invariants_2_3_and_5_can_fail(snap, prompts, kind):
     """Tampering after a chunked prefill (attention read through the cache) breaks each invariant by name."""
-    from prefill_diff.engine.cache import CacheLayout, check_invariants
+    from prefill_diff.engine.native.kv_cache import CacheLayout, check_invariants
     ids, mask, pos = padded(prompts, "left")
     eng = Engine(snap)
     res = eng.prefill(ids, mask, pos, CacheConfig(CacheLayout(kind=kind, page_size=4), chunk_size=4))
@@ -306,7 +306,7 @@ def test_precondition_5_dropout():
 
 
 def test_valid_row_without_visible_key_is_refused_when_mask_is_built():
-    from prefill_diff.engine.attention import AttentionMask
+    from prefill_diff.engine.native.attention import AttentionMask
     q_tok = torch.tensor([[0, 1, 2]])
     k_tok = torch.tensor([[-1, -1, -1]])  # no key is visible to anyone
     seq = torch.zeros(1, 3, dtype=torch.long)

@@ -6,12 +6,12 @@ import torch
 
 from prefill_diff.engine import engines
 from prefill_diff.engine.config import load_side
-from prefill_diff.engine.model import rope_inv_freq
-from prefill_diff.engine.runner import prepare
+from prefill_diff.engine.native.model import rope_inv_freq
+from prefill_diff.engine.prepared import prepare
 
 
 class TraceCapture:
-    """A TraceRecorder (engine/recording.py) that keeps what it is given, in trace coordinates."""
+    """A TraceRecorder (engine/trace_recorder.py) that keeps what it is given, in trace coordinates."""
 
     def __init__(self):
         self.meta, self.states, self.caches, self.finals = {}, {}, {}, {}

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from prefill_diff.cli.jobs import run_lockstep
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.dumps.schema import layer_group
-from prefill_diff.engine.errors import ConfigError, ModelLoadError
-from prefill_diff.engine.hub import args_from_hf_config
-from prefill_diff.engine.model import MODEL_PRESETS
+from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError
+from prefill_diff.engine.models.hub import args_from_hf_config
+from prefill_diff.engine.native.model import MODEL_PRESETS
 from prefill_diff.engine.config import Inputs
-from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.verify.report import compare_traces
 
 from conftest import TABLE
@@ -154,7 +154,7 @@ def test_a_transformers_checkpoint_of_each_family_agrees_with_transformers(name,
 
 
 def test_a_bias_the_config_asks_for_and_the_weights_lack_is_refused(tmp_path):
-    from prefill_diff.engine.sources import load_source
+    from prefill_diff.engine.models.sources import load_source
     d = _save(_configs()["qwen3"], tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "attention_bias": True}))
@@ -256,9 +256,9 @@ def test_a_wrong_value_inside_the_window_fails_and_outside_it_is_not_read(tmp_pa
                                          ("final_softcap", None), ("sliding_window", None), ("layer_types", ()),
                                          ("norm_placement", "pre")])
 def test_each_gemma2_field_changes_what_the_model_computes(field, value):
-    from prefill_diff.engine.snapshot import Snapshot
-    from prefill_diff.engine.synthetic import synthetic_state
-    from prefill_diff.engine.prefill import Engine
+    from prefill_diff.engine.models.snapshot import Snapshot
+    from prefill_diff.engine.models.synthetic import synthetic_state
+    from prefill_diff.engine.native.prefill import Engine
     args = MODEL_PRESETS["synthetic:gemma2"]
     other = args.replace(**{field: value}, **({"layer_types": ()} if field == "sliding_window" else {}))
     ids = torch.arange(3, 23)[None]
@@ -289,8 +289,8 @@ def test_longrope_rotates_a_batch_by_its_longest_prompt_and_the_tool_sees_it(tmp
 
 
 def test_phi3_fused_projections_split_and_fuse_back(tmp_path):
-    from prefill_diff.engine.hub import hf_state_dict, unfused
-    from prefill_diff.engine.sources import load_source
+    from prefill_diff.engine.models.hub import hf_state_dict, unfused
+    from prefill_diff.engine.models.sources import load_source
     d = _save(_configs()["phi3 longrope"], tmp_path / "m")
     snap = load_source(ModelSpec(f"hf:{d}"))
     from safetensors.torch import load_file

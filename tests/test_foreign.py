@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.engine.errors import UnsupportedModel
-from prefill_diff.engine.sources import load_source
-from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.shared.errors import UnsupportedModel
+from prefill_diff.engine.models.sources import load_source
+from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.verify.report import compare_traces
 
 SIZES = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,

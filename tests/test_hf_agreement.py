@@ -6,11 +6,11 @@ import torch
 import transformers  # installed by the README's test line: a missing one fails, never skips
 
 from conftest import Capture, padded
-from prefill_diff.engine.hub import hf_state_dict
-from prefill_diff.engine.model import ModelArgs
-from prefill_diff.engine.prefill import Engine, NumericalConfig
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.synthetic import synthetic_state
+from prefill_diff.engine.models.hub import hf_state_dict
+from prefill_diff.engine.native.model import ModelArgs
+from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.synthetic import synthetic_state
 
 
 ARGS = ModelArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, hidden_dim=160, vocab_size=128,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -275,7 +275,7 @@ def test_schema_agrees_with_the_code_it_mirrors():
     """The reader cannot import the engine (torch) or verify/: its copies of their names must stay equal."""
     from dataclasses import fields
     from prefill_diff.dumps import metacheck
-    from prefill_diff.engine.model import ModelArgs
+    from prefill_diff.engine.native.model import ModelArgs
     from prefill_diff.verify import tolerance
     assert set(metacheck.MODEL_ARGS) == {f.name for f in fields(ModelArgs)}
     assert set(metacheck.DTYPES) == set(tolerance.DTYPE_DEFAULTS)
@@ -432,7 +432,7 @@ def test_model_sizes_are_refused_before_allocation(run_cli, tmp_path, body):
 
 
 def test_memory_estimate_uses_the_machine_and_can_be_overridden(run_cli, tmp_path, monkeypatch):
-    from prefill_diff.engine import budget
+    from prefill_diff.engine.models import budget
     cfg = tmp_path / "m.toml"
     cfg.write_text("[model]\nn_layers = 100000\n")  # ran for minutes before: refused at once
     monkeypatch.setattr(budget, "available_bytes", lambda: 8 << 30)
@@ -450,8 +450,8 @@ def test_memory_estimate_uses_the_machine_and_can_be_overridden(run_cli, tmp_pat
 
 
 def test_estimated_parameters_equal_the_model_built():
-    from prefill_diff.engine import budget
-    from prefill_diff.engine.model import MODEL_PRESETS, Transformer
+    from prefill_diff.engine.models import budget
+    from prefill_diff.engine.native.model import MODEL_PRESETS, Transformer
     import torch
     for name, args in MODEL_PRESETS.items():
         for a in (args, args.replace(tie_embeddings=True, qkv_bias=True, lm_head_bias=True),
@@ -494,7 +494,7 @@ def test_prompt_that_is_not_utf8_is_refused_naming_the_byte_offset(tmp_path):
 # -- output paths and concurrent writers -----------------------------------------------------------------
 
 def test_output_errors_exit_2_before_any_work(run_cli, good, tmp_path, monkeypatch):
-    from prefill_diff.cli import jobs, recording
+    from prefill_diff.cli import jobs, sides as recording
     work = []
     monkeypatch.setattr(recording, "prepare_side", lambda *a, **k: work.append(a) or 1 / 0)
     monkeypatch.setattr(jobs, "compare_files", lambda *a, **k: work.append(a) or 1 / 0)
@@ -654,7 +654,7 @@ def test_an_interrupt_inside_a_gc_callback_is_not_printed_as_a_traceback(monkeyp
     interrupt is recorded and acted on, so that report is dropped; other unraisable errors still reach the hook."""
     import types
     from prefill_diff.cli import main as cli_main
-    from prefill_diff.engine.errors import INTERRUPT
+    from prefill_diff.engine.shared.errors import INTERRUPT
     seen = []
     hook = cli_main._unraisable(seen.append)
     monkeypatch.setitem(INTERRUPT, "seen", True)

@@ -177,7 +177,7 @@ def test_every_model_field_is_an_identity_key_or_says_why_not():
     """A field that changes what a prefill computes joins the model identity: a new ModelArgs field must be
     listed in one of the two tables, or this fails."""
     from dataclasses import fields
-    from prefill_diff.engine.model import ModelArgs
+    from prefill_diff.engine.native.model import ModelArgs
     from prefill_diff.verify.identity import IDENTITY_KEYS, NOT_IDENTITY
     names = {f.name for f in fields(ModelArgs)}
     assert names == set(IDENTITY_KEYS) | NOT_IDENTITY and not set(IDENTITY_KEYS) & NOT_IDENTITY
@@ -186,9 +186,9 @@ def test_every_model_field_is_an_identity_key_or_says_why_not():
 @pytest.mark.parametrize("key,value", [("attn_softcap", 5.0), ("embed_scale", "none"), ("final_softcap", 9.0),
                                        ("rope_local_theta", 5e4)])
 def test_a_gemma_field_difference_is_named(key, value, tmp_path):
-    from prefill_diff.cli.recording import prepare_side, record_side
+    from prefill_diff.cli.sides import prepare_side, record_side
     from prefill_diff.dumps.reader import Trace
-    from prefill_diff.engine.spec import ModelSpec
+    from prefill_diff.engine.models.spec import ModelSpec
     from prefill_diff.verify.report import compare_traces
     r = record_side(prepare_side("reference", ModelSpec("synthetic:gemma3" if key == "rope_local_theta"
                                                         else "synthetic:gemma2")), tmp_path / "r.h5")

@@ -7,7 +7,7 @@ import pytest
 
 from prefill_diff.cli import jobs
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine.errors import ConfigError
+from prefill_diff.engine.shared.errors import ConfigError
 
 BF16 = {"dtype": "bfloat16", "weight_quant": "none", "cache_dtype": "bfloat16"}
 F32 = {"dtype": "float32", "weight_quant": "none", "cache_dtype": "float32"}

@@ -12,9 +12,9 @@ import gguf  # noqa: F401  (the test extras install both; a missing one must fai
 import llama_cpp  # noqa: F401
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine import llamacpp_engine as lce
+from prefill_diff.engine.foreign import llamacpp_engine as lce
 from prefill_diff.engine.config import load_side
-from prefill_diff.engine.gguf_loader import smollm2_path
+from prefill_diff.engine.models.gguf_loader import smollm2_path
 from prefill_diff.verify.tolerance import default_policy
 
 FRANCE = "The capital of France is"

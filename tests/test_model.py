@@ -6,10 +6,10 @@ import math
 import torch
 
 from conftest import Capture
-from prefill_diff.engine.model import MODEL_PRESETS
-from prefill_diff.engine.prefill import Engine, NumericalConfig
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.synthetic import synthetic_state
+from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.synthetic import synthetic_state
 
 TOKENS = [5, 17, 3, 40, 8, 71, 2]
 STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")

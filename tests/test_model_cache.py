@@ -1,4 +1,4 @@
-"""The converted-model cache (engine/model_cache.py): a cached model is bit-identical to a freshly converted one,
+"""The converted-model cache (engine/models/model_cache.py): a cached model is bit-identical to a freshly converted one,
 a damaged entry is reported and rebuilt, never used; the cache can be moved or turned off; a directory that is
 not ours is refused and left as it was."""
 from __future__ import annotations
@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine import cache_entries, model_cache
-from prefill_diff.engine.errors import ConfigError
-from prefill_diff.engine.digest import digest_tensors
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.sources import load_source
-from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.models import cache_entries, model_cache
+from prefill_diff.engine.shared.errors import ConfigError
+from prefill_diff.engine.models.digest import digest_tensors
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.sources import load_source
+from prefill_diff.engine.models.spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).parent / "bench"))
 from bench_model_cache import TINY as ARGS, write_tiny_gguf  # noqa: E402
@@ -75,7 +75,7 @@ def test_cached_snapshot_is_bit_identical_to_a_fresh_conversion(tiny_gguf, cache
     entry = cache_dir / "models" / f"{digest}-native"
     assert {"manifest.json", "weights.safetensors", "tokenizer.json"} <= set(os.listdir(entry))
     calls = []
-    monkeypatch.setattr("prefill_diff.engine.gguf_loader.load_gguf", lambda *a: calls.append(a))
+    monkeypatch.setattr("prefill_diff.engine.models.gguf_loader.load_gguf", lambda *a: calls.append(a))
     cached = _load(tiny_gguf)  # from the cache: the GGUF loader is not called
     assert calls == []
     _assert_same_snapshot(fresh, stored)
@@ -85,7 +85,7 @@ def test_cached_snapshot_is_bit_identical_to_a_fresh_conversion(tiny_gguf, cache
 
 def test_transformers_model_from_the_cache_is_transformers_own_conversion(tiny_gguf, cache_dir, monkeypatch):
     """The transformers engine's entry holds what transformers' GGUF loader built, and loads back bit-identical."""
-    from prefill_diff.engine.hf_engine import build_model
+    from prefill_diff.engine.foreign.hf_engine import build_model
     snap = Snapshot(f"gguf:{tiny_gguf}", ARGS, {})
     monkeypatch.setenv(model_cache.ENV, "off")
     fresh = build_model(snap, "float32", "eager")

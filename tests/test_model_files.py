@@ -205,7 +205,7 @@ def write_gguf(path, meta: dict | None = None):
     import gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from prefill_diff.engine.gguf_loader import smollm2_path
+    from prefill_diff.engine.models.gguf_loader import smollm2_path
     T = gguf.GGUFValueType
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -438,7 +438,7 @@ def test_vllm_kv_cache_space_joins_the_estimate(tmp_path, run_cli):
 def test_an_abandoned_conversion_is_reclaimed_and_a_running_one_is_not(tmp_path, run_cli, monkeypatch):
     import gguf
 
-    from prefill_diff.engine import model_cache
+    from prefill_diff.engine.models import model_cache
     monkeypatch.setenv("PREFILL_DIFF_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "m.gguf")
     assert _record(run_cli, f"gguf:{path}", tmp_path).exit_code == 0  # makes the cache
@@ -462,7 +462,7 @@ def test_an_abandoned_conversion_is_reclaimed_and_a_running_one_is_not(tmp_path,
 
 def test_a_cache_entry_others_may_write_is_never_used(tmp_path, run_cli, monkeypatch):
     """Weights edited and the manifest recomputed by someone else: not trusted, converted afresh (said once)."""
-    from prefill_diff.engine import sources
+    from prefill_diff.engine.models import sources
     monkeypatch.setenv("PREFILL_DIFF_CACHE", str(tmp_path / "cache"))
     path = write_gguf(tmp_path / "m.gguf")
     assert _record(run_cli, f"gguf:{path}", tmp_path).exit_code == 0
@@ -472,7 +472,7 @@ def test_a_cache_entry_others_may_write_is_never_used(tmp_path, run_cli, monkeyp
     res = _record(run_cli, f"gguf:{path}", tmp_path)
     assert res.exit_code == 0 and res.output.count("writable by others") == 1, res.output
     os.chmod(entry, 0o700)
-    from prefill_diff.engine import model_cache
+    from prefill_diff.engine.models import model_cache
     me = os.getuid()
     monkeypatch.setattr(model_cache.os, "getuid", lambda: me + 1)  # as another user sees our entry
     sources._CACHE.clear()
@@ -485,7 +485,7 @@ def test_a_cache_entry_others_may_write_is_never_used(tmp_path, run_cli, monkeyp
 def test_a_taken_rendezvous_port_is_one_line(tmp_path, run_cli, monkeypatch):
     import socket
 
-    from prefill_diff.engine import parallel
+    from prefill_diff.engine.native import parallel
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -498,8 +498,8 @@ def test_a_taken_rendezvous_port_is_one_line(tmp_path, run_cli, monkeypatch):
 def test_a_rank_killed_by_a_signal_is_one_line(tmp_path):
     from torch.multiprocessing.spawn import ProcessExitedException
 
-    from prefill_diff.cli.recording import _raise_rank_error
-    from prefill_diff.engine.errors import PrefillDiffError
+    from prefill_diff.cli.sides import _raise_rank_error
+    from prefill_diff.engine.shared.errors import PrefillDiffError
     exc = ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1, error_pid=99,
                                  exit_code=-9, signal_name="SIGKILL")
     with pytest.raises(PrefillDiffError, match="rank 1 was killed by SIGKILL"):

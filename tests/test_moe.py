@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from prefill_diff.cli.jobs import run, run_lockstep
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.engine.errors import ConfigError, ModelLoadError
-from prefill_diff.engine.model import MODEL_PRESETS, MoE
-from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError
+from prefill_diff.engine.native.model import MODEL_PRESETS, MoE
+from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.verify.report import compare_traces
 
 FAMILIES = ["synthetic:mixtral", "synthetic:qwen2-moe", "synthetic:qwen3-moe"]
@@ -267,8 +267,8 @@ def test_transformers_checkpoints_agree_with_our_engine(kind, tmp_path, run_cli)
     rep = json.loads(res.output[res.output.index("{"):])
     assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
     assert len(rep["layers"]) == 3 and rep["routing"]["tokens_compared"] > 0 and not rep["checks_not_done"]
-    from prefill_diff.engine.prefill import Engine
-    from prefill_diff.engine.sources import load_snapshot
+    from prefill_diff.engine.native.prefill import Engine
+    from prefill_diff.engine.models.sources import load_snapshot
     ids = torch.tensor([[5, 17, 33, 250, 7, 9, 11, 12]])
     ours = Engine(load_snapshot(ModelSpec(f"hf:{d}"))).prefill(ids, torch.ones_like(ids), torch.arange(8)[None])
     with torch.no_grad():
@@ -281,7 +281,7 @@ def test_transformers_checkpoints_agree_with_our_engine(kind, tmp_path, run_cli)
     ("mlp_only_layers", [7], "a list of layer indices below 3"),
     ("num_experts_per_tok", 0, "a positive integer")])
 def test_moe_config_fields_are_checked(field, value, words, tmp_path):
-    from prefill_diff.engine.sources import load_snapshot
+    from prefill_diff.engine.models.sources import load_snapshot
     d, _ = _checkpoint("qwen2_moe" if field == "mlp_only_layers" else "mixtral", tmp_path)
     cfg = json.loads((d / "config.json").read_text())
     cfg[field] = value

@@ -15,13 +15,13 @@ import numpy as np
 from prefill_diff.dumps.schema import FORMAT_VERSION
 import pytest
 
-from prefill_diff.dumps.ranks import RankTrace, merge_stats, open_any
+from prefill_diff.dumps.rank_merge import RankTrace, merge_stats, open_any
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.engine import parallel
-from prefill_diff.engine.errors import ConfigError
-from prefill_diff.engine.model import MODEL_PRESETS
+from prefill_diff.engine.native import parallel
+from prefill_diff.engine.shared.errors import ConfigError
+from prefill_diff.engine.native.model import MODEL_PRESETS
 from prefill_diff.cli.jobs import compare_files
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")
@@ -48,7 +48,7 @@ def test_tp_sizes_that_do_not_divide_the_heads_are_refused_naming_them():
         parallel.check_tp(2, smol)
     parallel.check_tp(3, smol)  # heads fit; our engine also splits the MLP rows (its own check):
     from types import SimpleNamespace as NS
-    from prefill_diff.engine import native_engine
+    from prefill_diff.engine.native import engine as native_engine
     native_engine.check(NS(side=NS(run=NS(tp=3, fault=None)), snapshot=NS(args=smol.replace(hidden_dim=129))))
     with pytest.raises(ConfigError, match="hidden_dim=128"):
         native_engine.check(NS(side=NS(run=NS(tp=3, fault=None)), snapshot=NS(args=smol.replace(hidden_dim=128))))
@@ -257,7 +257,7 @@ def test_compiled_layers_pass_and_report_compile_time_apart(runs):
         # really compiled: the layers' outputs are not the eager engine's bits (inductor fuses the MLP)
         assert any(not np.array_equal(r.layer(i).state("mlp_update")[()], c.layer(i).state("mlp_update")[()])
                    for i in range(4))
-    from prefill_diff.engine.runner import prepare
+    from prefill_diff.engine.prepared import prepare
     from prefill_diff.engine.config import load_side
     prep = prepare(load_side("compiled"))
     assert all(hasattr(b.feed_forward, "_compiled_call_impl") and b.feed_forward._compiled_call_impl is not None

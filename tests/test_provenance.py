@@ -10,7 +10,7 @@ import h5py
 import pytest
 
 from prefill_diff.dumps import provenance as prov
-from prefill_diff.engine.errors import ConfigError
+from prefill_diff.engine.shared.errors import ConfigError
 
 
 def test_time_honours_source_date_epoch(monkeypatch):
@@ -30,7 +30,7 @@ def test_a_bad_source_date_epoch_is_refused(monkeypatch, bad):
 def test_record_refuses_a_bad_source_date_epoch_before_recording(run_cli, tmp_path, monkeypatch):
     from prefill_diff.cli import jobs
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "tomorrow")
-    monkeypatch.setattr(jobs, "_sides", lambda: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(jobs, "_import_sides", lambda: pytest.fail("the model was loaded"))
     res = run_cli("record", "reference", "-o", tmp_path / "t.h5")
     assert res.exit_code == 2 and "SOURCE_DATE_EPOCH must be" in res.output and "'tomorrow'" in res.output
     assert not (tmp_path / "t.h5").exists()

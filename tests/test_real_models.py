@@ -10,9 +10,9 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS, Inputs
-from prefill_diff.engine.sources import load_snapshot
-from prefill_diff.engine.spec import ModelSpec
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.engine.models.sources import load_snapshot
+from prefill_diff.engine.models.spec import ModelSpec
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 from conftest import spawning_presets  # noqa: E402
@@ -76,7 +76,7 @@ def test_smollm2_left_padded_batch_of_three_against_transformers(smol_dir):
 
 
 def test_gguf_unpermutation_matches_transformers_own_gguf_load():
-    from prefill_diff.engine.gguf_loader import smollm2_path
+    from prefill_diff.engine.models.gguf_loader import smollm2_path
     from transformers import AutoModelForCausalLM
     path = smollm2_path()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -88,7 +88,7 @@ def test_gguf_unpermutation_matches_transformers_own_gguf_load():
             a = ours[f"layers.{layer}.{mine}.weight"]
             b = hf_state[f"model.layers.{layer}.{theirs}.weight"]
             assert torch.equal(a, b.float()), (layer, mine)
-    from prefill_diff.engine.gguf_loader import unpermute
+    from prefill_diff.engine.models.gguf_loader import unpermute
     w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)  # the permutation itself is a bijection
     assert sorted(unpermute(w, 2).ravel().tolist()) == sorted(w.ravel().tolist())
     assert not np.array_equal(unpermute(w, 2), w)
@@ -98,7 +98,7 @@ def _write_gguf(path, model, arch: str, extra: dict | None = None, extra_tensors
     """Write a Hugging Face model to GGUF as llama.cpp's converter does (Q/K rows permuted for "llama" only),
     with SmolLM2's tokenizer metadata (the loader builds the GGUF's own tokenizer); ``extra`` adds metadata
     keys (name -> int/float/str value), ``extra_tensors`` tensors (GGUF name -> array)."""
-    from prefill_diff.engine.gguf_loader import smollm2_path
+    from prefill_diff.engine.models.gguf_loader import smollm2_path
     cfg = model.config
     smol = gguf.GGUFReader(smollm2_path())
     w = gguf.GGUFWriter(str(path), arch)
@@ -327,7 +327,7 @@ UNSUPPORTED = [  # (field, value, words the refusal must contain)
 def test_every_unsupported_config_field_is_refused(llama_dir, tmp_path, field, value, words):
     """Our engine refuses, by name, a field it does not compute: the checkpoint is then only described (for the
     transformers engine, which runs its own classes) and building it for our engine raises the refusal."""
-    from prefill_diff.engine.errors import UnsupportedModel
+    from prefill_diff.engine.shared.errors import UnsupportedModel
     d = _edited(llama_dir[0], tmp_path / "x", **{field: value})
     snap = load_snapshot(ModelSpec(f"hf:{d}"))
     assert snap.foreign is not None and not snap.state, "described, no weight read"
@@ -346,7 +346,7 @@ def test_an_unsupported_field_is_refused_by_every_engine_but_transformers(llama_
 @pytest.mark.parametrize("field,value,words", [("head_dim", 0, "head_dim=0 is not valid (it must be a positive"),
                                                ("num_key_value_heads", -2, "num_key_value_heads=-2 is not valid")])
 def test_a_malformed_size_is_an_error_not_a_foreign_model(llama_dir, tmp_path, field, value, words):
-    from prefill_diff.engine.errors import ModelLoadError
+    from prefill_diff.engine.shared.errors import ModelLoadError
     d = _edited(llama_dir[0], tmp_path / "x", **{field: value})
     with pytest.raises(ModelLoadError) as e:
         load_snapshot(ModelSpec(f"hf:{d}"))
@@ -355,7 +355,7 @@ def test_a_malformed_size_is_an_error_not_a_foreign_model(llama_dir, tmp_path, f
 
 def test_harmless_fields_and_real_world_configs_are_accepted(llama_dir, tmp_path):
     """Fields that cannot change a prefill load; configs shaped like SmolLM2's and Llama 3.1's own load."""
-    from prefill_diff.engine.hub import args_from_hf_config
+    from prefill_diff.engine.models.hub import args_from_hf_config
     d = _edited(llama_dir[0], tmp_path / "ok", torch_dtype="bfloat16", bos_token_id=1, use_cache=False,
                 initializer_range=0.5, transformers_version="4.42.3", pretraining_tp=2, attention_dropout=0.1,
                 temperature=0.7, attn_logit_softcapping=50.0)  # Gemma's field: Llama's code never reads it
@@ -397,7 +397,7 @@ def test_untied_checkpoint_without_lm_head_and_stray_tensors_are_refused(llama_d
     """tie_word_embeddings=false with no lm_head used to be tied silently; a tensor the model does not use
     (an o_proj bias, an MLP bias) used to be dropped silently by the non-strict state-dict load."""
     from safetensors.torch import load_file, save_file
-    from prefill_diff.engine.errors import ModelLoadError
+    from prefill_diff.engine.shared.errors import ModelLoadError
     src = llama_dir[0]
     d = _edited(src, tmp_path / "nohead")
     st = next(d.glob("*.safetensors"))
@@ -414,7 +414,7 @@ def test_untied_checkpoint_without_lm_head_and_stray_tensors_are_refused(llama_d
 
 @pytest.mark.parametrize("case", ["partial-rotary", "sliding-window", "rope-freqs-tensor", "qk-norm-tensor"])
 def test_gguf_metadata_and_tensors_we_do_not_implement_are_refused(llama_dir, tmp_path, case):
-    from prefill_diff.engine.errors import ModelLoadError
+    from prefill_diff.engine.shared.errors import ModelLoadError
     model = llama_dir[1]
     extra, tensors, words = {}, {}, ""
     if case == "partial-rotary":
@@ -470,7 +470,7 @@ def test_every_preset_runs_on_smollm2(smol_reference, tmp_path, preset):
 
 def test_fp32_engine_shares_the_snapshot_weights():
     """Loading keeps one float32 copy: a float32 engine uses the snapshot's tensors, not copies."""
-    from prefill_diff.engine.prefill import Engine
+    from prefill_diff.engine.native.prefill import Engine
     snap = load_snapshot(SMOL)
     eng = Engine(snap)
     assert eng.model.layers[3].attention.wq.weight.data_ptr() == snap.state["layers.3.attention.wq.weight"].data_ptr()
@@ -521,6 +521,6 @@ def test_transformers_side_never_falls_back_to_a_pickled_bin(qwen_dir, tmp_path)
         rep = compare_traces(a, b)
         assert rep, rep.verdict_line()
     st.rename(d / "weights-00001.safetensors")  # a name our loader reads and transformers does not look for
-    from prefill_diff.engine.errors import PrefillDiffError
+    from prefill_diff.engine.shared.errors import PrefillDiffError
     with pytest.raises(PrefillDiffError, match="safetensors"):  # refused, never read from the .bin
         record_side(prepare_side("transformers", spec, inputs), tmp_path / "t2.h5")

@@ -430,7 +430,7 @@ def test_compare_of_two_traces_refuses_model_and_prompt(run_cli, traces):
 
 
 def test_errors_found_before_any_model_loads(run_cli, traces, monkeypatch, tmp_path):
-    import prefill_diff.cli.recording as recording
+    import prefill_diff.cli.sides as recording
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from conftest import examples
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.engine.errors import PrefillDiffError
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.engine.shared.errors import PrefillDiffError
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def _inputs_toml(lengths, seed):
 
 def _run(tmp_path, ref_body, cand_body):
     from prefill_diff.dumps.recorder import Recorder
-    from prefill_diff.cli.recording import record
+    from prefill_diff.cli.sides import record
     traces = []
     for i, body in enumerate((ref_body, cand_body)):
         cfg = tmp_path / f"{i}.toml"
@@ -319,8 +319,8 @@ def test_property_every_fault_is_caught_or_declared_unshowable(tmp_path, model, 
 
 def test_lookup_by_one_tenant_never_touches_another_tenants_entries():
     import torch
-    from prefill_diff.engine.cache import PrefixKV
-    from prefill_diff.engine.reuse import PrefixCache
+    from prefill_diff.engine.native.kv_cache import PrefixKV
+    from prefill_diff.engine.native.reuse import PrefixCache
     kv = PrefixKV([(torch.zeros(1, 2, 2), torch.zeros(1, 2, 2), torch.arange(2))], {})
     pc = PrefixCache()
     pc.insert([1, 2], kv, {"w": 1}, "tenant-a")

@@ -241,14 +241,14 @@ def test_inputs_and_final_reach_the_file_on_flush_and_close():
     rec.abort()
 
 
-# -- the vocabulary: declared once (dumps/schema.py; the precisions in the shared leaf engine/precisions.py) --------
+# -- the vocabulary: declared once (dumps/schema.py; the precisions in the shared leaf engine/shared/precisions.py) --------
 
 ROOT = Path(__file__).resolve().parent.parent
 DECLARED = {  # each list the vocabulary declares or derives, as a set of words
     name: frozenset(getattr(sc, name)) for name in (
         "STATES", "REQUIRED_STATES", "VALUE_ORDER", "CACHE_TENSORS", "STAT_TENSORS", "ABSENTABLE", "FINAL_TENSORS",
         "TOL_KINDS", "TOL_FIELDS", "ACT_DTYPES", "KV_DTYPES", "FP8_DTYPES", "PRECISION_ORDER")}
-DECLARED_IN = {"dumps/schema.py", "engine/precisions.py"}
+DECLARED_IN = {"dumps/schema.py", "engine/shared/precisions.py"}
 
 
 def _literal_lists(path: Path):
@@ -282,7 +282,10 @@ def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.cli.render import COLUMNS
     from prefill_diff.dumps import metacheck, recorder
-    from prefill_diff.engine import cache, precisions, registry, snapshot
+    from prefill_diff.engine.native import kv_cache as cache
+    from prefill_diff.engine.shared import precisions
+    from prefill_diff.engine import registry
+    from prefill_diff.engine.models import snapshot
     from prefill_diff.verify import breaks, comparator, plot, tolerance
     assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
     assert tolerance.KINDS is sc.TOL_KINDS and tolerance.DTYPE_ORDER is sc.PRECISION_ORDER

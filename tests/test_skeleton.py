@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from prefill_diff.engine.model import MODEL_PRESETS, Transformer
-from prefill_diff.engine.skeleton import skeleton, state_shapes
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.synthetic import synthetic_state
+from prefill_diff.engine.native.model import MODEL_PRESETS, Transformer
+from prefill_diff.engine.native.skeleton import skeleton, state_shapes
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.synthetic import synthetic_state
 
 ARGS = [MODEL_PRESETS["synthetic"], MODEL_PRESETS["seed-2.8"],
         MODEL_PRESETS["synthetic"].replace(qkv_bias=True, lm_head_bias=True, tie_embeddings=True)]
@@ -51,8 +51,8 @@ def test_built_model_runs_the_snapshot_weights():
 
 
 def test_preparing_a_synthetic_run_imports_neither_dynamo_nor_inductor():
-    """Issue 18: start-up. A compiled run imports them (engine/compiled.py); nothing else may."""
-    code = ("import sys\nfrom prefill_diff.engine.config import load_side\nfrom prefill_diff.engine.runner import "
+    """Issue 18: start-up. A compiled run imports them (engine/native/compiled.py); nothing else may."""
+    code = ("import sys\nfrom prefill_diff.engine.config import load_side\nfrom prefill_diff.engine.prepared import "
             "prepare\nprepare(load_side('batched-left'))\n"
             "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -60,7 +60,7 @@ def test_preparing_a_synthetic_run_imports_neither_dynamo_nor_inductor():
 
 
 def test_deterministic_flag_is_set_without_inductor():
-    from prefill_diff.engine.runner import set_deterministic
+    from prefill_diff.engine.prepared import set_deterministic
     before = torch.are_deterministic_algorithms_enabled()
     try:
         set_deterministic(True, compiling=False)

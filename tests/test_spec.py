@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.models.spec import ModelSpec
 
 SPECS = [
     ModelSpec(),

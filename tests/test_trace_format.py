@@ -18,7 +18,7 @@ import pytest
 
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.dumps.schema import STAT_COLUMNS
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 DATA = Path(__file__).parent / "data"
@@ -285,7 +285,7 @@ def test_transformers_recorded_through_hooks_matches_our_engine(tmp_path):
     """A foreign engine writes a conforming trace with the public Recorder API, transformers unchanged."""
     import torch
     from prefill_diff.dumps.recorder import Recorder
-    from prefill_diff.engine.hf_engine import build_model, forward_call
+    from prefill_diff.engine.foreign.hf_engine import build_model, forward_call
     from prefill_diff.engine.calls import Placement
 
     prep = prepare_side("transformers")  # synthetic model, one sample at a time

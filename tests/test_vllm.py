@@ -1,4 +1,4 @@
-"""The vllm engine: vLLM in its own environment, captured through hooks (engine/vllm_engine.py, vllm_worker.py).
+"""The vllm engine: vLLM in its own environment, captured through hooks (engine/foreign/vllm_engine.py, vllm_worker.py).
 
 The tests that run vLLM need an environment with it: PREFILL_DIFF_VLLM_PYTHON (the README's test line makes one
 with `prefill-diff vllm-setup`), or vLLM in this one. In CI (CI=true) its absence is a failure, never a skip.
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.engine import vllm_worker
-from prefill_diff.engine.vllm_engine import ENV
+from prefill_diff.engine.foreign import vllm_worker
+from prefill_diff.engine.foreign.vllm_engine import ENV
 
 
 def _vllm_python() -> str | None:
@@ -151,7 +151,7 @@ def test_the_probe_learns_how_a_kernel_rounds_to_bfloat16(rounding, neox):
 
 def test_frames_round_trip_and_a_truncated_frame_is_refused(tmp_path):
     import io
-    from prefill_diff.engine.vllm_engine import WorkerFailed, frames
+    from prefill_diff.engine.foreign.vllm_engine import WorkerFailed, frames
     buf = io.BytesIO()
     ch = vllm_worker.Channel(buf)
     a = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -310,7 +310,7 @@ def test_vllm_runs_the_mixtures_of_experts_and_records_its_routing(family, vllm_
     rep = _json(res := run_cli("run", "reference", "vllm", "--model", family, "--json", "-", "--out", tmp_path))
     assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
     from prefill_diff.dumps.reader import Trace
-    from prefill_diff.engine.model import MODEL_PRESETS
+    from prefill_diff.engine.native.model import MODEL_PRESETS
     args = MODEL_PRESETS[family]
     moe = [i for i in range(args.n_layers) if args.moe(i)]
     n_tokens = 0

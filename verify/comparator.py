@@ -1,7 +1,7 @@
 """Per-layer comparison of two traces by logical (sample, position), and each layer's first break.
 
 Per layer: every state at the best evidence level both traces hold (verify/full.py, sampled.py,
-stats.py), then the cache (verify/cache.py); the first break is picked in the one order of
+stats.py), then the cache (verify/cache_checks.py); the first break is picked in the one order of
 verify/breaks.py. Every tensor is read once, one sample row at a time. A calibrated comparison also
 compares the twin with the reference (check 2) through a second Comparator.
 """
@@ -13,12 +13,12 @@ from ..dumps.reader import LayerView, Trace, TraceError
 from ..dumps.schema import STATES, VALUE_ORDER
 from .align import Alignment, same_layout
 from .breaks import Break, Checks, cache_break, finite_break, numerics_break, shape_break, tensor_break, value_break
-from .cache import check_cache
+from .cache_checks import check_cache
 from .calibrate import Calibration
 from .context import Context
 from .final import FinalResult, compare_final
 from .full import compare_full_state
-from .ranks import divergence_break, heads_notes, tiling_break
+from .rank_checks import divergence_break, heads_notes, tiling_break
 from .results import CacheResult, TensorResult, num
 from .routing import RoutingResult, compare_routing, routing_break, stop_comparing
 from .sampled import compare_sampled

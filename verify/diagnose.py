@@ -9,7 +9,7 @@ import numpy as np
 
 from .calibrate import UNIT_ROUNDOFF, precision_key, precision_label, precisions, unit_roundoff
 from .identity import differences, hint
-from .ranks import heads_note
+from .rank_checks import heads_note
 
 
 def _padded_samples(trace, pairs) -> set:

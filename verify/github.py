@@ -6,7 +6,7 @@ a trace can neither end the line, start another command, nor close the propertie
 """
 from __future__ import annotations
 
-from ..engine.errors import visible
+from ..engine.shared.untrusted import visible
 from .report import Report
 from .wording import break_site
 

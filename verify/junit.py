@@ -12,7 +12,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
 
-from ..engine.errors import visible
+from ..engine.shared.untrusted import visible
 from . import wording
 from .breaks import Break
 from .report import Report

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..engine.errors import visible
+from ..engine.shared.untrusted import visible
 from . import wording
 from .report import Report
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 
 from ..dumps.schema import TENSOR
-from ..engine.errors import PrefillDiffError, visible
+from ..engine.shared.errors import PrefillDiffError
+from ..engine.shared.untrusted import visible
 from .report import Report
 
 # the tensors drawn, each labelled by its words in the vocabulary

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..engine.errors import ConfigError, PrefillDiffError, read_small_file
+from ..engine.shared.errors import ConfigError, PrefillDiffError
+from ..engine.shared.untrusted import read_small_file
 from .tolerance import KINDS, POLICY_ALIASES, TOL_FIELDS, Policy, default_policy, dtype_policy
 
 try:

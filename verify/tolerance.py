@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from ..dumps.schema import PRECISION_ORDER, TOL_FIELDS, TOL_KIND, TOL_KINDS
-from ..engine.errors import ConfigError
+from ..engine.shared.errors import ConfigError
 
 KINDS = TOL_KINDS
 KIND_OF = TOL_KIND  # tensor name -> tolerance kind

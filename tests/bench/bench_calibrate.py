@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from prefill_diff.engine.config import Inputs
-from prefill_diff.engine.sources import load_snapshot
-from prefill_diff.engine.spec import ModelSpec
+from prefill_diff.engine.models.sources import load_snapshot
+from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.cli.jobs import run as run_pair
 
 FULL = dict(overrides=(("dim", 512), ("head_dim", 64), ("hidden_dim", 1408), ("n_heads", 8), ("n_kv_heads", 2),

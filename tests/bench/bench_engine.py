@@ -13,10 +13,10 @@ import time
 import numpy as np
 import torch
 
-from prefill_diff.engine.model import ModelArgs
-from prefill_diff.engine.prefill import Engine, NumericalConfig
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.synthetic import synthetic_state
+from prefill_diff.engine.native.model import ModelArgs
+from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.synthetic import synthetic_state
 
 FULL = dict(args=ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, hidden_dim=2816,
                            vocab_size=32000), batch=4, n=1024, repeats=3)
@@ -25,7 +25,7 @@ SMOKE = dict(args=ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, head_d
 
 
 def run(smoke: bool = False) -> dict:
-    from prefill_diff.engine.hf_engine import build_model
+    from prefill_diff.engine.foreign.hf_engine import build_model
     cfg = SMOKE if smoke else FULL
     args, B, n = cfg["args"], cfg["batch"], cfg["n"]
     snap = Snapshot("bench", args, synthetic_state(args, 0))

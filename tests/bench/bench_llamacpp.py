@@ -53,13 +53,13 @@ def _plain_decode(lib, ctx, ids, n_vocab):
 
 
 def run(smoke: bool = False) -> dict:
-    from prefill_diff.cli.recording import record
+    from prefill_diff.cli.sides import record
     from prefill_diff.dumps.recorder import Recorder
-    from prefill_diff.engine import llamacpp_engine as lce
+    from prefill_diff.engine.foreign import llamacpp_engine as lce
     from prefill_diff.engine.config import Inputs, load_side
-    from prefill_diff.engine.runner import prepare
-    from prefill_diff.engine.sources import load_snapshot
-    from prefill_diff.engine.spec import ModelSpec
+    from prefill_diff.engine.prepared import prepare
+    from prefill_diff.engine.models.sources import load_snapshot
+    from prefill_diff.engine.models.spec import ModelSpec
 
     cfg_ = SMOKE if smoke else FULL
     spec = ModelSpec(cfg_["model"])

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from prefill_diff.engine.model import ModelArgs
+from prefill_diff.engine.native.model import ModelArgs
 
 PROMPT = "The capital of France is"
 FULL = dict(model="smollm2", rounds=3, off=True)
@@ -32,10 +32,10 @@ def write_tiny_gguf(path: str) -> None:
     """A small llama GGUF (F32) carrying SmolLM2's tokenizer metadata, so it loads like a real file."""
     import gguf
 
-    from prefill_diff.engine.gguf_loader import smollm2_path
-    from prefill_diff.engine.gguf_writer import write_gguf
-    from prefill_diff.engine.snapshot import Snapshot
-    from prefill_diff.engine.synthetic import synthetic_state
+    from prefill_diff.engine.models.gguf_loader import smollm2_path
+    from prefill_diff.engine.models.gguf_writer import write_gguf
+    from prefill_diff.engine.models.snapshot import Snapshot
+    from prefill_diff.engine.models.synthetic import synthetic_state
     fields = [(n, f) for n, f in gguf.GGUFReader(smollm2_path()).fields.items() if n.startswith("tokenizer.")]
 
     def add_tokenizer(self, model):  # in place of gguf_writer's "no_vocab"

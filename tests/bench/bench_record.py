@@ -22,11 +22,11 @@ import torch
 
 from prefill_diff.dumps import native
 from prefill_diff.dumps.recorder import Recorder, _slot_rows, slab_stats
-from prefill_diff.engine.model import ModelArgs
-from prefill_diff.engine.prefill import Engine, NumericalConfig
+from prefill_diff.engine.native.model import ModelArgs
+from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.calls import Placement
-from prefill_diff.engine.snapshot import Snapshot
-from prefill_diff.engine.synthetic import synthetic_state
+from prefill_diff.engine.models.snapshot import Snapshot
+from prefill_diff.engine.models.synthetic import synthetic_state
 
 FULL_SIZE = dict(args=ModelArgs(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, hidden_dim=2816,
                                 vocab_size=32000), batch=4, n=1024, repeats=3, short_n=256, short_repeats=15)

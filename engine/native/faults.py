@@ -1,0 +1,66 @@
+"""Deliberate faults (contract §2.11): each changes execution, never the model.
+
+The engine applies them around the model (prefill.py): the mask, the cache writes, the head map
+and the gather. ``native_engine.faults_for`` turns a run's [fault] into one call's ``Faults``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from .attention import AttentionMask
+from ..coords import CacheWrite, Cell
+
+
+class SkippedKV(NamedTuple):
+    """Fault row 2: layer ``layer`` does not write token ``token`` of the call's sequence ``seq``."""
+    layer: int
+    seq: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Deliberate §2.11 faults; each changes execution, never the model."""
+    unmasked_padding: bool = False  # row 5: padding keys visible
+    masked_row_softmax: bool = False  # row 7: no sentinel, a fully masked padding row enters softmax
+    last_column: bool = False  # row 1: gather the rectangle's last column
+    head_map: tuple | None = None  # row 4: query head -> KV head map other than ⌊h·H_kv/H_q⌋
+    skip_kv: SkippedKV | None = None  # row 2: one cache entry not written
+    window_shift: int = 0  # sliding-window layers see this many more keys (1: the window applied off by one)
+    router: str | None = None  # a mixture of experts' router or shared expert computed wrongly (config ROUTER_FAULTS)
+
+
+# -- applied by the engine, around the model (prefill.ForwardStep and Engine._finish)
+
+def padding_visible_mask(q_tok, q_seq, row_seqs: list[list[int]], c0: int, c1: int, sentinel: bool) -> AttentionMask:
+    """Row 5: keys ordered by physical column, validity ignored: padding keys are visible."""
+    col = torch.arange(c0, c1).expand_as(q_tok)
+    row_seq = torch.tensor([s[0] if s else -1 for s in row_seqs])[:, None].expand_as(q_seq)
+    return AttentionMask(torch.where(q_tok >= 0, col, -1), col, row_seq, row_seq, sentinel)
+
+
+def skipped_kv_keep(skip: SkippedKV | None, layer: int, w: CacheWrite):
+    """Row 2: which of a write's cells reach the cache (a bool mask), or None when all of them do."""
+    if skip is None:
+        return None
+    skip_layer, seq, token = skip
+    if skip_layer != layer or seq != w.seq or not w.tok0 <= token < w.tok0 + w.e - w.a:
+        return None
+    return torch.arange(w.e - w.a) != token - w.tok0
+
+
+def rewire_heads(out, kernel, q_rot, keys, values, mask, head_map: list[int], standard: list[int]) -> None:
+    """Row 4: query heads whose KV head is not g(h) are recomputed alone (in place); the others stay
+    bit-identical."""
+    wrong = [h for h in range(len(standard)) if head_map[h] != standard[h]]
+    if wrong:
+        kv = [head_map[h] for h in wrong]
+        out[:, wrong] = kernel(q_rot[:, wrong], keys[:, kv], values[:, kv], mask)
+
+
+def gathered_cell(last: Cell, n_cols: int, faults: Faults) -> Cell:
+    """gather_last_valid_position; row 1 takes the rectangle's last column instead."""
+    return last._replace(col=n_cols - 1) if faults.last_column else last

@@ -1,0 +1,552 @@
+"""The decoder of contract §2.3-§2.4: a pre-norm, grouped-query Llama-family model.
+
+This file is the readable statement of one layer:
+
+    R̂ = Norm(R);  Q, K, V = R̂·Wq, R̂·Wk, R̂·Wv;  Q̃, K̃ = RoPE(Q, K, positions)
+    query head h reads KV head g(h) = ⌊h·H_kv/H_q⌋;  O = softmax(Q̃K̃ᵀ/√d_h + M)·V
+    U = R + OutProj(concat(O));  R' = U + (silu(Norm(U)·W_g) ⊙ Norm(U)·W_u)·W_d
+
+Family variants, each a field of ModelArgs: biases on Q/K/V (Qwen2), on OutProj and on the MLP's
+projections (Llama's attention_bias and mlp_bias); QK-norm, Q and K each normalised per head before
+RoPE (Qwen3: Q, K = Norm_q(R̂·Wq), Norm_k(R̂·Wk), so the cache holds RoPE of the normalised keys), or
+over the whole projections (OLMo 2); post-norms in place of pre-norms (OLMo 2: U = R + Norm(OutProj(...)) with
+the attention reading R itself, and likewise the MLP).
+
+Attention kernels, the KV cache, recording, faults and chunking change the model from
+outside (``prefill.py``'s ForwardStep, ``cache.py``, ``faults.py``); adapters and
+quantisation replace its linear layers (``adapters.py``, ``quantize.py``). Here the
+attention only calls ``step.rope_of`` and ``step.attend``, and the block only ``step.record``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..shared.errors import ConfigError
+
+# The per-head attention output before the output projection; the block records the five
+# residual-stream states (layer_input, attn_update, mid, mlp_update, layer_output) in that order.
+HEAD_STATE = "attn_heads"
+
+
+_NOT_NONE = ("embedding_multiplier", "residual_multiplier", "logits_scaling")  # the optional scalars never None
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    hidden_dim: int = 128
+    vocab_size: int = 96
+    norm_eps: float = 1e-5
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (Gemma's GeGLU)
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()  # sorted (key, value) pairs, e.g. (("factor", 8.0), ("rope_type", "llama3"))
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention's output projection (Llama's attention_bias, with qkv_bias)
+    mlp_bias: bool = False  # biases on the MLP's three projections (Llama's mlp_bias)
+    qk_norm: str = "none"  # "head": an RMSNorm over each head's d_h on Q and K before RoPE (Qwen3); "proj": over
+    # the whole Q (H_q·d_h) and K (H_kv·d_h) projections (OLMo 2)
+    norm_placement: str = "pre"  # "pre": Norm before each sub-layer (Llama); "post": Norm on each sub-layer's
+    # output, before it is added to the residual, and none before (OLMo 2); "sandwich": both (Gemma 2 and 3)
+    norm_scale: str = "activation"  # RMSNorm's weight multiplies the normalised vector rounded to the activation
+    # dtype (Llama) or in float32, rounded after (OLMo 2): the same in float32, not in bf16/fp16; "offset": by
+    # (1 + weight), in float32 (Gemma)
+    embed_scale: str = "none"  # "sqrt_dim": R_0 = Embed(tokens) * sqrt(dim), the factor in the activation dtype
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    rope_local_theta: float | None = None  # the RoPE base of sliding-window layers, when theirs differs (Gemma 3)
+    sliding_window: int | None = None  # W: a window layer's query sees its W most recent tokens, itself included
+    layer_types: tuple = ()  # per layer "full" or "sliding"; () = every layer sliding when sliding_window is set
+    attention_multiplier: float | None = None  # the attention score scale (Granite); None: 1/sqrt(head_dim)
+    embedding_multiplier: float = 1.0  # Granite: R_0 = Embed(tokens) * this
+    residual_multiplier: float = 1.0  # Granite: each sub-layer's output is scaled by this before it is added
+    logits_scaling: float = 1.0  # Granite: z = unembed(h) / this
+    # Mixture of experts (0 experts: a dense MLP). Each MoE layer's router scores every expert (a linear map of
+    # the MLP's input), takes the softmax in float32, keeps the top n_active experts (ties: the lower id) and
+    # weights their outputs by those probabilities, renormalised to sum 1 when norm_topk_prob (Mixtral always;
+    # Qwen3-MoE by its config). Each expert is a SwiGLU MLP of width moe_hidden_dim.
+    n_experts: int = 0
+    n_active_experts: int = 0  # top-k
+    moe_hidden_dim: int = 0
+    norm_topk_prob: bool = False
+    moe_weight_dtype: str = "activation"  # the top-k weights as they scale the experts' outputs: rounded to the
+    # activation dtype (Qwen-MoE) or kept in float32, the product rounded after (Mixtral)
+    shared_expert_dim: int = 0  # Qwen2-MoE: an always-on SwiGLU expert of this width, gated by sigmoid(w·x)
+    dense_layers: tuple = ()  # layers whose MLP is dense (hidden_dim) in a MoE model (Qwen's mlp_only_layers)
+    lm_head_bias: bool = False
+    dropout: float = 0.0
+    max_position: int = 8192
+    tokenizer_vocab_size: int | None = None
+    attention_rule: str = "causal"
+    arch: str = "llama"
+
+    def __post_init__(self):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"model {name} must be a positive integer (got {name}={value!r})")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                "n_heads must be divisible by n_kv_heads "
+                f"(got n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE (got head_dim={self.head_dim})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1) (got dropout={self.dropout})")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive (got rope_theta={self.rope_theta})")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be positive (got norm_eps={self.norm_eps})")
+        if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size < 1:
+            raise ConfigError(f"tokenizer_vocab_size must be a positive integer "
+                              f"(got tokenizer_vocab_size={self.tokenizer_vocab_size})")
+        for name, allowed in (("qk_norm", ("none", "head", "proj")), ("norm_placement", ("pre", "post", "sandwich")),
+                              ("norm_scale", ("activation", "float32", "offset")), ("embed_scale", ("none", "sqrt_dim")),
+                              ("hidden_act", ("silu", "gelu_pytorch_tanh"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {getattr(self, name)!r})")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
+            raise ConfigError(f"sliding_window must be a positive integer or absent (got {self.sliding_window!r})")
+        if self.layer_types:
+            kinds = tuple(self.layer_types)
+            if len(kinds) != self.n_layers or not set(kinds) <= {"full", "sliding"}:
+                raise ConfigError(f"layer_types must list 'full' or 'sliding' for each of the {self.n_layers} layers "
+                                  f"(got {list(kinds)[:8]})")
+            if "sliding" in kinds and self.sliding_window is None:
+                raise ConfigError("layer_types has sliding layers but sliding_window is not set")
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
+                     "attn_softcap", "final_softcap", "rope_local_theta"):
+            v = getattr(self, name)
+            if not (v is None and name not in _NOT_NONE) and not (
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a positive finite number (got {name}={v!r})")
+        if self.n_experts:
+            for name in ("n_experts", "n_active_experts", "moe_hidden_dim"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ConfigError(f"a mixture of experts needs {name} as a positive integer (got {name}={v!r})")
+            if self.n_active_experts > self.n_experts:
+                raise ConfigError(f"n_active_experts must be at most n_experts (got {self.n_active_experts} of "
+                                  f"{self.n_experts})")
+            if self.moe_weight_dtype not in ("activation", "float32"):
+                raise ConfigError(f"moe_weight_dtype must be 'activation' or 'float32' (got {self.moe_weight_dtype!r})")
+            if any(not isinstance(i, int) or not 0 <= i < self.n_layers for i in self.dense_layers):
+                raise ConfigError(f"dense_layers must list layers in [0, {self.n_layers}) "
+                                  f"(got {list(self.dense_layers)[:8]})")
+            if self.hidden_act != "silu":
+                raise ConfigError("a mixture of experts' experts are SwiGLU: hidden_act must be 'silu' "
+                                  f"(got {self.hidden_act!r})")
+        elif self.n_active_experts or self.moe_hidden_dim or self.shared_expert_dim or self.dense_layers \
+                or self.norm_topk_prob:
+            raise ConfigError("n_active_experts, moe_hidden_dim, shared_expert_dim, dense_layers and norm_topk_prob "
+                              "need n_experts > 0")
+        if not isinstance(self.shared_expert_dim, int) or self.shared_expert_dim < 0:
+            raise ConfigError(f"shared_expert_dim must be a non-negative integer (got {self.shared_expert_dim!r})")
+        if self.attention_rule != "causal":
+            raise ConfigError(f"attention_rule must be 'causal' (got {self.attention_rule!r})")
+
+    @property
+    def n_rep(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def moe(self, layer: int) -> bool:
+        """Layer ``layer``'s MLP is a mixture of experts."""
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window W, or None when it attends to every earlier token."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding"):
+            return None
+        return self.sliding_window
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The attention score scale the model sets, or None for the kernels' 1/sqrt(head_dim)."""
+        return None if self.attention_multiplier is None else float(self.attention_multiplier)
+
+    def rope_dict(self) -> dict:
+        d = {"rope_theta": self.rope_theta, **dict(self.rope_scaling)}
+        return d if self.rope_local_theta is None else {**d, "rope_local_theta": self.rope_local_theta}
+
+    def local_rope(self, layer: int) -> bool:
+        """Layer ``layer`` rotates with the local RoPE base (a sliding-window layer of Gemma 3)."""
+        return self.rope_local_theta is not None and self.window(layer) is not None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["rope_scaling"] = dict(self.rope_scaling)
+        d["layer_types"] = list(self.layer_types)
+        d["dense_layers"] = list(self.dense_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        d = dict(d)
+        if isinstance(d.get("rope_scaling"), dict):
+            d["rope_scaling"] = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                             for k, v in d["rope_scaling"].items()))
+        for key in ("layer_types", "dense_layers"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"unknown model keys {unknown} (known: {sorted(cls.__dataclass_fields__)})")
+        return cls(**d)
+
+    def replace(self, **kw) -> "ModelArgs":
+        return replace(self, **kw)
+
+
+# Built-in seeded synthetic models. ``seed-2.8`` is the shape ledger model of contract §2.8;
+# ``synthetic`` is the default: every §2.11 fault can show on it (H_kv = 2), and its head size (32) is one every
+# engine's attention kernels take (vLLM's CPU attention refuses 16).
+_SYNTHETIC = ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=256, vocab_size=96)
+MODEL_PRESETS = {
+    "seed-2.8": ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=4, hidden_dim=16, vocab_size=20),
+    "synthetic": _SYNTHETIC,
+    # one per family (synthetic:FAMILY), the same sizes: each can be tried on every engine without a file
+    "synthetic:qwen2": _SYNTHETIC.replace(qkv_bias=True, arch="qwen2"),
+    "synthetic:qwen3": _SYNTHETIC.replace(qk_norm="head", arch="qwen3"),
+    "synthetic:llama-biased": _SYNTHETIC.replace(qkv_bias=True, o_bias=True, mlp_bias=True),
+    "synthetic:olmo2": _SYNTHETIC.replace(qk_norm="proj", norm_placement="post", norm_scale="float32", arch="olmo2"),
+    # a window shorter than the built-in prompts: every layer (Mistral), or alternating with full layers (Qwen2)
+    "synthetic:mistral": _SYNTHETIC.replace(sliding_window=8, arch="mistral"),
+    "synthetic:qwen2-window": _SYNTHETIC.replace(qkv_bias=True, sliding_window=8,
+                                                 layer_types=("full", "sliding", "full", "sliding"), arch="qwen2"),
+    # Gemma: sandwich norms by (1 + w), GeGLU, a scaled embedding, query_pre_attn_scalar 64 (not head_dim), small
+    # soft-caps (so that they matter on a random model), alternating local and global layers
+    "synthetic:gemma2": _SYNTHETIC.replace(norm_placement="sandwich", norm_scale="offset", hidden_act="gelu_pytorch_tanh",
+                                           embed_scale="sqrt_dim", attention_multiplier=64 ** -0.5, attn_softcap=2.0,
+                                           final_softcap=3.0, sliding_window=8,
+                                           layer_types=("sliding", "full", "sliding", "full"), tie_embeddings=True,
+                                           arch="gemma2"),
+    "synthetic:gemma3": _SYNTHETIC.replace(norm_placement="sandwich", norm_scale="offset", hidden_act="gelu_pytorch_tanh",
+                                           embed_scale="sqrt_dim", attention_multiplier=64 ** -0.5, qk_norm="head",
+                                           sliding_window=8, layer_types=("sliding", "sliding", "sliding", "full"),
+                                           rope_theta=1e6, rope_local_theta=1e4, tie_embeddings=True, arch="gemma3"),
+    # Phi-3: fused projections in its checkpoints; LongRoPE's long factors past 3 positions. Every built-in prompt
+    # and reused prefix is longer: a call's factors depend on its longest position (as in transformers), so a batch
+    # or a reused prefix on both sides of the switch rotates differently from the prompt alone
+    "synthetic:phi3": _SYNTHETIC.replace(max_position=256, rope_scaling=(
+        ("long_factor", tuple(2.0 + 0.25 * i for i in range(16))), ("original_max_position_embeddings", 3),
+        ("rope_type", "longrope"), ("short_factor", tuple(1.0 + 0.05 * i for i in range(16)))), arch="phi3"),
+    # mixtures of experts: four experts, two active; Mixtral's weights kept in float32 and always renormalised,
+    # Qwen2-MoE's gated shared expert, Qwen3-MoE's renormalised top-k and a dense last layer (mlp_only_layers)
+    "synthetic:mixtral": _SYNTHETIC.replace(n_experts=4, n_active_experts=2, moe_hidden_dim=256, norm_topk_prob=True,
+                                            moe_weight_dtype="float32", arch="mixtral"),
+    "synthetic:qwen2-moe": _SYNTHETIC.replace(qkv_bias=True, n_experts=4, n_active_experts=2, moe_hidden_dim=64,
+                                              shared_expert_dim=128, arch="qwen2_moe"),
+    "synthetic:qwen3-moe": _SYNTHETIC.replace(qk_norm="head", n_experts=4, n_active_experts=2, moe_hidden_dim=64,
+                                              norm_topk_prob=True, dense_layers=(3,), arch="qwen3_moe"),
+    "synthetic:granite": _SYNTHETIC.replace(attention_multiplier=0.125, embedding_multiplier=6.0,
+                                            residual_multiplier=0.22, logits_scaling=4.0, arch="granite"),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5, scale: str = "activation"):
+        super().__init__()
+        self.eps = eps
+        self.scale = scale
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.promote_types(dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale == "float32":
+            return (self.weight.to(h.dtype) * h).to(dtype)
+        if self.scale == "offset":  # Gemma: the weight is stored as w, the norm multiplies by 1 + w
+            return (h * (1.0 + self.weight.to(h.dtype))).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def norm(args: ModelArgs, dim: int) -> RMSNorm:
+    return RMSNorm(dim, args.norm_eps, args.norm_scale)
+
+
+def rope_inv_freq(args: ModelArgs, dtype: torch.dtype = torch.float32, local: bool = False,
+                  long: bool = False) -> torch.Tensor:
+    """Inverse frequencies θ_i = base^(-2i/d_h), with Llama-3, linear or LongRoPE scaling if configured (``local``:
+    the sliding-window layers' own base, unscaled, as Gemma 3 has; ``long``: LongRoPE's long factors)."""
+    d = args.head_dim
+    base = args.rope_local_theta if local else args.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d))
+    scaling = {} if local else dict(args.rope_scaling)
+    kind = scaling.get("rope_type", "default")
+    if kind == "longrope":  # Phi-3: θ_i / ext_i, ext the short factors or (past the original length) the long ones
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32).to(dtype)
+        if ext.shape != inv.shape:
+            raise ConfigError(f"longrope factors must number head_dim/2 = {d // 2} (got {ext.shape[0]})")
+        return 1.0 / (ext * base ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype) / d))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / high) & (wavelen <= old / low)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind != "default":
+        raise ConfigError(f"rope_type must be one of default, linear, llama3, longrope (got {kind!r})")
+    return inv
+
+
+def longrope_switch(args: ModelArgs) -> int | None:
+    """LongRoPE's original length: a call whose longest position + 1 exceeds it rotates with the long factors
+    (as transformers decides per forward). None without LongRoPE."""
+    scaling = dict(args.rope_scaling)
+    return int(scaling["original_max_position_embeddings"]) if scaling.get("rope_type") == "longrope" else None
+
+
+def rope_attention_factor(args: ModelArgs) -> float:
+    """LongRoPE's factor on cos and sin: attention_factor, else sqrt(1 + ln s / ln L0) for s = L / L0 > 1."""
+    scaling = dict(args.rope_scaling)
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or args.max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """cos/sin tables for explicit position ids: (B, S) -> two (B, 1, S, head_dim), times ``scale`` (LongRoPE's
+    attention factor) before they are rounded to ``dtype``."""
+    freqs = positions[..., None].to(inv_freq.dtype) * inv_freq  # (B, S, head_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, S, head_dim)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, S, head_dim) by the tables of ``rope_cos_sin``."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.qk_norm = args.qk_norm
+        if args.qk_norm == "head":  # Qwen3: Q and K normalised per head, before RoPE
+            self.q_norm, self.k_norm = norm(args, args.head_dim), norm(args, args.head_dim)
+        elif args.qk_norm == "proj":  # OLMo 2: the whole projections, before they are split into heads
+            self.q_norm = norm(args, args.n_heads * args.head_dim)
+            self.k_norm = norm(args, args.n_kv_heads * args.head_dim)
+
+    def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
+        B, S, _ = x.shape
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_norm == "proj":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(1, 2)  # (B, n_heads, S, head_dim)
+        k = k.transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
+        cos, sin = step.rope_of(layer)
+        q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Writes K̃, V to the cache, reads what attention sees, runs the kernel with g(h).
+        o = step.attend(layer, q_rot, k_rot, v, k)  # (B, n_heads, S, head_dim)
+        o = o.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, n_heads*head_dim)
+        step.record(layer, HEAD_STATE, o)
+        return self.wo(o)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
+        self.gelu = args.hidden_act == "gelu_pytorch_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(act * self.w3(x))
+
+
+def router_margin(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits (T, E) -> the margin (T,): the k-th minus the (k+1)-th logit (+inf when all E are taken),
+    and the RMS of each row (T,), the scale of their noise; in float32 (float64 for a float64 model)."""
+    z = logits.double() if logits.dtype == torch.float64 else logits.float()
+    if k < z.shape[-1]:
+        ranked = torch.topk(z, k + 1, dim=-1).values
+        margin = ranked[:, k - 1] - ranked[:, k]
+    else:
+        margin = torch.full(z.shape[:1], float("inf"), dtype=z.dtype)
+    return margin, z.square().mean(dim=-1).sqrt()
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP (ModelArgs' n_experts): the router, the experts, and Qwen2-MoE's
+    gated shared expert. Computed as transformers computes it: expert by expert in ascending id, each over the
+    tokens that chose it, its weighted output added into a zero tensor of the activation dtype."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)  # the router
+        sub = args.replace(hidden_dim=args.moe_hidden_dim, mlp_bias=False)
+        self.experts = nn.ModuleList(FeedForward(sub) for _ in range(args.n_experts))
+        if args.shared_expert_dim:
+            self.shared_expert = FeedForward(args.replace(hidden_dim=args.shared_expert_dim, mlp_bias=False))
+            self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False)
+        self.k, self.renorm, self.f32_weights = args.n_active_experts, args.norm_topk_prob, \
+            args.moe_weight_dtype == "float32"
+        self.last_routing = None  # (ids, weights, router logits) of the last call, for the recorder
+
+    def route(self, x: torch.Tensor, forced: torch.Tensor | None = None, fault: str | None = None):
+        """x (T, dim) -> router logits (T, E) in the activation dtype, top-k ids (T, k) by descending probability,
+        their weights (T, k) as they scale the experts' outputs, the margin (T,): the k-th minus the (k+1)-th
+        logit (+inf when every expert is taken). ``forced`` (T, k), -1 where not forced: those rows take these
+        experts instead (routing replay), weighted by their own probabilities, renormalised as the model does."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        if fault == "router-topk-off-by-one" and self.k < probs.shape[-1]:  # ranks 2..k+1
+            top, ids = (t[:, 1:] for t in torch.topk(probs, self.k + 1, dim=-1))
+        else:
+            top, ids = torch.topk(probs, self.k, dim=-1)
+        if forced is not None:
+            rows = (forced >= 0).all(dim=-1)
+            if bool(rows.any()):
+                ids = torch.where(rows[:, None], forced, ids)
+                top = torch.where(rows[:, None], probs.gather(-1, forced.clamp(min=0)), top)
+        if self.renorm != (fault == "router-norm-topk"):
+            top = top / top.sum(dim=-1, keepdim=True)
+        margin, scale = router_margin(logits, self.k)
+        return logits, ids, top if self.f32_weights else top.to(logits.dtype), margin, scale
+
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None, fault: str | None = None) -> torch.Tensor:
+        """x (B, S, dim); ``forced`` (B, S, k) expert ids to take where >= 0 (routing replay); ``fault``: one of
+        config.ROUTER_FAULTS, injected."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits, ids, weights, margin, scale = self.route(flat, None if forced is None else forced.reshape(-1, self.k),
+                                                         fault)
+        self.last_routing = tuple(t.reshape(*shape[:-1], *t.shape[1:]) for t in (ids, weights, margin, scale, logits))
+        out = torch.zeros_like(flat)
+        for e in torch.unique(ids).tolist():  # ascending, as transformers adds them
+            tok, slot = torch.where(ids == e)
+            y = self.experts[e](flat[tok]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(flat)
+            out = out + (shared if fault == "shared-gate-dropped" else
+                         torch.sigmoid(self.shared_expert_gate(flat)) * shared)
+        return out.reshape(shape)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int = 0):
+        super().__init__()
+        # registered in the order the state dict lists them (the synthetic weights are drawn in that order)
+        # OLMo 2 ("post"): each sub-layer's output is normalised before it joins the residual, its input is not;
+        # Gemma ("sandwich"): both
+        self.pre = args.norm_placement in ("pre", "sandwich")
+        self.post = args.norm_placement in ("post", "sandwich")
+        if self.pre:
+            self.attention_norm = norm(args, args.dim)
+        self.attention = Attention(args)
+        if self.post:
+            self.attention_post_norm = norm(args, args.dim)
+        if self.pre:
+            self.ffn_norm = norm(args, args.dim)
+        self.feed_forward = MoE(args) if args.moe(layer) else FeedForward(args)
+        if self.post:
+            self.ffn_post_norm = norm(args, args.dim)
+        self.dropout = nn.Dropout(args.dropout)
+        self.residual_multiplier = args.residual_multiplier
+
+    def _scaled(self, update: torch.Tensor) -> torch.Tensor:
+        """A sub-layer's output as it is added to the residual (Granite scales it by residual_multiplier)."""
+        return update if self.residual_multiplier == 1.0 else update * self.residual_multiplier
+
+    def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
+        step.record(layer, "layer_input", x)  # R_ℓ, (B, S, dim)
+        a = self.attention(self.attention_norm(x) if self.pre else x, step, layer)
+        a = self._scaled(self.dropout(self.attention_post_norm(a) if self.post else a))
+        step.record(layer, "attn_update", a)  # what is added to the residual
+        u = x + a  # U_ℓ
+        step.record(layer, "mid", u)
+        h = self.ffn_norm(u) if self.pre else u
+        if isinstance(self.feed_forward, MoE):
+            m = self.feed_forward(h, step.forced_routing(layer), step.faults.router)
+            step.record_routing(layer, *self.feed_forward.last_routing)
+        else:
+            m = self.feed_forward(h)
+        m = self._scaled(self.dropout(self.ffn_post_norm(m) if self.post else m))
+        step.record(layer, "mlp_update", m)
+        out = u + m  # R_ℓ+1
+        step.record(layer, "layer_output", out)
+        return out
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args, layer) for layer in range(args.n_layers))
+        self.norm = norm(args, args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=args.lm_head_bias)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, step) -> torch.Tensor:
+        """R_0 = Embed(tokens); R_ℓ+1 = Block_ℓ(R_ℓ) for every layer; returns R_L, (B, S, dim).
+
+        The prefill then reads h = Norm(R_L) at each sequence's last valid token and z = unembed(h).
+        """
+        x = None
+        for _, x in self.layer_by_layer(tokens, step):
+            pass
+        return x
+
+    def layer_by_layer(self, tokens: torch.Tensor, step):
+        """``forward`` one layer at a time: yields (ℓ, R_ℓ+1) as layer ℓ ends, so a caller can stop at a break."""
+        x = self.tok_embeddings(tokens)  # R_0, (B, S, dim)
+        if self.args.embed_scale == "sqrt_dim":  # Gemma: the factor rounded to the activation dtype first
+            x = x * torch.tensor(self.args.dim ** 0.5, dtype=x.dtype)
+        if self.args.embedding_multiplier != 1.0:
+            x = x * self.args.embedding_multiplier
+        for layer, block in enumerate(self.layers):
+            x = block(x, step, layer)  # R_ℓ+1, (B, S, dim)
+            yield layer, x
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """z = W_U·h + b_U (contract §2.7), divided by logits_scaling (Granite), soft-capped (Gemma 2)."""
+        z = self.output(h)
+        if self.args.logits_scaling != 1.0:
+            z = z / self.args.logits_scaling
+        if self.args.final_softcap is not None:  # Gemma 2
+            z = torch.tanh(z / self.args.final_softcap) * self.args.final_softcap
+        return z
