@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from ..dumps.provenance import timestamp
@@ -74,19 +74,54 @@ class Recorded:
     twin_label: str | None = None
 
 
+# -- how a candidate is judged: the options of run and compare, as types ------------------------------------
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The declared tolerance: the tolerance options (--policy, --atol, --rtol, --ntol, --row-rtol, --tolerance).
+    None of them given declares nothing (the baseline's own, else the traces' dtypes decide)."""
+    policy: str | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    ntol: float | None = None
+    row_rtol: float | None = None
+    tolerance_file: str | None = None
+
+    def spec(self) -> dict | None:
+        """The declared policy as a spec to store and resolve (reads --tolerance's file), or None."""
+        return policy_spec(**asdict(self))
+
+    @property
+    def declared(self) -> bool:
+        return self.spec() is not None
+
+
+@dataclass(frozen=True)
+class Judging:
+    """How the candidate is held to the reference: a declared ``tolerance`` or a calibrated verdict
+    (``calibrate``: None automatic, True forced, False off; ``factor``: the noise factor), whether reference
+    samples without a counterpart (``allow_subset``) or a different model (``allow_identity``) are accepted,
+    and whether the comparison stops at the first break (``fail_fast``)."""
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    calibrate: bool | None = None
+    factor: float = DEFAULT_FACTOR
+    allow_subset: bool = False
+    allow_identity: bool = False
+    fail_fast: bool = False
+
+
+JUDGED = Judging()  # the defaults: the tolerance of the traces' dtypes, calibrated where the precisions ask for it
+
+
 # -- the tolerance: resolved once per comparison ------------------------------------------------------------
 
-def resolve(declared: dict | None, ref: Trace, cand: Trace) -> Policy:
-    """The policy a comparison uses: the flags' (``declared``: the tolerance options as keywords) if they
-    declare one, else the tolerance the reference trace declares, else the defaults of the traces' dtypes."""
-    spec = policy_spec(**declared) if declared else None
+def resolve(declared: Tolerance | None, ref: Trace, cand: Trace) -> Policy:
+    """The policy a comparison uses: the flags' (``declared``) if they declare one, else the tolerance the
+    reference trace declares, else the defaults of the traces' dtypes."""
+    spec = declared.spec() if declared is not None else None
     if spec is not None:
-        return resolve_policy(spec, ref.meta, cand.meta, spec_sources(**declared))
+        return resolve_policy(spec, ref.meta, cand.meta, spec_sources(**asdict(declared)))
     return default_policy_for(ref.meta, cand.meta)
-
-
-def _explicit(declared: dict | None) -> bool:
-    return bool(declared) and policy_spec(**declared) is not None
 
 
 # -- calibration: decide, then record the golden and the twin ----------------------------------------------
@@ -108,6 +143,15 @@ class CalibPlan:
     maker: str = OURS
     by_other: bool = False  # the maker is not the reference's own engine (the rule says so)
 
+    @classmethod
+    def fixed(cls, factor: float, cand_prec: dict | None, note: str | None = None) -> "CalibPlan":
+        """Not calibrated: the fixed per-dtype envelope judges values (``note``: why, when it would have been)."""
+        return cls(False, factor, cand_prec, note=note)
+
+    def declined(self, note: str) -> "CalibPlan":
+        """This plan, not calibrated after all for a reason found once the traces are open (``note``)."""
+        return replace(self, use=False, note=note)
+
     @property
     def label(self) -> str:
         return precision_label(self.cand_prec)
@@ -124,8 +168,9 @@ class CalibPlan:
                            self.maker if self.by_other else None)
 
 
-def check_calibration(*, calibrate: bool | None, explicit: bool, level: str, factor: float = DEFAULT_FACTOR) -> None:
+def check_calibration(judging: Judging, *, explicit: bool, level: str) -> None:
     """A contradictory calibration request is refused before anything runs."""
+    calibrate, factor = judging.calibrate, judging.factor
     if not factor > 0:
         raise ConfigError(f"--noise-factor must be positive (got {factor})")
     if calibrate and explicit:
@@ -140,20 +185,20 @@ def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None,
                      cand_engine: str = OURS) -> CalibPlan:
     """calibrate None: automatic, on whenever either side computes below float32 or the precisions differ (and
     nothing is declared); True: forced; False: off. The precisions are the ones the traces record."""
-    check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
+    check_calibration(Judging(calibrate=calibrate, factor=factor), explicit=explicit, level=level)
     differ = not same_precisions(ref_prec, cand_prec)
     wanted = differ or below_float32(ref_prec) or below_float32(cand_prec)
     if not (bool(calibrate) or (calibrate is None and wanted and not explicit)):
-        return CalibPlan(False, factor, cand_prec)
+        return CalibPlan.fixed(factor, cand_prec)
     if level != "full":
-        return CalibPlan(False, factor, cand_prec, note=f"--level {level} keeps no full rows")
+        return CalibPlan.fixed(factor, cand_prec, note=f"--level {level} keeps no full rows")
     if differ and twin_is_cand:
         return CalibPlan(True, factor, cand_prec, twin_is_cand=True)
     maker = twin_maker(ref_engine, cand_prec)
     if maker is None:
         why = ENGINES[cand_engine].why_not if cand_engine in ENGINES else ""
-        return CalibPlan(False, factor, cand_prec, note=f"our engine cannot run the candidate's precisions "
-                         f"({precision_label(cand_prec)})" + (f"; {why}" if why else ""))
+        return CalibPlan.fixed(factor, cand_prec, note=f"our engine cannot run the candidate's precisions "
+                               f"({precision_label(cand_prec)})" + (f"; {why}" if why else ""))
     # the reference is its own twin when it made its own trace at the candidate's precisions
     return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, maker=maker, by_other=maker != ref_engine)
 
@@ -198,12 +243,12 @@ def _engine(meta: dict) -> str:
     return str(eng.get("name") or OURS) if isinstance(eng, dict) else OURS
 
 
-def _plan_for(ref: Trace, cand: Trace, *, calibrate: bool | None, explicit: bool, level: str, factor: float,
-              twin_is_cand: bool = False) -> CalibPlan:
-    """The calibration plan from what the two traces record: their precisions and engines."""
-    return plan_calibration(precisions(ref.meta), precisions(cand.meta), calibrate=calibrate, explicit=explicit,
-                            level=level, factor=factor, twin_is_cand=twin_is_cand, ref_engine=_engine(ref.meta),
-                            cand_engine=_engine(cand.meta))
+def _plan_for(ref, cand, judging: Judging, *, explicit: bool, level: str, twin_is_cand: bool = False) -> CalibPlan:
+    """The calibration plan from what the two traces record (or, in lockstep, the two recorders' meta): their
+    precisions and engines."""
+    return plan_calibration(precisions(ref.meta), precisions(cand.meta), calibrate=judging.calibrate,
+                            explicit=explicit, level=level, factor=judging.factor, twin_is_cand=twin_is_cand,
+                            ref_engine=_engine(ref.meta), cand_engine=_engine(cand.meta))
 
 
 def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
@@ -215,8 +260,8 @@ def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
     return None
 
 
-def _judge_open(ref: Trace, cand: Trace, declared: dict | None, plan: CalibPlan, siblings, *, kept=(True, True),
-                fail_fast: bool = False, allow_subset: bool = False, allow_identity: bool = False) -> Report:
+def _judge_open(ref: Trace, cand: Trace, judging: Judging, plan: CalibPlan, siblings, *,
+                kept=(True, True)) -> Report:
     """Compare two open traces, opening the golden and twin of a calibrated plan.
 
     ``kept``: (REF, CAND), False for a temporary trace (the report names no file for it)."""
@@ -227,8 +272,9 @@ def _judge_open(ref: Trace, cand: Trace, declared: dict | None, plan: CalibPlan,
             twin = stack.enter_context(open_any(siblings[1])) if siblings[1] else None
             calib = plan.calibration(golden, twin)
         files = (ref.name if kept[0] else None, cand.name if kept[1] else None)
-        return compare_traces(ref, cand, resolve(None if calib else declared, ref, cand), fail_fast=fail_fast,
-                              calib=calib, allow_subset=allow_subset, allow_identity=allow_identity,
+        return compare_traces(ref, cand, resolve(None if calib else judging.tolerance, ref, cand),
+                              fail_fast=judging.fail_fast, calib=calib, allow_subset=judging.allow_subset,
+                              allow_identity=judging.allow_identity,
                               rule_note=None if calib else plan.rule_note(),
                               uncalibrated=None if calib else plan.note, files=files)
 
@@ -236,29 +282,25 @@ def _judge_open(ref: Trace, cand: Trace, declared: dict | None, plan: CalibPlan,
 # -- the three jobs ----------------------------------------------------------------------------------------
 
 def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = None, level: str = "full",
-        force: bool = False, tolerance: dict | None = None, progress: SideProgress | None = None,
-        calibrate: bool | None = None, factor: float = DEFAULT_FACTOR, allow_subset: bool = False,
-        fail_fast: bool = False, allow_identity: bool = False) -> Outcome:
+        force: bool = False, judging: Judging = JUDGED, progress: SideProgress | None = None) -> Outcome:
     """Prefill REF and CAND (presets or config files), record both traces, compare them.
 
     Traces go into ``out_dir`` (kept) or a temporary directory (removed). When either side computes below
     float32, or their precisions differ (or ``calibrate`` is True), the reference's path is also recorded in
     float64 (the golden) and at the candidate's precisions (the twin), and the verdict is calibrated;
-    ``tolerance`` (the tolerance options: policy, tolerance_file, atol, rtol, ntol, row_rtol) declares a fixed
-    rule instead. ``fail_fast`` runs the sides in lockstep in memory and stops at the first break (no trace
-    files). ``allow_identity``: two different models are compared on purpose (a note, not a failure).
+    ``judging.tolerance`` declares a fixed rule instead. ``judging.fail_fast`` runs the sides in lockstep in
+    memory and stops at the first break (no trace files).
     """
     timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
-    if fail_fast:
+    if judging.fail_fast:
         if out_dir:
             raise ConfigError("--fail-fast keeps no traces; drop --out")
-        return run_lockstep(ref, cand, model, inputs, level=level, tolerance=tolerance, calibrate=calibrate,
-                            factor=factor, allow_subset=allow_subset, allow_identity=allow_identity)
-    explicit = _explicit(tolerance)
-    check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
+        return run_lockstep(ref, cand, model, inputs, level=level, judging=judging)
+    explicit = judging.tolerance.declared
+    check_calibration(judging, explicit=explicit, level=level)
     sides = _import_sides()
     ref_prep, cand_prep = sides.prepare_side(ref, model, inputs), sides.prepare_side(cand, model, inputs)
-    check_coverage(ref_prep.tokens, cand_prep.tokens, allow_subset)
+    check_coverage(ref_prep.tokens, cand_prep.tokens, judging.allow_subset)
     keep = out_dir is not None
     work = out_dir if keep else tempfile.mkdtemp(prefix="prefill-diff-")
     os.makedirs(work, exist_ok=True)
@@ -267,15 +309,14 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
         paths = [sides.record_side(p, os.path.join(work, name), level, force, progress=_progress_for(progress, label))
                  for p, name, label in ((ref_prep, "ref.h5", "reference"), (cand_prep, "cand.h5", "candidate"))]
         with open_any(paths[0]) as r, open_any(paths[1]) as c:
-            plan = _plan_for(r, c, calibrate=calibrate, explicit=explicit, level=level, factor=factor,
+            plan = _plan_for(r, c, judging, explicit=explicit, level=level,
                              twin_is_cand=sides.twin_is_cand(ref_prep, cand_prep))
             siblings = None
             if plan.use and not plan.twin_is_cand:
                 siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
                                               os.path.join(work, "twin.h5"), force=force, progress=progress,
                                               snapshot=ref_prep.snapshot)
-            report = _judge_open(r, c, tolerance, plan, siblings, kept=(keep, keep), allow_subset=allow_subset,
-                                 allow_identity=allow_identity)
+            report = _judge_open(r, c, judging, plan, siblings, kept=(keep, keep))
             forced, forced_ref, rounds, flips = {}, {}, 0, 0
             while _replays(cand_prep) and rounds < REPLAY_ROUNDS and wants_replay(report, forced):
                 # routing replay: the candidate again, the reference's experts forced at its near ties
@@ -292,8 +333,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                                                   progress=progress, snapshot=ref_prep.snapshot,
                                                   routing=forced_ref)
                 with open_any(paths[1]) as c2:
-                    report = _judge_open(r, c2, tolerance, plan, siblings, kept=(keep, keep),
-                                         allow_subset=allow_subset, allow_identity=allow_identity)
+                    report = _judge_open(r, c2, judging, plan, siblings, kept=(keep, keep))
             if rounds:
                 report = replace(report, replayed=_replayed(forced), replayed_flips=flips)
     finally:
@@ -339,16 +379,16 @@ def _replayed(forced: dict) -> tuple:
                  for layer, cells in sorted(forced.items()) for (s, t), ids in sorted(cells.items()))
 
 
-def check_tolerance(tolerance: dict | None) -> dict | None:
-    """The declared tolerance (the tolerance options as keywords) as a spec to store, refused now if bad."""
-    spec = policy_spec(**tolerance) if tolerance else None
+def check_tolerance(tolerance: Tolerance | None) -> dict | None:
+    """The declared tolerance as a spec to store, refused now if bad."""
+    spec = tolerance.spec() if tolerance is not None else None
     if spec:
         resolve_policy(spec)
     return spec
 
 
 def record(config: str, output: str, model=None, inputs=None, *, level: str = "full", compression=None,
-           force: bool = False, tolerance: dict | None = None, twin_of: str | None = None,
+           force: bool = False, tolerance: Tolerance | None = None, twin_of: str | None = None,
            progress: SideProgress | None = None, on_written: Callable[[Recorded], None] | None = None) -> Recorded:
     """Prefill CONFIG and write its trace to OUTPUT (a tensor-parallel side: a directory of rank traces).
 
@@ -376,7 +416,7 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     if maker is None:
         raise ConfigError(f"--twin-of {twin_of}: no engine of ours runs {precision_label(prec)} (a golden in float64 "
                           "and a twin at those precisions), so a comparison against it cannot be calibrated")
-    plan = CalibPlan(True, DEFAULT_FACTOR, prec, twin_is_ref=same_precisions(prec, own), maker=maker,
+    plan = CalibPlan(True, cand_prec=prec, twin_is_ref=same_precisions(prec, own), maker=maker,
                      by_other=maker != engine)
     golden, twin = sibling_paths(done.path)  # beside what was written (a tensor-parallel side: its directory)
     got = record_calibration(prep.side, plan, golden, twin.format(key=precision_key(prec)), force=force,
@@ -389,49 +429,42 @@ def is_trace(path: str) -> bool:
     return (os.path.isfile(path) and not path.endswith(".toml")) or is_rank_set(path)
 
 
-def compare(baseline: str, candidate: str, model=None, inputs=None, *, tolerance: dict | None = None,
-            fail_fast: bool = False, level: str | None = None, calibrate: bool | None = None,
-            factor: float = DEFAULT_FACTOR, allow_subset: bool = False, allow_identity: bool = False) -> Outcome:
+def compare(baseline: str, candidate: str, model=None, inputs=None, *, level: str | None = None,
+            judging: Judging = JUDGED) -> Outcome:
     """BASELINE (a trace) against CANDIDATE: a trace, or a preset/config recorded now with the baseline's
     model and prompts (unless ``model``/``inputs`` are given). A golden and twin recorded beside BASELINE
     (`record --twin-of`) make the verdict calibrated; for a candidate recorded now they are recorded too."""
     timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
-    kw = dict(fail_fast=fail_fast, calibrate=calibrate, factor=factor, allow_subset=allow_subset,
-              allow_identity=allow_identity)
     if is_trace(candidate):
-        return compare_files(baseline, candidate, tolerance, **kw)
-    return _compare_recorded(baseline, candidate, model, inputs, tolerance=tolerance, level=level, **kw)
+        return compare_files(baseline, candidate, judging)
+    return _compare_recorded(baseline, candidate, model, inputs, level, judging)
 
 
-def _declared_by(ref: Trace, tolerance: dict | None, calibrate: bool | None) -> bool:
+def _declared_by(ref: Trace, judging: Judging) -> bool:
     """A declared rule: the flags', or the baseline's own unless --calibrate asks otherwise."""
-    return _explicit(tolerance) or (calibrate is None and ref.meta.get("tolerance") is not None)
+    return judging.tolerance.declared or (judging.calibrate is None and ref.meta.get("tolerance") is not None)
 
 
-def compare_files(ref_path, cand_path, tolerance: dict | None = None, *, fail_fast: bool = False,
-                  calibrate: bool | None = None, factor: float = DEFAULT_FACTOR, allow_subset: bool = False,
-                  allow_identity: bool = False) -> Outcome:
+def compare_files(ref_path, cand_path, judging: Judging = JUDGED) -> Outcome:
     """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
     with open_any(ref_path) as ref, open_any(cand_path) as cand:
-        plan = _plan_for(ref, cand, calibrate=calibrate, explicit=_declared_by(ref, tolerance, calibrate),
-                         level=max(ref.level, cand.level, key=LEVELS.index), factor=factor)
+        plan = _plan_for(ref, cand, judging, explicit=_declared_by(ref, judging),
+                         level=max(ref.level, cand.level, key=LEVELS.index))
         siblings = _siblings(str(ref_path), plan) if plan.use else None
         if plan.use and siblings is None:
             g, t = sibling_paths(str(ref_path))
             key = precision_key(plan.cand_prec)
-            if calibrate:
+            if judging.calibrate:
                 raise ConfigError(f"--calibrate needs the golden and twin recorded beside {ref_path} "
                                   f"({g}, {t.format(key=key)}): record them with "
                                   "`prefill-diff record CONFIG -o REF.h5 --twin-of PRECISION`")
-            plan = replace(plan, use=False, note=f"no golden and twin beside {ref_path}: record it with "
-                                                 f"--twin-of {key} to calibrate")
-        report = _judge_open(ref, cand, tolerance, plan, siblings, fail_fast=fail_fast, allow_subset=allow_subset,
-                             allow_identity=allow_identity)
+            plan = plan.declined(f"no golden and twin beside {ref_path}: record it with --twin-of {key} to "
+                                 "calibrate")
+        report = _judge_open(ref, cand, judging, plan, siblings)
     return Outcome(report, str(ref_path), str(cand_path))
 
 
-def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance, fail_fast, level, calibrate,
-                      factor, allow_subset, allow_identity) -> Outcome:
+def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str | None, judging: Judging) -> Outcome:
     """``compare BASELINE PRESET``: record the candidate (and, calibrated, the baseline's golden and twin)
     into a temporary directory, with the baseline's model and prompts, and compare."""
     sides = _import_sides()
@@ -444,33 +477,30 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, *, tolerance
         spec = model or sides.baseline_spec(base.meta)
         ins = inputs or sides.Inputs(token_ids=tuple(base.samples))
         level = level or base.level
-    check_calibration(calibrate=calibrate, explicit=_explicit(tolerance), level=level, factor=factor)
-    if calibrate and side is None:
+    check_calibration(judging, explicit=judging.tolerance.declared, level=level)
+    if judging.calibrate and side is None:
         raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
     prep = sides.prepare_side(candidate, spec, ins)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-")
     try:
         path = sides.record_side(prep, os.path.join(tmp, "cand.h5"), level)
         with open_any(baseline) as ref, open_any(path) as cand:
-            plan = _plan_for(ref, cand, calibrate=calibrate, explicit=_declared_by(ref, tolerance, calibrate),
-                             level=level, factor=factor)
+            plan = _plan_for(ref, cand, judging, explicit=_declared_by(ref, judging), level=level)
             siblings = _siblings(baseline, plan) if plan.use else None
             if plan.use and siblings is None and side is None:  # judged with the fixed envelope; the rule says why
-                plan = replace(plan, use=False, note=f"the baseline's own run cannot be rebuilt: {why_not}")
+                plan = plan.declined(f"the baseline's own run cannot be rebuilt: {why_not}")
             elif plan.use and siblings is None:
                 siblings = record_calibration(side, plan, os.path.join(tmp, "golden.h5"),
                                               os.path.join(tmp, "twin.h5"),
                                               snapshot=prep.snapshot if prep.side.model == spec else None)
-            report = _judge_open(ref, cand, tolerance, plan, siblings, kept=(True, False), fail_fast=fail_fast,
-                                 allow_subset=allow_subset, allow_identity=allow_identity)
+            report = _judge_open(ref, cand, judging, plan, siblings, kept=(True, False))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return Outcome(report, baseline, None)
 
 
 def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "full",
-                 tolerance: dict | None = None, calibrate: bool | None = None, factor: float = DEFAULT_FACTOR,
-                 allow_subset: bool = False, allow_identity: bool = False) -> Outcome:
+                 judging: Judging = JUDGED) -> Outcome:
     """run --fail-fast: both sides advance one layer at a time into in-memory traces; stop at the first break.
 
     Nothing is written to disk, and the work after the breaking layer is never done. A calibrated comparison
@@ -478,43 +508,38 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
     (by then each engine has said what precisions it ran). Routing flips within noise are replayed as ``run``
     replays them: the whole lockstep again, the candidate's router forced at those tokens.
     """
-    kw = dict(level=level, tolerance=tolerance, calibrate=calibrate, factor=factor, allow_subset=allow_subset,
-              allow_identity=allow_identity)
-    out = _run_lockstep(ref, cand, model, inputs, **kw)
+    out = _run_lockstep(ref, cand, model, inputs, level, judging)
     forced, forced_ref, rounds, flips = {}, {}, 0, 0
     while out.replays and rounds < REPLAY_ROUNDS and wants_replay(out.report, forced):
         flips += len(out.report.unreplayed)
         forced = forced_routing(replay_cells(out.report), forced)
         forced_ref = forced_routing(replay_cells(out.report), forced_ref, side="reference")
-        out = _run_lockstep(ref, cand, model, inputs, routing=(forced, forced_ref), **kw)
+        out = _run_lockstep(ref, cand, model, inputs, level, judging, routing=(forced, forced_ref))
         rounds += 1
     if rounds:
         out = replace(out, report=replace(out.report, replayed=_replayed(forced), replayed_flips=flips))
     return out
 
 
-def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, tolerance: dict | None,
-                  calibrate: bool | None, factor: float, allow_subset: bool, allow_identity: bool,
+def _run_lockstep(ref: str, cand: str, model, inputs, level: str, judging: Judging,
                   routing: tuple | None = None) -> Outcome:
     """run_lockstep once; ``routing``: the experts to force (the candidate's samples, the reference's) or None."""
-    explicit = _explicit(tolerance)
-    check_calibration(calibrate=calibrate, explicit=explicit, level=level, factor=factor)
+    explicit = judging.tolerance.declared
+    check_calibration(judging, explicit=explicit, level=level)
     sides = _import_sides()
     forced, forced_ref = routing or ({}, {})
     preps = [sides.prepare_side(ref, model, inputs), sides.prepare_side(cand, model, inputs, routing=forced)]
     if any(p.side.run.tp > 1 for p in preps):
         raise ConfigError("--fail-fast runs both sides in lockstep in this process; a tensor-parallel side "
                           "(tp > 1) runs in its own processes: drop --fail-fast")
-    check_coverage(preps[0].tokens, preps[1].tokens, allow_subset)
+    check_coverage(preps[0].tokens, preps[1].tokens, judging.allow_subset)
     twin_is_cand = sides.twin_is_cand(*preps)
     names = [f"{ref} (in memory)", f"{cand} (in memory)"]
     recs, gens = [], []
     try:
         for p in preps:
             _start(sides, p, level, recs, gens)
-        plan = plan_calibration(precisions(recs[0].meta), precisions(recs[1].meta), calibrate=calibrate,
-                                explicit=explicit, level=level, factor=factor, twin_is_cand=twin_is_cand,
-                                ref_engine=_engine(recs[0].meta), cand_engine=_engine(recs[1].meta))
+        plan = _plan_for(recs[0], recs[1], judging, explicit=explicit, level=level, twin_is_cand=twin_is_cand)
         calibrated = plan.use and not plan.twin_is_cand
         if calibrated:
             made = sides.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
@@ -523,8 +548,7 @@ def _run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str, t
                     prep = sides.prepare(side, preps[0].snapshot, routing=forced_ref)  # every side: the same experts
                     _start(sides, prep, level, recs, gens)
                     names.append(f"{side.origin} (in memory)")
-        return Outcome(_lockstep(gens, recs, names, plan, calibrated, tolerance, allow_subset, allow_identity),
-                       replays=_replays(preps[1]))
+        return Outcome(_lockstep(gens, recs, names, plan, calibrated, judging), replays=_replays(preps[1]))
     finally:
         for g in gens:
             g.close()
@@ -539,15 +563,15 @@ def _start(sides, prep, level: str, recs: list, gens: list) -> None:
     next(gens[-1])
 
 
-def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, tolerance, allow_subset,
-              allow_identity) -> Report:
+def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, judging: Judging) -> Report:
     """Every side has recorded layer 0: compare it, then advance every side one layer at a time; stop at the
     first break."""
     traces = [LiveTrace(r, n) for r, n in zip(recs, names)]
     calib = plan.calibration(traces[2], traces[3] if len(traces) > 3 else None) if calibrated else None
-    policy = resolve(None if calib else tolerance, *traces[:2])
-    session = Session(traces[0], traces[1], policy, calib, allow_subset, None if calib else plan.rule_note(),
-                      uncalibrated=None if calib else plan.note, allow_identity=allow_identity, in_memory=True)
+    policy = resolve(None if calib else judging.tolerance, *traces[:2])
+    session = Session(traces[0], traces[1], policy, calib, judging.allow_subset, None if calib else plan.rule_note(),
+                      uncalibrated=None if calib else plan.note, allow_identity=judging.allow_identity,
+                      in_memory=True)
     if session.metadata_failed:
         return session.finish(stopped_early=True)
     n_layers = traces[0].n_layers

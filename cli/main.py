@@ -16,6 +16,7 @@ import signal
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from importlib import metadata
 
 import click
@@ -31,7 +32,7 @@ from ..engine.shared.errors import INTERRUPT, PrefillDiffError
 from ..engine.shared.untrusted import visible
 from . import jobs
 from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
-                      model_options, report_options, shared_inputs, tolerance_options)
+                      model_options, report_options, tolerance_options)
 from .outputs import (EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit,
                       stdout_taken, write_text)
 from .render import (cache_json_item, cache_notes, cache_table, cache_where, ledger_renderable, plain, print_inspect,
@@ -249,8 +250,7 @@ def cli():
 @click.option("--fail-fast", is_flag=True,
               help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
 @calibration_options
-def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail_fast, calibrate, factor,
-        allow_subset, allow_identity):
+def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, judging):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -265,19 +265,18 @@ def run(ref, cand, model, prompts, tokens, tol, out, out_dir, level, force, fail
         prefill-diff run reference fault:gqa-mapping --fail-fast
     """
     check_outputs(out)
-    quiet_libraries(out["verbose"])
-    spec, inputs = shared_inputs(model, prompts, tokens)
+    quiet_libraries(out.verbose)
+    spec, inputs = what.resolve()
     if fail_fast and out_dir:
         raise BadInput("--fail-fast keeps no traces; drop --out")
     check_out_dir(out_dir)
-    with Progress(out["quiet"]) as prog:
+    with Progress(out.quiet) as prog:
         prog.step("loading the model, running the sides layer by layer" if fail_fast
                   else "loading the model and preparing both sides")
-        outcome = jobs.run(ref, cand, spec, inputs, out_dir=out_dir, level=level, force=force, tolerance=tol,
-                           progress=None if fail_fast else prog.sides(RUN_STEPS), calibrate=calibrate,
-                           factor=factor, allow_subset=allow_subset, fail_fast=fail_fast,
-                           allow_identity=allow_identity)
-    if outcome.ref_path and not out["quiet"] and not stdout_taken(out):
+        outcome = jobs.run(ref, cand, spec, inputs, out_dir=out_dir, level=level, force=force,
+                           judging=replace(judging, tolerance=tol, fail_fast=fail_fast),
+                           progress=None if fail_fast else prog.sides(RUN_STEPS))
+    if outcome.ref_path and not out.quiet and not stdout_taken(out):
         print_line(console(), plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 
@@ -301,7 +300,7 @@ RUN_STEPS = {"reference": "recording the candidate", "candidate": "comparing (or
                    "baseline against a candidate of those precisions is calibrated.")
 @model_options
 @tolerance_options
-def record(config, output, level, compression, force, twin_of, model, prompts, tokens, tol):
+def record(config, output, level, compression, force, twin_of, what, tol):
     """Prefill CONFIG (a preset or TOML file) and write its trace to OUTPUT.
 
     The file appears only when complete: it is written under a temporary name and
@@ -320,7 +319,7 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
     quiet_libraries()
     jobs.check_tolerance(tol)  # a bad declaration (or an unreadable --tolerance file) before anything else
     check_output_file(output, "the trace", force=force)
-    spec, inputs = shared_inputs(model, prompts, tokens)
+    spec, inputs = what.resolve()
     con = console()
 
     def wrote(done: jobs.Recorded) -> None:  # the trace is complete: said before any golden and twin run
@@ -343,8 +342,7 @@ def record(config, output, level, compression, force, twin_of, model, prompts, t
 @model_options
 @click.option("--fail-fast", is_flag=True, help="Stop at the first layer that breaks.")
 @calibration_options
-def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, calibrate, factor, allow_subset,
-            allow_identity):
+def compare(baseline, candidate, tol, out, what, fail_fast, judging):
     """Compare BASELINE.h5 with CANDIDATE (a trace, or a preset/config that is recorded first).
 
     --model, --prompt and --tokens apply only when CANDIDATE is recorded now; with two traces
@@ -357,26 +355,25 @@ def compare(baseline, candidate, tol, out, model, prompts, tokens, fail_fast, ca
     """
     check_outputs(out)
     two_traces = jobs.is_trace(candidate)
-    given = [f for f, v in (("--model", model), ("--prompt", prompts), ("--tokens", tokens)) if v]
+    given = what.given()
     if two_traces and given:
         verb = "does" if len(given) == 1 else "do"
         raise BadInput(f"{' and '.join(given)} {verb} not apply when comparing two traces ({candidate} is a "
                        "trace file: its model and prompts are recorded in it); drop them")
-    quiet_libraries(out["verbose"])
-    spec, inputs = shared_inputs(model, prompts, tokens)
-    with Progress(out["quiet"]) as prog:
+    quiet_libraries(out.verbose)
+    spec, inputs = what.resolve()
+    with Progress(out.quiet) as prog:
         prog.step("comparing" if two_traces
                   else f"recording {candidate} with the baseline's model and prompts, then comparing")
-        outcome = jobs.compare(baseline, candidate, spec, inputs, tolerance=tol, fail_fast=fail_fast,
-                               calibrate=calibrate, factor=factor, allow_subset=allow_subset,
-                               allow_identity=allow_identity)
+        outcome = jobs.compare(baseline, candidate, spec, inputs,
+                               judging=replace(judging, tolerance=tol, fail_fast=fail_fast))
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 
 
 @cli.command()
 @click.argument("config", required=False)
 @model_options
-def ledger(config, model, prompts, tokens):
+def ledger(config, what):
     """Print the shape ledger of contract §2.8 for CONFIG's model and inputs (one table per prefill call).
 
     With no CONFIG (and no --model) it shows the seed's table: model seed-2.8, one 12-token
@@ -394,7 +391,7 @@ def ledger(config, model, prompts, tokens):
     from ..engine.native.ledger import ledger as build
     from ..engine.prepared import default_token_ids, prepare
     from ..engine.models.spec import ModelSpec
-    spec, inputs = shared_inputs(model, prompts, tokens)
+    spec, inputs = what.resolve()
     if config is None:
         spec = spec or ModelSpec("seed-2.8")
         if inputs is None and spec.source == "seed-2.8":

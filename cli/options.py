@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import click
 
@@ -10,6 +11,8 @@ from ..engine.models import budget
 from ..engine.shared.errors import ConfigError
 from ..engine.shared.untrusted import check_int64
 from ..engine.models.spec import ModelSpec
+from .jobs import Judging, Tolerance
+from .outputs import Reports
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
 
@@ -83,7 +86,10 @@ model_cache_option = click.option(
 
 def model_options(f):
     """--model, --prompt, --tokens: *what* to prefill (in run and compare, for both sides) unless a config sets
-    its own."""
+    its own, as one ``what`` (Prefilled)."""
+    @functools.wraps(f)
+    def collect(*args, model, prompts, tokens, **kw):
+        return f(*args, what=Prefilled(model, prompts, tokens), **kw)
     return _compose(
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
@@ -98,19 +104,20 @@ def model_options(f):
         click.option("--tokens", "tokens", multiple=True, metavar="IDS",
                      help="A prompt as comma-separated token ids (repeatable), e.g. --tokens 5,6,7."),
         section="Model and prompts",
-    )(f)
+    )(collect)
 
 
 def tolerance_options(f):
-    """--policy, --atol, --rtol, --ntol, --row-rtol, --tolerance: the declared tolerance, as one ``tol`` dict.
+    """--policy, --atol, --rtol, --ntol, --row-rtol, --tolerance: the declared tolerance, as one ``tol``
+    (cli/jobs.py: Tolerance).
 
     An element passes when |cand - ref| <= atol + rtol·|ref| + ntol·rms(ref row), or when its whole
     row is within row_rtol relative L2 error.
     """
     @functools.wraps(f)
     def collect(*args, policy, atol, rtol, ntol, row_rtol, tolerance_file, **kw):
-        return f(*args, tol=dict(policy=policy, atol=atol, rtol=rtol, ntol=ntol, row_rtol=row_rtol,
-                                 tolerance_file=tolerance_file), **kw)
+        return f(*args, tol=Tolerance(policy=policy, atol=atol, rtol=rtol, ntol=ntol, row_rtol=row_rtol,
+                                      tolerance_file=tolerance_file), **kw)
     return _compose(
         click.option("--policy", default=None, metavar="DTYPE",
                      help="Tolerance policy by dtype: float64, float32, bfloat16, float16, int8 "
@@ -131,12 +138,12 @@ def tolerance_options(f):
 def report_options(f):
     """--json, --junit, --markdown, --plot, -q, -v, --layers, --strict: where the verdict goes and how much of it.
 
-    They reach the command as one ``out`` dict (json, junit, markdown, plot, quiet, verbose, layers, strict).
+    They reach the command as one ``out`` (cli/outputs.py: Reports).
     """
     @functools.wraps(f)
     def collect(*args, json_path, junit_path, markdown_path, plot_path, quiet, verbose, layers, strict, **kw):
-        return f(*args, out=dict(json=json_path, junit=junit_path, markdown=markdown_path, plot=plot_path,
-                                 quiet=quiet, verbose=verbose, layers=layers, strict=strict), **kw)
+        return f(*args, out=Reports(json=json_path, junit=junit_path, markdown=markdown_path, plot=plot_path,
+                                    quiet=quiet, verbose=verbose, layers=layers, strict=strict), **kw)
     return _compose(
         click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
                      metavar="FILE", help="Write the JSON report to FILE ('-' for stdout)."),
@@ -168,7 +175,12 @@ def report_options(f):
 
 def calibration_options(f):
     """--calibrate/--no-calibrate, --noise-factor, --allow-subset, --allow-identity-difference: how a candidate is
-    held to the reference."""
+    held to the reference, as one ``judging`` (cli/jobs.py: Judging; its tolerance and fail_fast are the
+    command's to add)."""
+    @functools.wraps(f)
+    def collect(*args, calibrate, factor, allow_subset, allow_identity, **kw):
+        return f(*args, judging=Judging(calibrate=calibrate, factor=factor, allow_subset=allow_subset,
+                                        allow_identity=allow_identity), **kw)
     return _compose(
         click.option("--calibrate/--no-calibrate", "calibrate", default=None,
                      help="Judge values against measured noise: also record the reference's path in float64 (the "
@@ -186,7 +198,7 @@ def calibration_options(f):
                      help="Compare two different models on purpose: a difference of weights, RoPE, norm, "
                           "activation, biases, tied embeddings or adapter is a note, not a failure."),
         section="Calibration",
-    )(f)
+    )(collect)
 
 
 def as_given(arg: str) -> str:
@@ -197,6 +209,22 @@ def as_given(arg: str) -> str:
         return os.fsencode(arg).decode("utf-8")
     except (UnicodeError, ValueError):
         return arg
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What --model, --prompt and --tokens ask to prefill, as given (``resolve()`` checks and builds it)."""
+    model: str | None = None
+    prompts: tuple = ()
+    tokens: tuple = ()
+
+    def given(self) -> list[str]:
+        """The options given, by name."""
+        return [f for f, v in (("--model", self.model), ("--prompt", self.prompts), ("--tokens", self.tokens)) if v]
+
+    def resolve(self):
+        """(ModelSpec or None, Inputs or None)."""
+        return shared_inputs(self.model, self.prompts, self.tokens)
 
 
 def shared_inputs(model, prompts, tokens):

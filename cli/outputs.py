@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import click
 
@@ -24,20 +24,34 @@ EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 STDOUT_REPORTS = ("json", "junit", "markdown")  # the reports that '-' sends to stdout
 
 
-def check_outputs(out: dict) -> None:
+@dataclass(frozen=True)
+class Reports:
+    """Where a verdict goes and how much of it: the report options (--json, --junit, --markdown: a file or '-'
+    for stdout; --plot: a file; -q, -v, --layers, --strict)."""
+    json: str | None = None
+    junit: str | None = None
+    markdown: str | None = None
+    plot: str | None = None
+    quiet: bool = False
+    verbose: bool = False
+    layers: str = "auto"
+    strict: bool = False
+
+
+def check_outputs(out: Reports) -> None:
     """Report paths that can be found bad before any model loads: two reports on stdout, unwritable paths."""
-    on_stdout = [f"--{k} -" for k in STDOUT_REPORTS if out[k] == "-"]
+    on_stdout = [f"--{k} -" for k in STDOUT_REPORTS if getattr(out, k) == "-"]
     if len(on_stdout) > 1:
         raise PrefillDiffError(f"{' and '.join(on_stdout)} all ask for stdout; send all but one of them to a file"
                                if len(on_stdout) > 2 else
                                f"{' and '.join(on_stdout)} both ask for stdout; send one of them to a file")
-    _check_reports(out["json"], out["junit"], out["plot"])
-    check_output_file(out["markdown"], "--markdown (the Markdown report)")
+    _check_reports(out.json, out.junit, out.plot)
+    check_output_file(out.markdown, "--markdown (the Markdown report)")
 
 
-def stdout_taken(out: dict) -> bool:
+def stdout_taken(out: Reports) -> bool:
     """A machine report goes to stdout ('-'): the human report is not printed, nothing else is written there."""
-    return any(out[k] == "-" for k in STDOUT_REPORTS)
+    return any(getattr(out, k) == "-" for k in STDOUT_REPORTS)
 
 
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -96,41 +110,41 @@ def check_out_dir(out_dir) -> None:
     writable_dir(out_dir, f"traces into --out {out_dir}")
 
 
-def emit(report, out: dict, console, not_reached=()) -> int:
+def emit(report, out: Reports, console, not_reached=()) -> int:
     """Write machine reports, print the human one on ``console``; returns the exit status of the verdict.
 
     ``not_reached``: layers a --fail-fast run never compared (JUnit marks them skipped). Under ``--strict`` the
     report itself holds an INCONCLUSIVE pass as a failure, so every format says the same verdict.
     """
-    report = replace(report, strict=bool(out["strict"]))
+    report = replace(report, strict=bool(out.strict))
     write_reports(report, out, not_reached)
     github_actions(report, out)
-    if out["plot"]:
-        plot_errors(report, out["plot"])
+    if out.plot:
+        plot_errors(report, out.plot)
     if not stdout_taken(out):
-        if out["quiet"]:
+        if out.quiet:
             print_line(console, verdict_text(report), (" | ",))
         else:
-            print_report(console, report, which=out["layers"], verbose=out["verbose"])
+            print_report(console, report, which=out.layers, verbose=out.verbose)
     if report.incomparable:
         return EXIT_BAD_INPUT  # incomparable traces (docs/report-format.md): reported, not a tolerance verdict
     return EXIT_PASS if report else EXIT_FAIL
 
 
-def write_reports(report, out: dict, not_reached=()) -> None:
+def write_reports(report, out: Reports, not_reached=()) -> None:
     """--json, --junit and --markdown, each to its file or ('-') to stdout."""
-    if out["json"] == "-":
+    if out.json == "-":
         click.echo(report.to_json())
-    elif out["json"]:
-        write_text(out["json"], report.to_json())
-    if out["junit"] == "-":
+    elif out.json:
+        write_text(out.json, report.to_json())
+    if out.junit == "-":
         click.echo(xml_for_stdout(to_junit(report, not_reached=not_reached)), nl=False)
-    elif out["junit"]:
-        write_text(out["junit"], to_junit(report, not_reached=not_reached))
-    if out["markdown"] == "-":
-        click.echo(markdown(report, out["layers"]), nl=False)
-    elif out["markdown"]:
-        write_text(out["markdown"], markdown(report, out["layers"]))
+    elif out.junit:
+        write_text(out.junit, to_junit(report, not_reached=not_reached))
+    if out.markdown == "-":
+        click.echo(markdown(report, out.layers), nl=False)
+    elif out.markdown:
+        write_text(out.markdown, markdown(report, out.layers))
 
 
 def markdown(report, which: str = "auto") -> str:
@@ -138,14 +152,14 @@ def markdown(report, which: str = "auto") -> str:
     return to_markdown(report, shown=shown_layers(report, which), columns=[name for name, _, _ in COLUMNS])
 
 
-def github_actions(report, out: dict) -> None:
+def github_actions(report, out: Reports) -> None:
     """On GitHub Actions: the Markdown report appended to $GITHUB_STEP_SUMMARY, and an ``::error`` line for a
     failed verdict (on stdout, where the runner reads commands; on stderr when stdout carries a report)."""
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary:
         try:
             with open(summary, "a", encoding="utf-8") as f:
-                f.write(markdown(report, out["layers"]) + "\n")
+                f.write(markdown(report, out.layers) + "\n")
         except OSError as e:  # the verdict still stands: say so on stderr, never lose the exit status
             click.echo(f"warning: cannot append the step summary to {visible(summary)} ({e.strerror})", err=True)
     line = workflow_error(report) if os.environ.get("GITHUB_ACTIONS") == "true" else None

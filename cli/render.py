@@ -15,7 +15,6 @@ import datetime
 import io
 import math
 import re
-import time
 
 from rich import box
 from rich.cells import cell_len

@@ -17,7 +17,7 @@ F32 = {"dtype": "float32", "weight_quant": "none", "cache_dtype": "float32"}
 def traces(tmp_path_factory):
     d = tmp_path_factory.mktemp("jobs")
     paths = {"tight": str(d / "tight.h5"), "plain": str(d / "plain.h5"), "cand": str(d / "cand.h5")}
-    jobs.record("reference", paths["tight"], tolerance={"atol": 1e-12, "rtol": 0.0})
+    jobs.record("reference", paths["tight"], tolerance=jobs.Tolerance(atol=1e-12, rtol=0.0))
     jobs.record("reference", paths["plain"])
     jobs.record("batched-left", paths["cand"])
     return paths
@@ -27,7 +27,7 @@ def test_the_policy_is_the_flags_else_the_baseline_declaration_else_the_dtype_de
     """batched-left differs from reference by ~1e-6: a baseline declaring atol 1e-12 must fail it."""
     default = jobs.compare(traces["plain"], traces["cand"]).report
     declared = jobs.compare(traces["tight"], traces["cand"]).report
-    flags = jobs.compare(traces["tight"], traces["cand"], tolerance={"atol": 1e-3, "rtol": 0.0}).report
+    flags = jobs.compare(traces["tight"], traces["cand"], judging=jobs.Judging(jobs.Tolerance(atol=1e-3, rtol=0.0))).report
     assert default and flags, (default.verdict_line(), flags.verdict_line())
     assert not declared and declared.first_break.kind == "value", declared.verdict_line()
     assert declared.policy.sources["atol"] == "baseline trace"
@@ -55,10 +55,10 @@ def test_an_outcome_and_its_report_print_as_their_verdict(traces):
 
 
 def test_fail_fast_stops_at_the_first_break_and_says_which_layers_were_not_reached():
-    out = jobs.run("reference", "fault:gqa-mapping", fail_fast=True)
+    out = jobs.run("reference", "fault:gqa-mapping", judging=jobs.Judging(fail_fast=True))
     assert not out.report and out.report.first_break.layer == 0
     assert out.not_reached == [1, 2, 3]
-    assert jobs.run("reference", "batched-left", fail_fast=True).not_reached == []
+    assert jobs.run("reference", "batched-left", judging=jobs.Judging(fail_fast=True)).not_reached == []
 
 
 def test_compare_records_a_preset_with_the_baselines_model_and_prompts(traces):
@@ -136,5 +136,5 @@ def test_run_refuses_sides_that_prefill_different_prompts_before_either_runs():
 
 def test_a_bad_declared_tolerance_is_refused_before_anything_is_recorded(tmp_path):
     with pytest.raises(ConfigError):
-        jobs.record("reference", str(tmp_path / "x.h5"), tolerance={"atol": -1.0})
+        jobs.record("reference", str(tmp_path / "x.h5"), tolerance=jobs.Tolerance(atol=-1.0))
     assert not os.listdir(tmp_path)

@@ -714,7 +714,8 @@ def calibrated_failure(tmp_path_factory):
     from prefill_diff.cli.jobs import run as run_pair
     cand = tmp_path_factory.mktemp("cal") / "rope.toml"
     cand.write_text('[model]\nrope_theta = 20000.0\n[run]\ndtype = "bfloat16"\n')
-    rep = run_pair("reference", str(cand), allow_identity=True).report
+    from prefill_diff.cli.jobs import Judging
+    rep = run_pair("reference", str(cand), judging=Judging(allow_identity=True)).report
     assert rep.policy.calibration is not None and not rep
     return rep
 

@@ -1,0 +1,1 @@
+"""Unit tests, one file per module."""

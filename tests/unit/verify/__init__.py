@@ -1,0 +1,1 @@
+"""Unit tests of verify/, one file per module."""
