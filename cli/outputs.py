@@ -5,23 +5,22 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import click
 
 from ..dumps.recorder import TraceExistsError
 from ..engine.shared.errors import PrefillDiffError
 from ..engine.shared.untrusted import check_name_length, partial_sibling, visible
-from ..verify.github import workflow_error
-from ..verify.junit import to_junit
-from ..verify.markdown import to_markdown
-from ..verify.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
+from ..verify.formats.github import workflow_error
+from ..verify.formats.json_report import to_json
+from ..verify.formats.junit import to_junit
+from ..verify.formats.markdown import to_markdown
+from ..verify.formats.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
 from .render import COLUMNS, print_line, print_report, shown_layers, verdict_text
 from .terminal import xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-
-
-STDOUT_REPORTS = ("json", "junit", "markdown")  # the reports that '-' sends to stdout
 
 
 @dataclass(frozen=True)
@@ -38,6 +37,35 @@ class Reports:
     strict: bool = False
 
 
+@dataclass(frozen=True)
+class Format:
+    """A report written as text to a file, or ('-') to stdout: its option, its name in messages, its text
+    (from the report, the report options and the layers a --fail-fast run never reached) and how that text
+    goes to stdout."""
+    option: str
+    what: str
+    text: Callable
+    for_stdout: Callable[[str], str] = lambda text: text
+
+
+def markdown(report, which: str = "auto") -> str:
+    """The Markdown report with the layer rows and columns the terminal shows (--layers)."""
+    return to_markdown(report, shown=shown_layers(report, which), columns=[name for name, _, _ in COLUMNS])
+
+
+# Every text report, by its field of Reports: the one dispatch (the plot is a picture: --plot, a file only; the
+# terminal's report is printed by emit)
+FORMATS = {
+    "json": Format("--json", "the JSON report", lambda report, out, not_reached: to_json(report),
+                   lambda text: text + "\n"),
+    "junit": Format("--junit", "the JUnit report",
+                    lambda report, out, not_reached: to_junit(report, not_reached=not_reached), xml_for_stdout),
+    "markdown": Format("--markdown", "the Markdown report",
+                       lambda report, out, not_reached: markdown(report, out.layers)),
+}
+STDOUT_REPORTS = tuple(FORMATS)  # the reports that '-' sends to stdout
+
+
 def check_outputs(out: Reports) -> None:
     """Report paths that can be found bad before any model loads: two reports on stdout, unwritable paths."""
     on_stdout = [f"--{k} -" for k in STDOUT_REPORTS if getattr(out, k) == "-"]
@@ -45,8 +73,9 @@ def check_outputs(out: Reports) -> None:
         raise PrefillDiffError(f"{' and '.join(on_stdout)} all ask for stdout; send all but one of them to a file"
                                if len(on_stdout) > 2 else
                                f"{' and '.join(on_stdout)} both ask for stdout; send one of them to a file")
-    _check_reports(out.json, out.junit, out.plot)
-    check_output_file(out.markdown, "--markdown (the Markdown report)")
+    for key, fmt in FORMATS.items():
+        check_output_file(getattr(out, key), f"{fmt.option} ({fmt.what})")
+    _check_plot(out.plot)
 
 
 def stdout_taken(out: Reports) -> bool:
@@ -88,9 +117,7 @@ def check_output_file(path, what: str, force: bool = True) -> None:
     writable_dir(os.path.dirname(os.path.abspath(path)), f"{what} {path}")
 
 
-def _check_reports(json_path, junit_path, plot_path) -> None:
-    check_output_file(json_path, "--json (the JSON report)")
-    check_output_file(junit_path, "--junit (the JUnit report)")
+def _check_plot(plot_path) -> None:
     if plot_path is not None:
         ext = os.path.splitext(str(plot_path))[1].lower()
         if ext not in PLOT_FORMATS:
@@ -132,24 +159,16 @@ def emit(report, out: Reports, console, not_reached=()) -> int:
 
 
 def write_reports(report, out: Reports, not_reached=()) -> None:
-    """--json, --junit and --markdown, each to its file or ('-') to stdout."""
-    if out.json == "-":
-        click.echo(report.to_json())
-    elif out.json:
-        write_text(out.json, report.to_json())
-    if out.junit == "-":
-        click.echo(xml_for_stdout(to_junit(report, not_reached=not_reached)), nl=False)
-    elif out.junit:
-        write_text(out.junit, to_junit(report, not_reached=not_reached))
-    if out.markdown == "-":
-        click.echo(markdown(report, out.layers), nl=False)
-    elif out.markdown:
-        write_text(out.markdown, markdown(report, out.layers))
-
-
-def markdown(report, which: str = "auto") -> str:
-    """The Markdown report with the layer rows and columns the terminal shows (--layers)."""
-    return to_markdown(report, shown=shown_layers(report, which), columns=[name for name, _, _ in COLUMNS])
+    """Every text report asked for (FORMATS), each to its file or ('-') to stdout."""
+    for key, fmt in FORMATS.items():
+        dest = getattr(out, key)
+        if not dest:
+            continue
+        text = fmt.text(report, out, not_reached)
+        if dest == "-":
+            click.echo(fmt.for_stdout(text), nl=False)
+        else:
+            write_text(dest, text)
 
 
 def github_actions(report, out: Reports) -> None:

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from ..dumps.schema import LAYER_TENSORS
 from ..engine.shared.untrusted import visible
-from ..verify.markdown import fmt_error
+from ..verify.formats.markdown import fmt_error
 
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
 # (the same name folded at its underscore), priority (lower is dropped last when the width is short).
@@ -129,11 +129,6 @@ def header_text(report) -> Text:
 
 
 # -- fitting tables to the width -------------------------------------------------------------------
-
-def _cell_width(cell) -> int:
-    s = cell.plain if isinstance(cell, Text) else str(cell)
-    return max((len(line) for line in s.split("\n")), default=0)
-
 
 def fitted_table(columns, rows, width: int, **table_kw):
     """A table of ``columns`` = [(header, justify, priority)] that fits ``width`` without cutting a cell.
@@ -426,11 +421,6 @@ def print_report(console, report, which: str = "auto", verbose: bool = False) ->
             print_line(console, part)
         else:
             console.print(part)
-
-
-def report_renderable(report, width: int = 120, which: str = "auto", verbose: bool = False):
-    """The report as one renderable (tests, embedding); commands use print_report, which never wraps lines."""
-    return Group(*(part for part, _ in report_parts(report, width, which, verbose)))
 
 
 # -- ledger ---------------------------------------------------------------------------------------

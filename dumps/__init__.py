@@ -3,8 +3,8 @@
 Importing this package does not import torch.
 """
 from .reader import Trace, TraceError
-from .recorder import Recorder, RecorderError, TraceExistsError, TraceWriter
+from .recorder import Recorder, RecorderError, TraceExistsError
 from .schema import FORMAT_NAME, FORMAT_VERSION
 
-__all__ = ["Recorder", "RecorderError", "TraceExistsError", "TraceWriter", "Trace", "TraceError", "FORMAT_NAME",
+__all__ = ["Recorder", "RecorderError", "TraceExistsError", "Trace", "TraceError", "FORMAT_NAME",
            "FORMAT_VERSION"]

@@ -132,7 +132,6 @@ def either(*checks, rule: str):
 
 # -- the schema ----------------------------------------------------------------------------------------------
 
-_POS = integer(1, INT64[1])
 # engine.native.model.ModelArgs, field by field (a test checks that the names agree). Upper bounds are far beyond any
 # real model; memory is checked separately, before anything is allocated.
 MODEL_ARGS = {

@@ -100,11 +100,6 @@ def annotate(f: h5py.File, args, rank: int, world: int, ranges: dict | None = No
 
 # -- reading ---------------------------------------------------------------------------------------
 
-def _attr(ds, key, default=None):
-    v = ds.attrs.get(key, default)
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class RankTrace(Trace):
     """A directory of rank traces, read as one logical trace (see the module docstring)."""
 

@@ -76,7 +76,7 @@ import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import h5py
 import numpy as np
@@ -645,28 +645,6 @@ def _gather(x, rows: np.ndarray, channels: np.ndarray, heads: int | None = None)
         D = a.shape[2]
         got = a[channels // D, rows[:, None], channels % D]  # slot row r, channel c = head·D + d
     return widen_bfloat16(got) if bf16 else got
-
-
-class TraceWriter(Protocol):
-    """The interface through which a trace is written, in trace coordinates (sample, stored column): what
-    ``Recorder`` implements, in a file or in memory, for a whole run or one tensor-parallel rank. (An engine
-    reports in its own forward coordinates, (batch row, column); engine.prepared.Placement maps those onto
-    these calls.) The order: ``begin``; then ``inputs``, ``state``, ``cache`` and ``layer_done`` per layer;
-    ``final`` per sample; ``update_meta`` at any time after ``begin``; ``close`` or ``abort``. A layer's statistics,
-    cache positions and sampled values, the inputs and the final outputs are kept in memory until ``close``;
-    ``flush`` writes them for a reader of the file being recorded."""
-
-    def begin(self, samples, n_cols: int, meta: dict) -> None: ...
-    def inputs(self, sample: int, col: int, ids, valid, positions, token_index) -> None: ...
-    def state(self, layer: int, name: str, sample: int, col: int, x) -> None: ...
-    def cache(self, layer: int, sample: int, keys, values, positions) -> None: ...
-    def layer_done(self, layer: int) -> None: ...
-    def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None: ...
-    def final_top_ids(self) -> list[int]: ...
-    def flush(self) -> None: ...
-    def update_meta(self, **items) -> None: ...
-    def close(self) -> None: ...
-    def abort(self) -> None: ...
 
 
 @dataclass

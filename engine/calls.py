@@ -13,7 +13,7 @@ import torch
 
 from .coords import TraceRun
 from .native.faults import Faults
-from .trace_recorder import TraceRecorder
+from .shared.trace_recorder import TraceRecorder
 
 
 class Placement:

@@ -14,7 +14,7 @@ import torch
 
 from .config import describe
 from .native.model import longrope_switch, rope_attention_factor, rope_inv_freq
-from .trace_recorder import TraceRecorder
+from .shared.trace_recorder import TraceRecorder
 from .prepared import Prepared
 
 def execute(prep: Prepared, recorder: TraceRecorder):

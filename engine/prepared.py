@@ -8,7 +8,6 @@ engine/registry.py): ``check`` refuses what the engine cannot run, ``plan`` make
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 import torch

@@ -184,7 +184,7 @@ def environment_read() -> set:
     """Every environment variable the package's code reads (not those it only sets for libraries)."""
     names = set()
     for pkg in ("cli", "engine", "dumps", "verify"):
-        for f in (ROOT / pkg).glob("*.py"):
+        for f in (ROOT / pkg).rglob("*.py"):
             code = f.read_text(encoding="utf-8")
             names |= set(re.findall(r'environ(?:\.get\(|\[)\s*["\']([A-Z][A-Z0-9_]+)["\'](?!\]\s*=[^=])', code))
             names |= set(re.findall(r'^[A-Z_]+ = "([A-Z][A-Z0-9_]+)"$', code, re.M))  # ENV = "PREFILL_DIFF_…"

@@ -11,7 +11,7 @@ from prefill_diff.engine.prepared import prepare
 
 
 class TraceCapture:
-    """A TraceRecorder (engine/trace_recorder.py) that keeps what it is given, in trace coordinates."""
+    """A TraceRecorder (engine/shared/trace_recorder.py) that keeps what it is given, in trace coordinates."""
 
     def __init__(self):
         self.meta, self.states, self.caches, self.finals = {}, {}, {}, {}

@@ -18,7 +18,8 @@ ORDER = ("engine", "dumps", "verify", "cli")  # the data flow; a package may imp
 # the shared leaf, which imports nothing of ours but itself: the error classes, the handling of untrusted input and the
 # precisions' names (the engine modules dumps and verify may import)
 SHARED = "engine.shared"
-LEAVES = (SHARED, "engine.shared.errors", "engine.shared.untrusted", "engine.shared.precisions")
+LEAVES = (SHARED, "engine.shared.errors", "engine.shared.untrusted", "engine.shared.precisions",
+          "engine.shared.trace_recorder")
 THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf", "vllm")  # never imported by dumps or verify
 VLLM_WORKER = "engine.foreign.vllm_worker"  # runs in vLLM's own environment, as a script: the one module that imports vllm
 

@@ -10,8 +10,8 @@ from markdown_it import MarkdownIt
 
 from prefill_diff.cli.outputs import markdown
 from prefill_diff.verify.breaks import Break
-from prefill_diff.verify.github import workflow_error
-from prefill_diff.verify.markdown import md, to_markdown
+from prefill_diff.verify.formats.github import workflow_error
+from prefill_diff.verify.formats.markdown import md, to_markdown
 
 HOSTILE = "a | b `c` <script>&amp; *d* [e](f) $x$ ~~s~~\n# heading\r\n::warning::x %0A, @user"
 

@@ -304,7 +304,7 @@ def test_an_unreplayed_flip_fails_the_junit_gate_and_says_why(near_tie, tmp_path
               any(getattr(x, "type", None) == "inconclusive" for x in case.result)]
     assert failed == ["routing"], failed
     from prefill_diff.dumps.reader import Trace as T
-    from prefill_diff.verify.github import workflow_error
+    from prefill_diff.verify.formats.github import workflow_error
     with T(r) as a, T(c) as b:
         rep = compare_traces(a, b)
     line = workflow_error(rep)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from prefill_diff.verify.formats.json_report import to_json
 from prefill_diff.cli.render import BAD, layer_table, print_report, shown_layers
 
 ENV = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
@@ -285,7 +286,7 @@ def test_fail_fast_says_what_it_did_not_compare_and_that_its_sides_were_in_memor
 def test_junit_hint_only_on_the_first_break_and_later_failures_cite_it(reports):
     """fault:gqa-mapping breaks every layer: each stays a failure (CI counts them); only the first explains."""
     from junitparser import Failure, JUnitXml
-    from prefill_diff.verify.junit import to_junit
+    from prefill_diff.verify.formats.junit import to_junit
     rep = reports["fault:gqa-mapping"]
     suites = JUnitXml.fromstring(to_junit(rep))
     failures = {c.name: r for s in suites for c in s for r in c.result if isinstance(r, Failure)}
@@ -331,7 +332,7 @@ def test_junit_fails_a_final_break_that_no_candidate_check_carries(reports):
     from dataclasses import replace
     from junitparser import Failure, JUnitXml
     from prefill_diff.verify.breaks import Break
-    from prefill_diff.verify.junit import to_junit
+    from prefill_diff.verify.formats.junit import to_junit
     twin = Break(stage="final", kind="value", check="numerics", tensor="logits", message="the twin breaks")
     for b in (twin, replace(twin, tensor="some_new_tensor")):
         rep = replace(reports["batched-left"], first_break=b)
@@ -656,7 +657,7 @@ def test_an_internal_error_line_on_an_ascii_stderr(monkeypatch):
 # -- the plot's data ------------------------------------------------------------------------------
 
 def test_plot_data_keeps_zeros_and_draws_them_below_the_scale(reports):
-    from prefill_diff.verify.plot import baseline, cache_breaks, plot_data
+    from prefill_diff.verify.formats.plot import baseline, cache_breaks, plot_data
     rep = reports["fault:gqa-mapping"]
     d = plot_data(rep)
     assert d["cache_keys"]["max_abs"][0] == 0.0  # an exact zero stays zero (drawn on the baseline)
@@ -689,7 +690,7 @@ def test_bound_floor_is_atol_plus_ntol_times_the_smallest_row_rms(tmp_path):
 
 
 def test_plot_is_written_for_a_break_and_a_pass(reports, tmp_path):
-    from prefill_diff.verify.plot import plot_errors
+    from prefill_diff.verify.formats.plot import plot_errors
     for name, rep in reports.items():
         path = tmp_path / f"{name.replace(':', '_')}.png"
         plot_errors(rep, str(path))
@@ -724,7 +725,7 @@ def test_calibrated_failures_are_marked_in_the_final_table_and_counted_in_the_js
     rep = calibrated_failure
     logits = rep.final.tensor("logits")
     assert not logits and logits.n_bad == 0 and logits.calib.bad_rows > 0  # no element rule: rows are judged
-    js = json.loads(rep.to_json())["final"]["tensors"]["logits"]
+    js = json.loads(to_json(rep))["final"]["tensors"]["logits"]
     assert js["passed"] is False and js["n_bad"] == logits.calib.bad_rows and js["n_bad_unit"] == "rows"
     assert js["bad_samples"] == list(logits.calib.bad_samples) and js["bad_samples"]
     text = render(rep, 120)
@@ -736,7 +737,7 @@ def test_calibrated_failures_are_marked_in_the_final_table_and_counted_in_the_js
 def test_the_plot_of_a_calibrated_verdict_draws_the_calibrated_allowance(calibrated_failure, tmp_path,
                                                                           monkeypatch):
     from matplotlib.figure import Figure
-    from prefill_diff.verify.plot import plot_data, plot_errors
+    from prefill_diff.verify.formats.plot import plot_data, plot_errors
     d = plot_data(calibrated_failure)
     k = calibrated_failure.layers[0].tensor("cache_keys").calib
     assert d["cache_keys"]["allowed"] == [None] * 4  # no element bound applies

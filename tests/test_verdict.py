@@ -103,7 +103,7 @@ def test_plot_is_written(run_cli, tmp_path):
 
 def test_plot_marks_exactly_the_points_that_broke_tolerance(reference, tmp_path):
     """The picture agrees with the verdict: a passing run marks nothing, a fault marks its broken tensors."""
-    from prefill_diff.verify.plot import plot_data, plot_errors
+    from prefill_diff.verify.formats.plot import plot_data, plot_errors
     for cand, first in (("bf16", None), ("fault:gqa-mapping", ("attn_update", 0))):
         path = record_side(prepare_side(cand), tmp_path / f"{cand}.h5")
         with Trace(reference) as r, Trace(path) as c:

@@ -5,7 +5,6 @@ stable and documented in docs/report-format.md.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -173,17 +172,6 @@ class Report:
     def _token_fields(self, b: Break) -> dict:
         tok = self.token_at(b.sample, b.position)
         return {"token_id": None if tok is None else tok[0], "token_text": None if tok is None else tok[1]}
-
-    def to_json(self) -> str:
-        return json.dumps(self.as_dict(), indent=2, sort_keys=False, default=_jsonable)
-
-
-def _jsonable(x):
-    try:
-        return float(x)
-    except (TypeError, ValueError):
-        return str(x)
-
 
 def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
     """A side of the report: ``file`` is the name the report shows (None: the trace is gone, or was never

@@ -12,10 +12,10 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from typing import NamedTuple
 
-from ..engine.shared.untrusted import visible
-from . import wording
-from .breaks import Break
-from .report import Report
+from ...engine.shared.untrusted import visible
+from .. import wording
+from ..breaks import Break
+from ..report import Report
 
 NOT_REACHED = "not reached: --fail-fast stopped at the first break"
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 import re
 
-from ..engine.shared.untrusted import visible
-from . import wording
-from .report import Report
+from ...engine.shared.untrusted import visible
+from .. import wording
+from ..report import Report
 
 BAD = "✗"  # an out-of-tolerance value, as the terminal marks it
 # characters that make markup anywhere in a line (emphasis, code, links, tables, strikethrough, math, headings and

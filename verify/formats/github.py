@@ -6,9 +6,9 @@ a trace can neither end the line, start another command, nor close the propertie
 """
 from __future__ import annotations
 
-from ..engine.shared.untrusted import visible
-from .report import Report
-from .wording import break_site
+from ...engine.shared.untrusted import visible
+from ..report import Report
+from ..wording import break_site
 
 
 def escape_data(s: str) -> str:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 
-from ..dumps.schema import TENSOR
-from ..engine.shared.errors import PrefillDiffError
-from ..engine.shared.untrusted import visible
-from .report import Report
+from ...dumps.schema import TENSOR
+from ...engine.shared.errors import PrefillDiffError
+from ...engine.shared.untrusted import visible
+from ..report import Report
 
 # the tensors drawn, each labelled by its words in the vocabulary
 SERIES = tuple((n, TENSOR[n].words) for n in ("attn_update", "mlp_update", "layer_output", "cache_keys",
