@@ -6,7 +6,6 @@ import pytest
 
 from prefill_diff.verify.calibrate import Calibration
 from prefill_diff.verify.full import compare_full_state
-from prefill_diff.verify.tolerance import Tolerance
 
 from ._traces import DIM, HEAD_DIM, N_HEADS, TOL, context, element_rule, make_spec, policy, record
 
