@@ -189,6 +189,7 @@ def _packed_trace_cells(call):
 
 
 def test_placement_inputs_write_each_run_at_its_trace_columns(packed_call):
+    """inputs: each packed sample's ids, validity, positions and token indices land at its own trace columns from 0."""
     call = packed_call
     log = TraceLog()
     tok = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]])
@@ -224,8 +225,29 @@ def test_placement_state_beyond_every_run_writes_nothing():
     assert log.states == {}
 
 
+def test_placement_offsets_a_run_that_starts_inside_its_sample():
+    """A run whose cells hold its sample from trace column t0 on (not 0) is written from there: call column c
+    lands at trace column t0 + c - c0, for states, inputs and the gathered column alike."""
+    run = TraceRun(row=1, c0=2, c1=6, sample=4, t0=3)
+    log = TraceLog()
+    place = Placement(log, [run], [4])
+    x = torch.randn(2, 8, 3)
+    place.state(0, "mid", x[:, :5], 0)
+    place.state(0, "mid", x[:, 5:], 5)
+    assert sorted(log.states) == [(0, "mid", 4, t) for t in range(3, 7)]
+    for c in range(2, 6):
+        assert torch.equal(log.states[(0, "mid", 4, 3 + c - 2)], x[1, c])
+    ids = torch.arange(16).view(2, 8)
+    place.inputs(ids, torch.ones(2, 8), ids + 100, ids + 200, torch.zeros(2, 8))
+    assert log.inputs_ == {(4, 3 + c - 2): (int(ids[1, c]), 1, int(ids[1, c]) + 100, int(ids[1, c]) + 200)
+                           for c in range(2, 6)}
+    place.final(0, torch.zeros(3), torch.zeros(5), (1, 5), 9)
+    assert log.finals[4][2] == 3 + 5 - 2
+
+
 @pytest.mark.parametrize("with_logits", [False, True])
 def test_placement_routing_maps_cells_like_states(packed_call, with_logits):
+    """routing: each cell's experts, weights, margin, scale (and logits when given) land at the state's trace cell."""
     call = packed_call
     n, k, E = call.ids.shape[1], 2, 4
     ids = torch.randint(0, E, (1, n, k))
@@ -295,6 +317,7 @@ def test_call_routing_renames_samples_to_sequences_and_drops_other_samples():
 
 
 def test_forced_list_is_sorted_by_layer_sample_and_token():
+    """The forced cells are listed by layer, then sample, then token, experts as lists."""
     got = forced_list(FORCED)
     cells = [(layer, s, t, ids) for layer, c in FORCED.items() for (s, t), ids in c.items()]
     cells.sort(key=lambda x: (x[0], x[1], x[2]))

@@ -33,6 +33,7 @@ def refused(rule, fn, *args):
 @settings(max_examples=examples(80), deadline=None)
 @given(st.data())
 def test_ids_refused_exactly_when_a_valid_cell_is_outside_the_vocabulary(data):
+    """(1) against a naive scan: refused iff a valid cell holds an id outside [0, V), naming the first such cell."""
     B, n, V = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 5)), data.draw(st.integers(1, 8))
     ids = torch.tensor(data.draw(st.lists(st.lists(st.integers(-3, V + 2), min_size=n, max_size=n),
                                           min_size=B, max_size=B)))
@@ -48,6 +49,7 @@ def test_ids_refused_exactly_when_a_valid_cell_is_outside_the_vocabulary(data):
 
 
 def test_ids_under_padding_are_not_checked():
+    """(1) looks at valid cells only: any value under padding is accepted."""
     ids = torch.tensor([[-7, 1000, 3]])
     assert contract.check_ids(ids, torch.tensor([[False, False, True]]), 4) is None
     refused("2.1(1)", contract.check_ids, ids, torch.tensor([[False, True, True]]), 4)
@@ -57,6 +59,7 @@ def test_ids_under_padding_are_not_checked():
                                        "and fail later in the embedding with a RuntimeError, not a precondition "
                                        "(check_positions refuses non-integer positions)")
 def test_non_integer_ids_are_refused_as_precondition_1():
+    """(1) a fractional id is no id of the vocabulary: refused as 2.1(1)."""
     with pytest.raises(PreconditionError, match=r"2\.1\(1\)"):
         contract.check_ids(torch.tensor([[1.0, 2.5]]), torch.tensor([[True, True]]), 10)
 
@@ -64,6 +67,7 @@ def test_non_integer_ids_are_refused_as_precondition_1():
 # -- (2) the validity mask ------------------------------------------------------------------------------------
 
 def test_mask_accepted_returns_it_as_bool():
+    """(2) a 0/1 mask as int, float or bool is accepted and returned as G, bool."""
     for mask in (torch.tensor([[0, 1, 1], [1, 1, 1]]), torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]),
                  torch.tensor([[False, True, True], [True, True, True]])):
         got = contract.check_mask(torch.zeros(2, 3, dtype=torch.long), mask)
@@ -78,11 +82,13 @@ def test_mask_accepted_returns_it_as_bool():
     ((2, 3), torch.ones(3, 2), "got mask [3, 2], ids [2, 3]"),
 ])
 def test_mask_and_ids_of_the_wrong_shape_are_refused(ids_shape, mask, words):
+    """(2) ids that are not [B, n], or a mask of another shape, are refused with both shapes."""
     assert words in refused("2.1(2)", contract.check_mask, torch.zeros(ids_shape, dtype=torch.long), mask)
 
 
 @pytest.mark.parametrize("value", [2, -1, 0.5, float("nan")])
 def test_mask_values_other_than_0_and_1_are_refused_at_the_first_such_cell(value):
+    """(2) a mask value other than 0 or 1 (NaN included) is refused, naming its cell."""
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 1.0]])
     mask[1, 2] = value
     mask_int = mask.long() if float(value).is_integer() else mask
@@ -91,6 +97,7 @@ def test_mask_values_other_than_0_and_1_are_refused_at_the_first_such_cell(value
 
 
 def test_a_sample_without_valid_tokens_is_refused():
+    """(2) a sample whose mask is all 0 is refused, naming it."""
     msg = refused("2.1(2)", contract.check_mask, torch.zeros(3, 2, dtype=torch.long),
                   torch.tensor([[1, 1], [1, 0], [0, 0]]))
     assert "sample 2 has none" in msg
@@ -177,6 +184,7 @@ def test_positions_refused_exactly_when_out_of_range_or_not_increasing(data):
     (torch.tensor([[0, 1, 2]]), "got [1, 3], ids [1, 2]"),
 ])
 def test_positions_of_another_dtype_or_shape_are_refused(pos, words):
+    """(3) floating or bool positions, or positions of another shape than the ids, are refused."""
     assert words in refused("2.1(3)", contract.check_positions, pos, torch.ones(1, 2, dtype=torch.bool),
                             torch.zeros(1, 2, dtype=torch.long), 10)
 
@@ -189,6 +197,7 @@ def built(args=ARGS):
 
 
 def test_vocab_sizes_accepted_when_they_agree():
+    """(4) embedding and output rows equal vocab_size; a tokenizer as large or smaller (or none) fits."""
     model = built()
     V = ARGS.vocab_size
     for tok in (None, V, V - 5):
@@ -196,6 +205,7 @@ def test_vocab_sizes_accepted_when_they_agree():
 
 
 def test_vocab_sizes_refused_when_embedding_output_or_tokenizer_disagree():
+    """(4) a larger tokenizer, or an embedding or output of other rows than vocab_size, is refused with the sizes."""
     V, d = ARGS.vocab_size, ARGS.dim
     model = built()
     msg = refused("2.1(4)", contract.check_vocab, model, V + 1)
@@ -208,6 +218,7 @@ def test_vocab_sizes_refused_when_embedding_output_or_tokenizer_disagree():
 
 
 def test_inference_mode_refused_only_for_unseeded_dropout_in_training():
+    """(5) refused only in training mode with dropout > 0 and no seed; eval, a seed or no dropout pass."""
     model = built(ARGS.replace(dropout=0.25))
     for training, seed in ((False, None), (False, 3), (True, 3)):
         model.train(training)

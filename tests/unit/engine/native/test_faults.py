@@ -12,7 +12,7 @@ from conftest import Capture, padded
 from prefill_diff.engine.coords import CacheWrite, Cell
 from prefill_diff.engine.models.sources import load_snapshot
 from prefill_diff.engine.models.spec import ModelSpec
-from prefill_diff.engine.native.attention import AttentionMask, get_kernel, standard_head_map
+from prefill_diff.engine.native.attention import AttentionMask, get_kernel
 from prefill_diff.engine.native.faults import (Faults, SkippedKV, gathered_cell, padding_visible_mask,
                                                rewire_heads, skipped_kv_keep)
 from prefill_diff.engine.native.prefill import CacheConfig, Engine, NumericalConfig
@@ -33,6 +33,8 @@ def test_no_fault_by_default_and_faults_are_immutable():
 # -- row 1: the gathered cell ---------------------------------------------------------------------------------
 
 def test_gathered_cell_moves_only_the_column_and_only_under_row_1():
+    """Row 1 moves the gathered cell to the last column of its row; without it (or under other faults) the cell
+    stays."""
     for row in range(3):
         for col in range(6):
             for n in range(col + 1, 8):
@@ -90,7 +92,7 @@ def test_rewire_heads_recomputes_the_rewired_heads_alone():
     q, k, v = torch.randn(B, H, S, D, dtype=torch.float64), torch.randn(B, Hkv, S, D, dtype=torch.float64), \
         torch.randn(B, Hkv, S, D, dtype=torch.float64)
     kernel, mask = get_kernel("eager"), causal_mask(B, S)
-    standard = standard_head_map(H, Hkv)
+    standard = [h * Hkv // H for h in range(H)]  # g(h) = ⌊h·H_kv/H_q⌋
     head_map = [1, 0, 1, 0]  # heads 0 and 3 read the other KV head
     out = kernel(q, k, v, mask)
     before = out.clone()
@@ -105,6 +107,7 @@ def test_rewire_heads_recomputes_the_rewired_heads_alone():
 
 
 def test_rewire_heads_with_the_standard_map_does_nothing():
+    """With the standard map no head is recomputed: the kernel is not called and the output is untouched."""
     calls = []
 
     def spy(*a):
@@ -113,7 +116,7 @@ def test_rewire_heads_with_the_standard_map_does_nothing():
     q, k, v = torch.randn(1, 4, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
     out = torch.randn(1, 4, 3, 4)
     before = out.clone()
-    standard = standard_head_map(4, 2)
+    standard = [0, 0, 1, 1]  # g(h) for 4 query heads over 2 KV heads
     rewire_heads(out, spy, q, k, v, causal_mask(1, 3), list(standard), standard)
     assert calls == [] and torch.equal(out, before)
 
@@ -159,6 +162,7 @@ def test_padding_visible_mask_shows_padding_keys_to_later_valid_queries_only(sen
                                        "row, which has no padding, a sequence sees the tokens of the sequences "
                                        "packed before it, although engine.fault_note says the fault cannot show")
 def test_padding_visible_mask_changes_nothing_in_a_packed_row_without_padding():
+    """Row 5 on a packed row (no padding at all) should see what the correct mask sees."""
     q_tok = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
     q_seq = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
     got = padding_visible_mask(q_tok, q_seq, [[0, 1]], 0, 7, True).visible
