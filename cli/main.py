@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgres
 from ..dumps import native, provenance
 from ..dumps.inspect import summarize
 from ..dumps.rank_merge import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
-from ..dumps.recorder import completed_traces, n_completed, remove_partial_files
+from ..dumps.placement import completed_traces, n_completed, remove_partial_files
 from ..engine.models import model_cache  # light: no torch
 from ..engine.shared.errors import INTERRUPT, PrefillDiffError
 from ..engine.shared.untrusted import visible

@@ -9,7 +9,7 @@ from typing import Callable
 
 import click
 
-from ..dumps.recorder import TraceExistsError
+from ..dumps.placement import TraceExistsError
 from ..engine.shared.errors import PrefillDiffError
 from ..engine.shared.untrusted import check_name_length, partial_sibling, visible
 from ..verify.formats.github import workflow_error

@@ -3,7 +3,8 @@
 Importing this package does not import torch.
 """
 from .reader import Trace, TraceError
-from .recorder import Recorder, RecorderError, TraceExistsError
+from .placement import TraceExistsError
+from .recorder import Recorder, RecorderError
 from .schema import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = ["Recorder", "RecorderError", "TraceExistsError", "Trace", "TraceError", "FORMAT_NAME",

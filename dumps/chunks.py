@@ -6,7 +6,7 @@ reading. When a dataset's bytes are stored as is, a row is just ``nbytes`` bytes
 offset, and ``os.preadv`` puts them straight into the caller's buffer.
 
 Only what HDF5 would read byte for byte is read directly, and only from a file that has passed
-the reader's checks (dumps/reader.py ``check_storage``: no external links, external storage,
+the reader's checks (dumps/file_checks.py ``check_storage``: no external links, external storage,
 virtual datasets or unknown filters) and is open read-only through the default (sec2) driver with
 no user block. Each dataset is checked again before its first direct read: chunked with one
 chunk per row, or contiguous; no filters and no external storage; a native little-endian type

@@ -1,4 +1,5 @@
-"""The schema of a trace's ``meta`` JSON, checked when a trace is opened (docs/trace-format.md).
+"""The schema of a trace's ``meta`` JSON, checked when a trace is opened (docs/trace-format.md), and when it
+is written: the keys an engine must give the recorder, and the same checks on what it will store.
 
 A trace from a stranger is well-formed HDF5 whose metadata may still be wrong: a number where text is
 expected, a list where an object is, an index out of range, two fields that disagree. Every field the
@@ -10,9 +11,12 @@ otherwise); unknown keys are allowed, as a newer 1.x writer may add some. Does n
 """
 from __future__ import annotations
 
+import json
 import math
 
-from .schema import ABSENTABLE, PRECISION_ORDER, TOL_FIELDS, TOL_KINDS
+import numpy as np
+
+from .schema import ABSENTABLE, ACT_DTYPES, PRECISION_ORDER, TOL_FIELDS, TOL_KINDS
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 TEXT_LIMIT = 1 << 16  # characters of one metadata string
@@ -245,3 +249,63 @@ def check_meta_against_file(meta, n_samples: int, lengths) -> None:
         s = o.get("sample")
         if s is not None and s >= n_samples:
             raise MetaError(f"meta.record.reuse[{i}].sample", f"must name one of the {n_samples} samples", s)
+
+
+# -- the write side: what the recorder is given ------------------------------------------------------------
+
+REQUIRED_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
+ENGINE_DTYPES = ACT_DTYPES
+OBJECT_KEYS = ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text",
+               "provenance")
+
+
+class MissingMeta(ValueError):
+    """The metadata an engine passed to the recorder lacks a required key, or holds one of the wrong kind."""
+
+
+def required_args(meta) -> dict:
+    """The trace metadata an engine passes to ``Recorder.begin``; returns model.args. Raises MissingMeta naming
+    the first missing or invalid required key."""
+    if not isinstance(meta, dict):
+        raise MissingMeta(f"meta must be a dict (a JSON object), got {type(meta).__name__}")
+    for key in OBJECT_KEYS:
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            raise MissingMeta(f"meta.{key} must be a dict (a JSON object), got {type(meta[key]).__name__}")
+    args = (meta.get("model") or {}).get("args")
+    if not isinstance(args, dict):
+        raise MissingMeta("meta.model.args is required: a dict with " + ", ".join(REQUIRED_ARGS) +
+                            " (the model's sizes; see the Recorder docstring)")
+    for key in REQUIRED_ARGS:
+        v = args.get(key)
+        if v is None:
+            raise MissingMeta(f"meta.model.args.{key} is required (a positive integer; required: "
+                                f"{', '.join(REQUIRED_ARGS)})")
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise MissingMeta(f"meta.model.args.{key} must be a positive integer (got {v!r})")
+    if args["n_heads"] % args["n_kv_heads"]:
+        raise MissingMeta(f"meta.model.args.n_heads must be a multiple of n_kv_heads (got n_heads="
+                            f"{args['n_heads']}, n_kv_heads={args['n_kv_heads']})")
+    dtype = (meta.get("engine") or {}).get("dtype")
+    if dtype is None:
+        raise MissingMeta("meta.engine.dtype is required: the engine's activation dtype, one of "
+                            f"{', '.join(ENGINE_DTYPES)} (it picks the tolerance policy)")
+    if dtype not in ENGINE_DTYPES:
+        raise MissingMeta(f"meta.engine.dtype must be one of {', '.join(ENGINE_DTYPES)} (got {dtype!r})")
+    if (meta.get("layout") or {}).get("key_rotation", "post") not in ("post", "pre"):
+        raise MissingMeta(f"meta.layout.key_rotation must be 'post' or 'pre' "
+                            f"(got {meta['layout']['key_rotation']!r})")
+    if (meta.get("layout") or {}).get("key_rotation") == "pre":
+        inv = (meta.get("model") or {}).get("rope_inv_freq")
+        if not isinstance(inv, (list, tuple)) or len(inv) != args["head_dim"] // 2:
+            raise MissingMeta(f"meta.model.rope_inv_freq is required with layout.key_rotation 'pre': "
+                                f"{args['head_dim'] // 2} numbers (head_dim/2), got {str(inv)[:40]}")
+    return args
+
+
+def check_as_read(meta: dict, n_samples: int | None = None, lengths=None) -> None:
+    """Refuse metadata the trace's own reader would refuse, checked on the JSON it is stored as (MetaError):
+    the write side and the read side check one schema, so a recorded trace always opens."""
+    stored = json.loads(json.dumps(meta, sort_keys=True, default=str))
+    check_meta(stored)
+    if n_samples is not None:
+        check_meta_against_file(stored, n_samples, lengths)

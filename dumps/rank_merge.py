@@ -285,13 +285,14 @@ class RankTrace(Trace):
             _virtual(out, path, pieces, tuple(shape), ds0)
         stats = [t.f[lg].get(sc.STATS.rel(tensor)) for t in self.ranks]
         if all(s is not None for s in stats):
-            out.create_dataset(sc.STATS.rel(tensor), data=merge_stats([s[()] for s in stats]))
+            merged = merge_stats([s[()] for s in stats])
+            sc.STATS.create(out, {"S": merged.shape[0], "stat": merged.shape[1]}, tensor, data=merged)
         chk = [t.f[lg].get(sc.CHECKSUM.rel(tensor)) for t in self.ranks]
         if all(c is not None for c in chk) and path in g0 and self._words_aligned(g0[path], axis):
             total = np.zeros(chk[0].shape, dtype=object)
             for c in chk:
                 total = total + c[()].astype(object)
-            out.create_dataset(sc.CHECKSUM.rel(tensor),
+            sc.CHECKSUM.create(out, {"S": total.size}, tensor,
                                data=np.array([_signed64(int(v)) for v in total.ravel()], dtype=np.int64))
 
     @staticmethod

@@ -30,6 +30,7 @@ READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds opt
 LEVELS = ("full", "sampled", "stats")
 
 from ..engine.shared.precisions import CACHE_DTYPES, FLOATS, PRECISION_ORDER
+from .h5write import new_dataset
 
 
 @dataclass(frozen=True)
@@ -160,13 +161,23 @@ class Element:
         """The concrete shape, given the named dimensions."""
         return tuple(d if isinstance(d, int) else int(dims[d]) for d in self.shape)
 
-    def create(self, group, dims: dict, name: str | None = None, dtype=None, **h5kw):
-        """Create this element in ``group`` (the root or its layer group) with its declared shape, dtype and
-        fill value; ``dtype`` is required when the element has none declared (the tensor's own)."""
-        dt = np.dtype(self.dtype if self.dtype is not None else dtype)
-        if self.fill is not None:
-            h5kw.setdefault("fillvalue", self.fill)
-        return group.create_dataset(self.rel(name), shape=self.shape_for(dims), dtype=dt, **h5kw)
+    def create(self, group, dims: dict, name: str | None = None, dtype=None, *, data=None, leaf: bool = False,
+               chunks=None, maxshape=None, gzip: bool = False):
+        """Create this element with its declared shape, dtype and fill value: the one way a trace's datasets
+        are made (dumps/h5write.py: new_dataset). Returns its low-level id.
+
+        ``group`` (an h5py group or its low-level id) is the one its path is relative to (the root, or a layer
+        group), or with ``leaf`` the group that holds it (a bare name skips a path lookup). ``dtype`` is
+        required when the element declares none and no ``data`` gives it (the tensor's own); ``data`` is
+        written at once. ``chunks``, ``maxshape``, ``gzip``: as h5py's create_dataset takes them."""
+        rel = self.rel(name)
+        if leaf:
+            rel = rel.rpartition("/")[2]
+        dt = np.dtype(self.dtype if self.dtype is not None else dtype if dtype is not None else data.dtype)
+        if data is not None:
+            data = np.ascontiguousarray(data, dtype=dt)
+        return new_dataset(group, rel, self.shape_for(dims), dt, data, fill=self.fill, chunks=chunks,
+                           maxshape=maxshape, gzip=gzip)
 
     def problem(self, ds, dims: dict) -> str | None:
         """Why ``ds`` (an h5py object or None) is not this element, or None if it is. A dimension missing from

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from prefill_diff.dumps.chunks import ChunkReader, Refused, RowPlan
-from prefill_diff.dumps.reader import Trace, TraceError, read_ahead
+from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.dumps.rows import read_ahead
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.verify.report import compare_traces
 
@@ -278,16 +279,16 @@ def test_a_file_shorter_than_its_plan_falls_back(tmp_path):
 def ahead_always(monkeypatch):
     """Rows read into buffers (the file not mapped, as for a compressed trace), ahead on the background thread
     although the test traces' rows are small."""
-    from prefill_diff.dumps import chunks, reader
-    monkeypatch.setattr(reader, "AHEAD_MIN_BYTES", 0)
+    from prefill_diff.dumps import chunks, rows
+    monkeypatch.setattr(rows, "AHEAD_MIN_BYTES", 0)
     monkeypatch.setattr(chunks, "MMAP", False)
 
 
 @pytest.mark.parametrize("threshold", [0, 1 << 40])
 def test_read_ahead_yields_every_step_in_order_with_its_rows(tmp_path, monkeypatch, threshold):
-    from prefill_diff.dumps import chunks, reader
+    from prefill_diff.dumps import chunks, rows as row_reading
     monkeypatch.setattr(chunks, "MMAP", False)  # rows read into buffers (mapped rows: the tests below)
-    monkeypatch.setattr(reader, "AHEAD_MIN_BYTES", threshold)  # read ahead, or each step on this thread
+    monkeypatch.setattr(row_reading, "AHEAD_MIN_BYTES", threshold)  # read ahead, or each step on this thread
     a, b = record(tmp_path / "a.h5"), record(tmp_path / "b.h5", noise=1.0, seed=5)
     steps = [(0, 2, 1), (1, 1, 1), (2, 0, 0), (1, 2, 2), (1, 1, 0)]  # repeated and crossed rows
     with Trace(a) as ta, Trace(b) as tb:
@@ -368,8 +369,8 @@ def test_a_forked_child_reads_ahead_with_its_own_thread(tmp_path, ahead_always):
 
 
 def _child_work(path: str) -> None:
-    from prefill_diff.dumps import reader
-    reader.AHEAD_MIN_BYTES = 0
+    from prefill_diff.dumps import rows
+    rows.AHEAD_MIN_BYTES = 0
     with Trace(path) as t:
         rd = t.layer(0).state("mid")
         rows = [r[0].copy() for r in read_ahead([(t, rd)], [(0,), (1,), (2,)])]

@@ -88,7 +88,7 @@ def test_reader_rejects_unknown_version(left_trace, tmp_path):
 
 
 def test_recorder_refuses_to_overwrite(left_trace):
-    from prefill_diff.dumps.recorder import TraceExistsError
+    from prefill_diff.dumps.placement import TraceExistsError
     prep, path = left_trace
     with pytest.raises(TraceExistsError, match="pass --force"):
         record_side(prep, path)

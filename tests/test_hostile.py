@@ -111,16 +111,16 @@ def test_hard_link_cycles_are_walked_once(good, tmp_path):
 
 
 def test_a_file_with_too_many_objects_is_refused_before_its_walk_ends(good, tmp_path, monkeypatch):
-    from prefill_diff.dumps import reader
+    from prefill_diff.dumps import file_checks
     bad = _copy(good, tmp_path)
     with h5py.File(bad, "a") as f:
         g = f.create_group("crowd")
         for i in range(50):
             g.create_group(f"g{i}")
-    monkeypatch.setattr(reader, "OBJECT_LIMIT", 40)
+    monkeypatch.setattr(file_checks, "OBJECT_LIMIT", 40)
     with pytest.raises(TraceError, match="more than 40 objects; not a trace this tool wrote"):
         Trace(bad)
-    monkeypatch.setattr(reader, "OBJECT_LIMIT", 10_000)
+    monkeypatch.setattr(file_checks, "OBJECT_LIMIT", 10_000)
     with Trace(bad) as t:  # under the limit, the extra groups are not states: the trace opens
         assert t.n_layers == 4
 
@@ -529,7 +529,7 @@ def test_read_only_out_directory_exits_2_before_any_work(run_cli, tmp_path):
 
 
 def test_a_trace_that_appears_meanwhile_is_not_replaced(tmp_path):
-    from prefill_diff.dumps.recorder import TraceExistsError
+    from prefill_diff.dumps.placement import TraceExistsError
     target = tmp_path / "t.h5"
 
     def other_writer(layer):  # another `record` to the same path finishes while this one runs
@@ -556,18 +556,18 @@ def test_two_concurrent_records_to_one_path_one_wins_one_says_so(tmp_path):
 
 
 def test_final_move_refuses_to_replace_with_and_without_hard_links(tmp_path, monkeypatch):
-    from prefill_diff.dumps import recorder
+    from prefill_diff.dumps import placement
     for no_links in (False, True):
         if no_links:  # a file system without hard links: renameat2(RENAME_NOREPLACE), or a last-moment check
-            monkeypatch.setattr(recorder.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no")))
+            monkeypatch.setattr(placement.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no")))
         src, dst = tmp_path / f"src{no_links}", tmp_path / f"dst{no_links}"
         src.write_text("new")
         dst.write_text("old")
-        with pytest.raises(recorder.TraceExistsError):
-            recorder.place(src, dst, force=False)
+        with pytest.raises(placement.TraceExistsError):
+            placement.place(src, dst, force=False)
         assert dst.read_text() == "old"
         dst.unlink()
-        recorder.place(src, dst, force=False)
+        placement.place(src, dst, force=False)
         assert dst.read_text() == "new" and not src.exists()
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from prefill_diff.dumps import native, recorder
+from prefill_diff.dumps import native, reductions
 from prefill_diff.verify import metrics
 
 K = native.kernels()
@@ -151,7 +151,7 @@ def test_row_pass_property(T, W, dtype, specials, seed):
 
 
 def numpy_stats(a, bfloat16=False):
-    return recorder._numpy_stats(a, a.size, bfloat16=bfloat16)
+    return reductions._numpy_stats(a, a.size, bfloat16=bfloat16)
 
 
 @need
@@ -165,7 +165,7 @@ def test_stats_match_numpy(dtype, shape, strided):
     x = (rng.standard_normal(shape) * 40).astype(np.float32 if dtype == "bfloat16" else dtype)
     if dtype == "bfloat16":
         a = (x.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
-        values = recorder.widen_bfloat16(a).astype(np.float64)
+        values = reductions.widen_bfloat16(a).astype(np.float64)
     else:
         a, values = x, x.astype(np.float64)
     if strided:
@@ -193,7 +193,7 @@ def test_stats_non_finite_and_empty():
     assert K.stats(np.zeros((0, 4), np.float32), False)[:2] == (np.inf, -np.inf)
     # what slab_stats makes of them with the kernels: the numpy code's answer (it recounts non-finite values)
     for x in (np.array([[1.0, np.nan, -np.inf, 2.0]], np.float32), np.full((2, 3), 3e38, np.float32)):
-        got, want = recorder.slab_stats(x), numpy_stats(x)
+        got, want = reductions.slab_stats(x), numpy_stats(x)
         assert np.allclose(np.array(got[:6], float), np.array(want[:6], float), equal_nan=True) and got[6] == want[6]
 
 
@@ -201,7 +201,7 @@ def test_stats_non_finite_and_empty():
 def test_stats_every_bfloat16_pattern():
     """All 65536 patterns, one row each of 8: NaN patterns make min and max NaN; the rest exact."""
     bits = np.arange(65536, dtype=np.uint16).view(np.int16).reshape(-1, 8)
-    values = recorder.widen_bfloat16(bits)
+    values = reductions.widen_bfloat16(bits)
     for i in range(0, bits.shape[0], 512):
         blk, v = bits[i:i + 512], values[i:i + 512]
         lo, hi, _, _, chk = K.stats(blk, True)

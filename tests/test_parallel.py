@@ -124,10 +124,10 @@ def test_rank_set_reads_as_one_logical_trace(runs):
 
 
 def test_merge_stats_of_shards_is_the_stats_of_the_whole():
-    from prefill_diff.dumps.recorder import _Stats, slab_stats
+    from prefill_diff.dumps.reductions import RunningStats, slab_stats
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
     x[1, 2, 6] = np.inf
-    whole, parts = _Stats(2), [_Stats(2), _Stats(2)]
+    whole, parts = RunningStats(2), [RunningStats(2), RunningStats(2)]
     for s in range(2):
         whole.add(s, slab_stats(x[s]))
         parts[0].add(s, slab_stats(np.ascontiguousarray(x[s, :, :4])))
@@ -285,3 +285,50 @@ def test_transformers_tp2_on_a_llama_checkpoint_passes_and_really_shards(tmp_pat
         assert t.layer(0).state("attn_heads").shape[2] == 32 and t.layer(0).cache("keys").shape[1] == 1
     with Trace(tmp_path / "out" / "ref.h5") as r, Trace(tmp_path / "out" / "cand.tp2" / "rank1.h5") as t:
         np.testing.assert_allclose(t.layer(1).cache("keys")[()], r.layer(1).cache("keys")[:, 1:2], atol=2e-5)
+
+
+_RANK_MAIN = """\
+import sys
+from prefill_diff.cli.sides import record_this_rank
+from prefill_diff.engine.config import load_side
+print(record_this_rank(load_side(sys.argv[1]), sys.argv[2]))
+"""
+
+
+@pytest.mark.slow
+def test_record_this_rank_under_torchrun_writes_a_rank_set_judged_as_one_trace(runs, tmp_path):
+    """record_this_rank, the documented torchrun entry point (docs/scaling.md): two ranks that torchrun starts
+    (torch.distributed.run --standalone, env:// rendezvous) each write their rank trace; the set is judged as
+    one logical trace against the unsharded reference, and a set recorded with a rank fault breaks where the
+    spawned run's does."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "rank_main.py"
+    script.write_text(_RANK_MAIN)
+
+    def launch(config, out):
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), config, str(out)], capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert sorted(os.listdir(out)) == ["rank0.h5", "rank1.h5"]
+        assert {str(out / "rank0.h5"), str(out / "rank1.h5")} <= set(res.stdout.split())
+        return out
+    good = compare_files(runs("reference"), launch("tp2", tmp_path / "run.tp2")).report
+    assert good and good.first_break is None and len(good.layers) == 4
+    with open_any(str(tmp_path / "run.tp2")) as t:
+        assert t.meta["parallel"]["world_size"] == 2 and t.meta["parallel"]["run_id"]  # torchrun's run id
+    bad = compare_files(runs("reference"), launch("fault:tp-kv-shard", tmp_path / "bad.tp2")).report
+    fb = bad.first_break
+    assert not bad and (fb.kind, fb.layer, fb.tensor, fb.heads) == ("value", 0, "attn_update", (2, 3))
+
+
+def test_record_this_rank_refuses_a_torchrun_world_that_is_not_the_runs_tp(tmp_path, monkeypatch):
+    from prefill_diff.cli.sides import record_this_rank
+    from prefill_diff.engine.config import load_side
+    for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match="torchrun started 3 processes, the run asks for tp=2"):
+        record_this_rank(load_side("tp2"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before anything is written

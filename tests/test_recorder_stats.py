@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.dumps import recorder
+from prefill_diff.dumps import recorder, reductions, sampling
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.dumps.recorder import _BLOCK, Recorder, slab_stats, top_ids, widen_bfloat16
+from prefill_diff.dumps.recorder import Recorder
+from prefill_diff.dumps.reductions import _BLOCK, slab_stats, top_ids, widen_bfloat16
 
 pytestmark = pytest.mark.usefixtures("both_kernels")  # with the compiled kernels and without
 
@@ -49,9 +50,9 @@ SHAPES = [(1, 1), (3, 5), (7, 33), (257, 1024), (700, 896), (5, 4096), (3, 3000)
 @pytest.mark.parametrize("dtype,eps", [(np.float32, 2.0 ** -24), (np.float64, 2.0 ** -53), (np.float16, 2.0 ** -24)])
 @pytest.mark.parametrize("data", ["normal", "cancelling"])
 def test_slab_stats_agree_with_float64_sums(shape, dtype, eps, data, vecdot, monkeypatch):
-    if vecdot and not recorder._HAS_VECDOT:
+    if vecdot and not reductions._HAS_VECDOT:
         pytest.skip("numpy < 2.0 has no vecdot")
-    monkeypatch.setattr(recorder, "_HAS_VECDOT", vecdot)
+    monkeypatch.setattr(reductions, "_HAS_VECDOT", vecdot)
     rng = np.random.default_rng(hash((shape, data)) % 2 ** 32)
     x = cancelling(shape, dtype, rng) if data == "cancelling" else (rng.standard_normal(shape) * 3 + 1).astype(dtype)
     n, fin, mn, mx, s, ss, chk = slab_stats(x)
@@ -194,7 +195,7 @@ def test_cache_statistics_over_head_rows_are_those_of_the_slots():
                            (2, 7, 6, torch.bfloat16), (4, 300, 128, torch.float16)]:
         t = torch.from_numpy(rng.standard_normal((H, T, D)).astype(np.float32)).to(dtype)
         slots = t.transpose(0, 1).reshape(T, H * D)
-        got, want = slab_stats(recorder._slot_rows(t, T, H, D)), slab_stats(slots)
+        got, want = slab_stats(reductions.slot_rows(t, T, H, D)), slab_stats(slots)
         assert got[:4] == want[:4] and got[6] == want[6]
         assert got[4] == pytest.approx(want[4], rel=1e-5, abs=1e-5) and got[5] == pytest.approx(want[5], rel=1e-6)
         bits = slots.view(torch.int16).numpy() if dtype == torch.bfloat16 else slots.numpy()
@@ -210,7 +211,7 @@ def test_cache_statistics_of_a_view_of_slots_are_the_slots_without_a_copy():
         slots_3d = torch.from_numpy(rng.standard_normal((T, H, D)).astype(np.float32)).to(dtype)
         t = slots_3d.transpose(0, 1)  # (H, T, D), not contiguous
         assert not t.is_contiguous()
-        rows = recorder._slot_rows(t, T, H, D)
+        rows = reductions.slot_rows(t, T, H, D)
         as_np = rows.view(torch.int16).numpy() if torch.is_tensor(rows) else rows
         assert np.shares_memory(as_np, slots_3d.view(torch.int16).numpy() if dtype == torch.bfloat16
                                 else slots_3d.numpy())
@@ -285,13 +286,13 @@ def test_sampled_gather_of_states_and_cache_slots_is_plain_indexing(dtype):
         cache, state = cache.to(dtype), state.to(dtype)
     rows = np.array([0, 3, 17, 39])
     for x, heads, width in ((state, None, 96), (cache, H, H * D)):
-        ch = recorder.select_channels(width, 32, 0)
+        ch = sampling.select_channels(width, 32, 0)
         assert len(ch) == 32 and (np.diff(ch) > 0).all()  # 32 distinct channels of the width
         as_rows = x if heads is None else (x.transpose(0, 1) if torch.is_tensor(x) else x.swapaxes(0, 1)).reshape(T, -1)
         if torch.is_tensor(as_rows):  # bfloat16 is stored as float32, other dtypes as they are
             as_rows = (as_rows.float() if as_rows.dtype == torch.bfloat16 else as_rows).numpy()
         want = as_rows[np.ix_(rows, ch)]
-        got = recorder._gather(x, rows, ch, heads)
+        got = sampling.gather(x, rows, ch, heads)
         assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
@@ -302,7 +303,7 @@ def test_a_nan_minimum_or_maximum_stays_nan_whatever_is_added_before_or_after():
     nan_slab = np.array([[1.0, np.nan]], np.float32)
     plain = np.array([[-5.0, 7.0]], np.float32)
     for order in ((nan_slab, plain), (plain, nan_slab)):
-        st = recorder._Stats(2)
+        st = reductions.RunningStats(2)
         for x in order:
             st.add(1, slab_stats(x))
         st.add(0, slab_stats(plain))

@@ -281,12 +281,13 @@ def test_the_vocabulary_is_declared_once_and_every_consumer_derives_from_it():
 def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.cli.render import COLUMNS
-    from prefill_diff.dumps import metacheck, recorder
+    from prefill_diff.dumps import metacheck
     from prefill_diff.engine.native import kv_cache as cache
     from prefill_diff.engine.shared import precisions
     from prefill_diff.engine import registry
     from prefill_diff.engine.models import snapshot
-    from prefill_diff.verify import breaks, comparator, plot, tolerance
+    from prefill_diff.verify import breaks, comparator, tolerance
+    from prefill_diff.verify.formats import plot
     assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
     assert tolerance.KINDS is sc.TOL_KINDS and tolerance.DTYPE_ORDER is sc.PRECISION_ORDER
     assert tuple(f.name for f in fields(tolerance.Tolerance)) == sc.TOL_FIELDS == metacheck.TOL_FIELDS
@@ -294,7 +295,7 @@ def test_the_consumers_read_the_declaration():
     from prefill_diff.verify.calibrate import UNIT_ROUNDOFF
     assert set(UNIT_ROUNDOFF) == set(sc.PRECISION_ORDER)  # tables keyed by the vocabulary cover all of it
     assert metacheck.ABSENTABLE is sc.ABSENTABLE and metacheck.DTYPES is sc.PRECISION_ORDER
-    assert recorder.ENGINE_DTYPES is sc.ACT_DTYPES is precisions.FLOATS is registry.FLOATS is snapshot.ACT_DTYPES
+    assert metacheck.ENGINE_DTYPES is sc.ACT_DTYPES is precisions.FLOATS is registry.FLOATS is snapshot.ACT_DTYPES
     assert cache.CACHE_DTYPES is precisions.CACHE_DTYPES is sc.KV_DTYPES
     assert tuple(cache.FP8) == precisions.FP8 == sc.FP8_DTYPES and sc.PRECISION_ORDER is precisions.PRECISION_ORDER
     assert all(breaks.SUBLAYER[n] == sc.TENSOR[n].sublayer for n in sc.VALUE_ORDER)

@@ -12,7 +12,8 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from ..dumps.reader import Trace, TraceError, read_ahead
+from ..dumps.reader import Trace, TraceError
+from ..dumps.rows import read_ahead
 from .align import Alignment
 from .calibrate import CalibAcc, Calibration
 from .tolerance import Policy, Tolerance

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from prefill_diff.dumps import native
-from prefill_diff.dumps.recorder import Recorder, _slot_rows, slab_stats
+from prefill_diff.dumps.recorder import Recorder
+from prefill_diff.dumps.reductions import slab_stats, slot_rows
 from prefill_diff.engine.native.model import ModelArgs
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.calls import Placement
@@ -68,8 +69,8 @@ class _StatisticsOnly:
 
     def cache(self, layer, sample, keys, values, positions):
         T = positions.shape[0]
-        slab_stats(_slot_rows(keys, T, self.H, self.D))
-        slab_stats(_slot_rows(values, T, self.H, self.D))
+        slab_stats(slot_rows(keys, T, self.H, self.D))
+        slab_stats(slot_rows(values, T, self.H, self.D))
 
     def __getattr__(self, name):  # begin, inputs, layer_done, final, ...: nothing to do
         return lambda *a, **k: []
