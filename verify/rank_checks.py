@@ -15,6 +15,8 @@ divergence, then the Comparator's own checks (finite masks, cache, values).
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..dumps.schema import REQUIRED_STATES
 from .breaks import Break
 from .metrics import slab
@@ -41,6 +43,15 @@ def tiling_break(ctx, layer: int) -> Break | None:
     return None
 
 
+def _nonfinite_disagreement(x, y):
+    """Cells where two replicas disagree beyond numbers: finite on one rank only, or non-finite on both but not
+    the same (inf and -inf, inf and NaN); the same NaN or infinity on both is agreement."""
+    fx, fy = np.isfinite(x), np.isfinite(y)
+    with np.errstate(invalid="ignore"):
+        same = (x == y) | (np.isnan(x) & np.isnan(y))
+    return (fx != fy) | (~fx & ~fy & ~same)
+
+
 def divergence_break(ctx, layer: int) -> Break | None:
     for trace, side in _rank_sides(ctx):
         ranks = trace.ranks
@@ -56,14 +67,15 @@ def divergence_break(ctx, layer: int) -> Break | None:
                     n_bad, bad = 0, []
                     for s in samples:
                         cols, toks = trace.cells(s)
-                        part = slab(ranks[0].read(a, (s,))[cols], ranks[r].read(b, (s,))[cols], tol,
-                                    ctx.policy.equal_nan, s, toks)
-                        nonfinite = part.fin[0] + part.fin[1]  # finite on one rank only
-                        if part.n_bad or nonfinite:
-                            n_bad += part.n_bad + nonfinite
+                        x, y = ranks[0].read(a, (s,))[cols], ranks[r].read(b, (s,))[cols]
+                        part = slab(x, y, tol, ctx.policy.equal_nan, s, toks)
+                        odd = _nonfinite_disagreement(x, y)  # finite on one rank only, or two that differ
+                        if part.n_bad or odd.any():
+                            n_bad += part.n_bad + int(odd.sum())
                             bad.append(s)
                             if worst is None or part.max_abs > worst[0]:
-                                pos = None if part.worst is None else part.worst[2]
+                                pos = part.worst[2] if part.worst is not None else \
+                                    int(toks[int(np.argmax(odd.any(axis=1)))])
                                 worst = (part.max_abs, s, pos)
                     if n_bad:
                         mx, s, pos = worst
@@ -102,10 +114,14 @@ def heads_note(trace, heads) -> str | None:
     for rank, hs in sorted(owners.items()):
         info = next(r for r in ranks if r.get("rank") == rank)
         q0, q1 = info["query_heads"]
-        k0, k1 = info["kv_heads"]
-        kv = f"KV head {k0}" if k1 - k0 == 1 else f"KV heads {k0}..{k1 - 1}"
-        parts.append(f"query heads {','.join(map(str, hs))} are rank {rank}'s (it holds query heads "
-                     f"{q0}..{q1 - 1} and {kv})")
+        kv = info.get("kv_heads")
+        if kv is None:  # a rank set from another writer need not say which KV heads a rank holds
+            held = f"query heads {q0}..{q1 - 1}"
+        else:
+            k0, k1 = kv
+            kv_held = f"KV head {k0}" if k1 - k0 == 1 else f"KV heads {k0}..{k1 - 1}"
+            held = f"query heads {q0}..{q1 - 1} and {kv_held}"
+        parts.append(f"query heads {','.join(map(str, hs))} are rank {rank}'s (it holds {held})")
     return "; ".join(parts)
 
 

@@ -52,10 +52,11 @@ def compare_sample(a, b, tol: Tolerance) -> StatErrors:
     with np.errstate(invalid="ignore"):
         d = np.abs(ca - ra)
     same = (ra == ca) | (np.isnan(ra) & np.isnan(ca))  # equal infinities, or NaN on both sides
-    d = np.where(np.isfinite(d), d, np.where(same, 0.0, np.inf))  # a statistic finite on one side only
+    d = np.where(np.isfinite(d), d, np.where(same, 0.0, np.inf))  # non-finite on one side, or two that differ
     scale = tol.ntol * ra[3] if np.isfinite(ra[3]) else 0.0  # ntol in units of the sample's RMS
-    over = d > tol.atol + tol.rtol * np.abs(ra) + scale
-    return StatErrors(float(d.max()), int(over.sum()), float((d - tol.rtol * np.abs(ra) - scale).max()))
+    rel = tol.rtol * np.where(np.isfinite(ra), np.abs(ra), 0.0)  # a non-finite reference allows no relative error
+    over = d > tol.atol + rel + scale
+    return StatErrors(float(d.max()), int(over.sum()), float((d - rel - scale).max()))
 
 
 def compare_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:

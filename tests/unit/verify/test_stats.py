@@ -71,8 +71,6 @@ def test_non_finite_statistics(ref, cand, bad):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf in stats.py
-@pytest.mark.xfail(strict=True, reason="bug: a statistic non-finite in the reference only is never out of "
-                   "tolerance: its bound atol + rtol·|ref| is NaN (or inf), and inf > NaN is False")
 @pytest.mark.parametrize("stat,value", [("mn", np.nan), ("mx", np.inf), ("rms", np.inf)])
 def test_a_statistic_non_finite_in_the_reference_only_is_a_difference(stat, value):
     """The same pair with the sides swapped is a difference (test_non_finite_statistics; docs/guarantees.md: a
@@ -153,8 +151,6 @@ def test_non_finite_counts_are_compared_exactly_by_side():
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.xfail(strict=True, reason="bug: at the stats level a NaN in the reference against an inf in the "
-                   "candidate passes (equal finite counts, every statistic's bound NaN); swapped, it breaks")
 def test_nan_against_inf_breaks_whichever_side_holds_the_nan():
     """NaN in the reference and +inf in the candidate at one cell: equal non-finite counts, but the statistics
     (NaN against inf and finite) differ; the verdict may not depend on which trace is the reference."""
