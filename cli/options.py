@@ -204,9 +204,10 @@ def calibration_options(f):
 def as_given(arg: str) -> str:
     """A command-line argument as the bytes the OS gave, read as UTF-8: under a C or POSIX locale without UTF-8
     mode Python decodes argv as ASCII, each byte above 127 a lone surrogate (surrogateescape), so valid UTF-8
-    text arrives mangled. Bytes that are not UTF-8 stay escaped (and a prompt refuses them by byte offset)."""
+    text arrives mangled. Bytes that are not UTF-8 stay escaped, each alone (and a prompt refuses them by
+    byte offset)."""
     try:
-        return os.fsencode(arg).decode("utf-8")
+        return os.fsencode(arg).decode("utf-8", "surrogateescape")
     except (UnicodeError, ValueError):
         return arg
 

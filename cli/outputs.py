@@ -189,10 +189,11 @@ def github_actions(report, out: Reports) -> None:
 def write_text(path, text):
     """``text`` into the file at ``path``, whole or not at all: a regular file (or a new one) is written beside
     itself and renamed into place, so that a full disk leaves no truncated report; anything else (a FIFO,
-    /dev/stderr) is written as it is."""
+    /dev/stderr, a symbolic link: renaming over it would replace the link, not write where it points) is
+    written as it is."""
     path = os.fspath(path)
     try:
-        regular = not os.path.exists(path) or os.path.isfile(path)
+        regular = not os.path.lexists(path) or (os.path.isfile(path) and not os.path.islink(path))
     except OSError:
         regular = False
     if not regular:

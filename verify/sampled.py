@@ -6,6 +6,8 @@ the same tokens and channels; only tokens both sides hold are compared.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..dumps.reader import LayerView, Trace
@@ -60,7 +62,11 @@ def compare_sampled(ctx: Context, r: LayerView, c: LayerView, name: str, tol: To
             a = np.stack([rows[0][int(t)] for t in common])
             b = np.stack([rows[1][int(t)] for t in common])
             acc.add(a, b, rs, np.asarray(common))
-    return acc.result(name, "sampled", **pad_counts(ctx, r, c, name))
+    res = acc.result(name, "sampled", **pad_counts(ctx, r, c, name))
+    if res.worst is not None:  # the worst element's channel: the tensor's, not its place among the sampled ones
+        s, pos, k = res.worst
+        res = replace(res, worst=(s, pos, int(channels[k])))
+    return res
 
 
 def compare_sampled_or_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tolerance) -> TensorResult:

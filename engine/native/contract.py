@@ -11,7 +11,10 @@ from ..shared.errors import PreconditionError
 
 
 def check_ids(input_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
-    """(1) every non-padding id is inside the vocabulary."""
+    """(1) every non-padding id is inside the vocabulary (and an id is an integer)."""
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        dtype = str(input_ids.dtype).replace("torch.", "")
+        raise PreconditionError("2.1(1)", f"token ids must be integers (got dtype {dtype})")
     bad = valid & ((input_ids < 0) | (input_ids >= vocab_size))
     if bool(bad.any()):
         b, i = (int(t) for t in bad.nonzero()[0])

@@ -36,10 +36,13 @@ class Faults:
 # -- applied by the engine, around the model (prefill.ForwardStep and Engine._finish)
 
 def padding_visible_mask(q_tok, q_seq, row_seqs: list[list[int]], c0: int, c1: int, sentinel: bool) -> AttentionMask:
-    """Row 5: keys ordered by physical column, validity ignored: padding keys are visible."""
+    """Row 5: keys ordered by physical column, validity ignored: padding keys are visible. A padding cell
+    counts as its row's (first) sequence; a valid cell stays in its own, so the sequences packed into one row
+    still see only themselves."""
     col = torch.arange(c0, c1).expand_as(q_tok)
     row_seq = torch.tensor([s[0] if s else -1 for s in row_seqs])[:, None].expand_as(q_seq)
-    return AttentionMask(torch.where(q_tok >= 0, col, -1), col, row_seq, row_seq, sentinel)
+    seq = torch.where(q_seq >= 0, q_seq, row_seq)
+    return AttentionMask(torch.where(q_tok >= 0, col, -1), col, seq, seq, sentinel)
 
 
 def skipped_kv_keep(skip: SkippedKV | None, layer: int, w: CacheWrite):

@@ -40,7 +40,8 @@ def visible(text) -> str:
     for ch in s:
         o = ord(ch)
         cat = unicodedata.category(ch)
-        if cat in ("Cc", "Cs") or o in _BIDI or (cat == "Cf" and o in (0xFEFF,)) or cat in ("Zl", "Zp"):
+        if cat in ("Cc", "Cs") or o in _BIDI or (cat == "Cf" and o in (0xFEFF,)) or cat in ("Zl", "Zp") \
+                or (o & 0xFFFE) == 0xFFFE or 0xFDD0 <= o <= 0xFDEF:  # noncharacters: XML 1.0 forbids U+FFFE/F
             out.append(_show(ch))
         else:
             out.append(ch)

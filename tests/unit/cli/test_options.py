@@ -273,9 +273,6 @@ def test_a_prompt_that_is_not_utf8_is_refused_by_byte_offset():
         shared_inputs(None, (_mangled(b"ab\xff"),), ())
 
 
-@pytest.mark.xfail(strict=True, reason="as_given decodes strictly: one bad byte leaves the whole argument escaped, "
-                                       "so the refusal names the first non-ASCII byte (0xc3 of a valid 'é') "
-                                       "instead of the invalid byte 0xff")
 def test_a_bad_byte_after_valid_utf8_is_refused_at_its_own_offset():
     """b'caf\\xc3\\xa9 \\xff': 'café ' is valid UTF-8 (6 bytes); the invalid byte is 0xff at offset 6."""
     with pytest.raises(ConfigError) as e:

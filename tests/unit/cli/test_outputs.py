@@ -329,9 +329,6 @@ def test_a_fifo_is_written_as_it_is(tmp_path):
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
-@pytest.mark.xfail(strict=True, reason="write_text renames its partial file over a symbolic link (e.g. /dev/stderr "
-                                       "when stderr is a regular file), replacing the link instead of writing "
-                                       "through it: the file it names keeps its old text")
 def test_a_link_to_a_regular_file_is_written_through(tmp_path):
     """As --json /dev/stdout with stdout redirected to a file: the file the link names gets the report."""
     target = tmp_path / "target.json"

@@ -57,8 +57,6 @@ def test_a_change_at_a_sampled_cell_breaks_at_its_sample_and_token():
     assert t.bad_samples == (1,)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: at the sampled level the worst element's channel is its index in the "
-                   "sampled channel list, not the tensor's channel (compare_sampled does not map it back)")
 def test_the_worst_element_is_named_by_the_tensors_channel():
     """docs/report-format.md: ``channel`` is the channel of the worst element, as at the full level."""
     ref = make_spec()

@@ -55,9 +55,6 @@ def test_ids_under_padding_are_not_checked():
     refused("2.1(1)", contract.check_ids, ids, torch.tensor([[False, True, True]]), 4)
 
 
-@pytest.mark.xfail(strict=True, reason="check_ids does not look at the dtype: floating (or bool) ids pass §2.1(1) "
-                                       "and fail later in the embedding with a RuntimeError, not a precondition "
-                                       "(check_positions refuses non-integer positions)")
 def test_non_integer_ids_are_refused_as_precondition_1():
     """(1) a fractional id is no id of the vocabulary: refused as 2.1(1)."""
     with pytest.raises(PreconditionError, match=r"2\.1\(1\)"):
