@@ -67,6 +67,7 @@ def compare_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tole
         return TensorResult(tensor=name, level="none", tol=tol, note="not recorded in one trace")
     rchk, cchk = r.checksum(name), c.checksum(name)
     more_nonfinite = np.zeros(2, dtype=np.int64)  # (candidate, reference) has more non-finite values
+    both = 0  # non-finite valid values both sides hold (at most: the statistics do not say where)
     worst, max_abs, n_bad, min_atol, bad, identical, n = None, 0.0, 0, 0.0, {}, True, 0
     for rs, cs in ctx.pairs:
         a, b = rs_t[rs], cs_t[cs]
@@ -77,6 +78,10 @@ def compare_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tole
         if nf_r != nf_c:
             more_nonfinite += [int(max(nf_c - nf_r, 0)), int(max(nf_r - nf_c, 0))]  # statistics are float64
             bad.setdefault(rs, None)
+        if min(nf_r, nf_c) > 0:  # as the full level: a failure unless NaN may equal NaN (Finite.valid_ok)
+            both += int(min(nf_r, nf_c))
+            if not ctx.equal_nan:
+                bad.setdefault(rs, None)
         e = compare_sample(a, b, tol)
         n += 4
         if e.n_bad:
@@ -95,8 +100,8 @@ def compare_stats(ctx: Context, r: LayerView, c: LayerView, name: str, tol: Tole
         ctx.skipped.add(wording.stats_for_lack_of_values(name, ctx.ref.level, ctx.cand.level))
     pads = pad_counts(ctx, r, c, name)
     # ref_only: cells finite in the reference only, i.e. the candidate's excess of non-finite values
-    finite = Finite(ref_only=int(more_nonfinite[0]), cand_only=int(more_nonfinite[1]), equal_nan=ctx.equal_nan,
-                    **pads)
+    finite = Finite(ref_only=int(more_nonfinite[0]), cand_only=int(more_nonfinite[1]), both=both,
+                    equal_nan=ctx.equal_nan, **pads)
     return TensorResult(tensor=name, level="stats", tol=tol, compared=n, max_abs=max_abs, n_bad=n_bad, worst=worst,
                         needed=Needed(atol=max(min_atol, 0.0)), finite=finite, bad_samples=tuple(sorted(bad)),
                         bad_positions=dict(bad), bit_identical=identical if rchk is not None else None)

@@ -163,8 +163,6 @@ def test_nan_against_inf_breaks_whichever_side_holds_the_nan():
     assert not t
 
 
-@pytest.mark.xfail(strict=True, reason="bug: without equal_nan, equal non-finite counts in valid cells of both "
-                   "sides pass at the stats level; the full level breaks on the same data (Finite.both)")
 def test_nan_in_valid_cells_of_both_sides_breaks_without_equal_nan():
     """Whether the two NaN are at the same cell (non-finite in both) or not (finite on one side only), the full
     level breaks without equal_nan; the statistics know both sides hold a non-finite valid value."""
