@@ -2,8 +2,11 @@
 they live in docs/performance.md, measured side by side at full size)."""
 from __future__ import annotations
 
+import pytest
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # the benchmarks' smoke runs
 
 
 def test_benchmarks_run_at_smoke_size():

@@ -56,6 +56,7 @@ def test_calib_acc_equals_a_naive_loop():
 
 # -- the built-in model: clean low-precision paths pass, real bugs fail -------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cand", ["bf16", "fp16", "w8", "kv-int8", "batched-left+bf16", "sdpa+fp16",
                                   "chunked+w8", "paged+kv-int8"])
 def test_clean_low_precision_paths_pass_calibrated(run_cli, tmp_path, cand):
@@ -76,6 +77,7 @@ def test_clean_low_precision_paths_pass_calibrated(run_cli, tmp_path, cand):
         assert all(lr["numerics"]["passed"] for lr in rep["layers"])
 
 
+@pytest.mark.slow
 def test_bf16_with_a_wrong_rope_theta_fails_at_layer_0_cache_keys(run_cli, tmp_path):
     cand = _config(tmp_path, "c.toml", '[model]\nrope_theta = 12000.0\n[run]\ndtype = "bfloat16"\n')
     out = tmp_path / "r.json"
@@ -90,6 +92,7 @@ def test_bf16_with_a_wrong_rope_theta_fails_at_layer_0_cache_keys(run_cli, tmp_p
     assert run_cli("run", "reference", cand, "--no-calibrate", "-q", "--allow-identity-difference").exit_code == 0
 
 
+@pytest.mark.slow
 def test_bf16_vs_bf16_with_one_perturbed_projection_fails(tmp_path):
     ref_prep, cand_prep = prepare_side("bf16"), prepare_side("bf16")
     import copy
@@ -113,6 +116,7 @@ def test_bf16_vs_bf16_with_one_perturbed_projection_fails(tmp_path):
     assert all(lr for lr in rep.layers[:1])  # layer 0 is untouched and passes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(TABLE))
 def test_every_fault_in_bf16_fails_at_the_right_layer(run_cli, tmp_path, fault):
     (stage, layer, kind), _ = TABLE[fault]
@@ -126,6 +130,7 @@ def test_every_fault_in_bf16_fails_at_the_right_layer(run_cli, tmp_path, fault):
         assert fb["check"] == "change", rep["verdict_line"]
 
 
+@pytest.mark.slow
 def test_explicit_atol_rtol_are_torch_testing_rule_and_fail_bf16(run_cli, tmp_path):
     out = tmp_path / "r.json"
     res = run_cli("run", "reference", "bf16", "--atol", "1e-5", "--rtol", "1.3e-6", "--json", out)
@@ -144,6 +149,7 @@ def test_calibrate_and_explicit_tolerance_exclude_each_other(run_cli):
     assert res.exit_code == 2 and "one or the other" in res.output
 
 
+@pytest.mark.slow
 def test_same_precision_calibrate_uses_the_reference_as_twin(run_cli, tmp_path):
     out = tmp_path / "r.json"
     res = run_cli("run", "reference", "sdpa", "--calibrate", "--json", out)
@@ -155,6 +161,7 @@ def test_same_precision_calibrate_uses_the_reference_as_twin(run_cli, tmp_path):
     assert "numerics" not in rep["layers"][0]
 
 
+@pytest.mark.slow
 def test_numerics_break_is_check_2(tmp_path):
     """A twin that is itself broken (here: overflowed at layer 2) fails check (2), naming the first tensor."""
     ref_prep = prepare_side("reference")
@@ -174,6 +181,7 @@ def test_numerics_break_is_check_2(tmp_path):
     assert "numerics themselves break" in fb.message
 
 
+@pytest.mark.slow
 def test_fail_fast_calibrated_agrees_with_the_full_run(tmp_path):
     cand = _bf16(tmp_path, "fault:gqa-mapping")
     fast = run_lockstep("reference", cand).report
@@ -187,6 +195,7 @@ def test_fail_fast_calibrated_agrees_with_the_full_run(tmp_path):
 
 # -- baselines: siblings recorded once, or recorded at compare time ------------------------------------------
 
+@pytest.mark.slow
 def test_record_twin_of_makes_compare_of_two_files_calibrated(run_cli, tmp_path):
     base, cand, bug = tmp_path / "base.h5", tmp_path / "cand.h5", tmp_path / "bug.h5"
     assert run_cli("record", "reference", "-o", cand).exit_code == 0  # placeholder, replaced below
@@ -217,6 +226,7 @@ def test_record_twin_of_makes_compare_of_two_files_calibrated(run_cli, tmp_path)
     assert res.exit_code == 0 and (tmp_path / "b2.twin-bfloat16.h5").exists()
 
 
+@pytest.mark.slow
 def test_compare_baseline_against_a_preset_records_golden_and_twin(run_cli, tmp_path):
     base = tmp_path / "base.h5"
     assert run_cli("record", "reference", "-o", base).exit_code == 0
@@ -258,6 +268,7 @@ def test_run_refuses_sides_with_different_prompts_before_running(run_cli, tmp_pa
     assert not list((tmp_path / "o").glob("*.h5"))  # nothing ran, no trace written
 
 
+@pytest.mark.slow
 def test_smollm2_bf16_batch_is_calibrated_and_passes(run_cli, tmp_path):
     """A real model with massive activations: a left-padded bf16 batch is judged against measured bf16 noise."""
     out = tmp_path / "r.json"
@@ -271,6 +282,7 @@ def test_smollm2_bf16_batch_is_calibrated_and_passes(run_cli, tmp_path):
     assert ratios and max(ratios) <= 4
 
 
+@pytest.mark.slow
 def test_preset_names_are_policy_aliases_and_stored_as_dtypes(run_cli, tmp_path):
     base = tmp_path / "b.h5"
     assert run_cli("record", "reference", "-o", base, "--policy", "bf16").exit_code == 0

@@ -35,6 +35,7 @@ def compare(a, b, policy=None):
         return compare_traces(ra, rb, policy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", NON_FAULT)
 def test_every_candidate_agrees_with_reference(store, preset):
     rep = compare(store("reference"), store(preset))
@@ -50,6 +51,7 @@ def test_bf16_fails_under_float32_policy_and_passes_under_its_own(store):
     assert compare(store("reference"), store("bf16"), dtype_policy("bfloat16"))
 
 
+@pytest.mark.slow
 def test_combined_config_batched_paged_chunked_bf16(store, tmp_path):
     cfg = tmp_path / "combo.toml"
     cfg.write_text('preset = "batched-left"\n[run]\nchunk_size = 3\ndtype = "bfloat16"\nkernel = "tiled"\n'

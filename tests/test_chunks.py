@@ -324,6 +324,7 @@ def test_read_ahead_raises_a_damaged_row_when_its_pair_is_reached(tmp_path, monk
         assert got == [0, 1]  # the pairs before the damaged one were compared
 
 
+@pytest.mark.slow
 def test_read_ahead_closed_early_waits_for_the_read_in_flight(tmp_path, monkeypatch, ahead_always):
     """A comparison that stops early (first break, fail-fast, an error) may close the traces next: the read
     ahead of it must be over by then."""

@@ -42,6 +42,7 @@ def test_each_family_passes_on_each_execution_path(family, path):
     assert len(rep.layers) == 4 and not rep.inconclusive and not rep.identity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,path", [("synthetic:qwen3", "tp2"), ("synthetic:llama-biased", "tp2"),
                                          ("synthetic:qwen3", "compiled"), ("synthetic:olmo2", "compiled")])
 def test_families_run_tensor_parallel_and_compiled(run_cli, family, path):
@@ -65,6 +66,7 @@ def test_what_an_engine_cannot_run_of_a_family_is_refused_in_one_line(run_cli, f
     assert res.exit_code == 2 and res.output.count("\n") == 1 and words in res.output, res.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["synthetic:qwen3", "synthetic:gemma3"])
 @pytest.mark.parametrize("fault", sorted(TABLE))
 def test_faults_are_localised_on_qwen3_and_gemma3(fault, family):
@@ -77,6 +79,7 @@ def test_faults_are_localised_on_qwen3_and_gemma3(fault, family):
     assert f"§2.11 {row}" in rep.diagnosis, rep.diagnosis
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam,other,key", [("synthetic:qwen3", "synthetic", "qk_norm"),
                                            ("synthetic:llama-biased", "synthetic:qwen2", "o_bias")])
 def test_another_family_is_an_identity_difference(fam, other, key, tmp_path):
@@ -141,6 +144,7 @@ CHECKPOINTS = ["qwen3", "qwen3 attention_bias", "llama attention_bias mlp_bias",
                "phi3 sliding_window"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_a_transformers_checkpoint_of_each_family_agrees_with_transformers(name, run_cli, tmp_path):
     """Prompts of 9 and 3 tokens: longer and shorter than the window-4 families' window."""
@@ -202,6 +206,7 @@ def test_family_presets_differ_only_in_their_family_fields():
 WINDOWED = {"synthetic:mistral": 0, "synthetic:qwen2-window": 1, "synthetic:gemma2": 0, "synthetic:gemma3": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,layer", sorted(WINDOWED.items()))
 def test_a_window_applied_off_by_one_breaks_at_the_first_window_layer(family, layer):
     rep = run_lockstep("reference", "fault:window-off-by-one", model=ModelSpec(family)).report
@@ -216,6 +221,7 @@ def test_a_window_off_by_one_on_prompts_within_the_window_cannot_show():
     assert rep.verdict == "pass" and any("no prompt is longer than the window" in i for i in rep.inconclusive)
 
 
+@pytest.mark.slow
 def test_transformers_keeps_only_the_window_and_the_comparison_reads_the_window(tmp_path):
     """transformers' sliding layers keep the last W - 1 tokens, ours the whole prompt: the traces differ in length
     there and agree on the window; a full layer keeps everything on both sides."""
@@ -231,6 +237,7 @@ def test_transformers_keeps_only_the_window_and_the_comparison_reads_the_window(
         assert compare_traces(rt, ct).verdict == "pass"
 
 
+@pytest.mark.slow
 def test_a_wrong_value_inside_the_window_fails_and_outside_it_is_not_read(tmp_path):
     """The candidate's sliding layer 1 cache: a key inside the last W - 1 slots changed -> FAILED there; one
     before them changed -> nothing the next token reads, and the comparison does not read it."""
@@ -251,6 +258,7 @@ def test_a_wrong_value_inside_the_window_fails_and_outside_it_is_not_read(tmp_pa
             assert (rep.first_break.layer, rep.first_break.tensor) == (1, "cache_keys"), rep.verdict_line()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field,value", [("norm_scale", "activation"), ("hidden_act", "silu"), ("embed_scale", "none"),
                                          ("attention_multiplier", None), ("attn_softcap", None),
                                          ("final_softcap", None), ("sliding_window", None), ("layer_types", ()),

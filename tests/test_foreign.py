@@ -49,6 +49,7 @@ def _report(res):
     return json.loads(res.output[res.output.index("{"):])
 
 
+@pytest.mark.slow
 def test_glm4_runs_through_transformers_with_every_state_compared(glm4, run_cli):
     """The done-test: GLM-4 (partial rotary, a post-norm on each sub-layer's output, fused gate/up) is not ours;
     transformers eager against transformers sdpa compares every state and the cache."""
@@ -62,6 +63,7 @@ def test_glm4_runs_through_transformers_with_every_state_compared(glm4, run_cli)
     assert 0 < rep["final"]["tensors"]["logits"]["max_abs"] < 1e-4
 
 
+@pytest.mark.slow
 def test_glm4_updates_are_read_after_their_post_norms(glm4, tmp_path):
     """GLM-4 adds post_self_attn_layernorm(attention) and post_mlp_layernorm(MLP): the recorded updates are
     those norms' outputs, so that mid = layer_input + attn_update and layer_output = mid + mlp_update hold."""
@@ -85,6 +87,7 @@ def test_every_other_engine_refuses_a_model_only_transformers_runs(glm4, preset,
     assert "Glm4ForCausalLM" in res.output and "only the transformers engine runs" in res.output, res.output
 
 
+@pytest.mark.slow
 def test_a_parallel_block_has_no_mid_and_the_report_says_so(phi2, run_cli):
     res = run_cli("run", "transformers", "transformers-sdpa", "--model", f"hf:{phi2}", "--json", "-")
     rep = _report(res)
@@ -95,6 +98,7 @@ def test_a_parallel_block_has_no_mid_and_the_report_says_so(phi2, run_cli):
     assert any(s.startswith("mid: not compared") for s in rep["checks_not_done"]), rep["checks_not_done"]
 
 
+@pytest.mark.slow
 def test_other_weights_of_a_foreign_model_fail_as_values(glm4, tmp_path, run_cli):
     """Not a vacuous pass: the same architecture with other weights breaks at layer 0 (and is an identity
     difference, by the files' digest)."""

@@ -249,6 +249,7 @@ def test_wrong_model_spec_is_refused_before_recording_a_candidate(run_cli, good,
     assert named in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "out of range", "fractional", "short", "width wrong"])
 def test_sampled_channels_attribute_is_checked(run_cli, sampled, tmp_path, damage):
     bad = _copy(sampled, tmp_path)
@@ -355,6 +356,7 @@ def good_paths(good):
     return meta_paths(good)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(120), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_mutated_metadata_exits_0_1_or_2_never_3(run_cli, good, good_paths, tmp_path, data):
@@ -368,6 +370,7 @@ ATTR_POOL = [None, 0, -1, 64, 1 << 40, 1.5, "x", np.array([0.5, 1.5]), np.array(
              np.array([3, 1, 2]), np.array([-1, 0]), np.arange(64), np.arange(33), np.array([[0, 1]])]
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_property_mutated_dataset_attributes_exit_0_1_or_2_never_3(run_cli, sampled, tmp_path, data):
@@ -396,6 +399,7 @@ def _cli(*args, timeout=120):
     return proc.returncode, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_fifos_devices_and_dev_null_are_refused_before_opening(good, tmp_path):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -481,6 +485,7 @@ def test_config_integers_that_overflow_int64_are_refused(run_cli, tmp_path, key)
     assert f"[inputs] {key} sample 0, position 2 is {big}, outside the 64-bit integer range" in out
 
 
+@pytest.mark.slow
 def test_prompt_that_is_not_utf8_is_refused_naming_the_byte_offset(tmp_path):
     """Bytes from the command line (a chat template's output) that are not UTF-8 crashed the tokenizer."""
     proc = subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", "record", "reference", "--model",
@@ -541,6 +546,7 @@ def test_a_trace_that_appears_meanwhile_is_not_replaced(tmp_path):
     assert not list(tmp_path.glob(".t.h5.partial-*"))
 
 
+@pytest.mark.slow
 def test_two_concurrent_records_to_one_path_one_wins_one_says_so(tmp_path):
     target = tmp_path / "t.h5"
     cmd = [sys.executable, "-m", "prefill_diff.cli.main", "record", "reference", "-o", str(target), "--level", "stats"]
@@ -573,6 +579,7 @@ def test_final_move_refuses_to_replace_with_and_without_hard_links(tmp_path, mon
 
 # -- signals ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     from test_trace_format import start_big_record
     proc, target = start_big_record(tmp_path)
@@ -638,6 +645,7 @@ def test_complex_lengths_are_refused_without_a_warning(good, tmp_path):
             Trace(bad)
 
 
+@pytest.mark.slow
 def test_chat_template_prompt_records_and_inspects_as_plain_text(run_cli, tmp_path):
     """The issue's reproduction: `--prompt "[INST] Say hi [/INST]"` recorded fine, then `inspect` exited 3."""
     out = tmp_path / "chat.h5"

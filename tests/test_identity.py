@@ -18,6 +18,7 @@ def _run(run_cli, tmp_path, cand_toml: str, ref: str = "reference", *flags):
     return res, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_rope_theta_difference_is_an_identity_failure_and_the_layers_are_still_compared(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nrope_theta = 20000.0\n')
     assert res.exit_code == 1
@@ -57,6 +58,7 @@ def test_adapter_difference_fails_and_the_hint_does_not_blame_numerics(run_cli, 
     assert rep["layers"][0]["first_break"]["layer"] == 0
 
 
+@pytest.mark.slow
 def test_two_adapters_with_the_same_id_but_other_weights_differ_by_digest(run_cli, tmp_path):
     ref = tmp_path / "ref.toml"
     ref.write_text('preset = "reference"\n[model.adapter]\nid = "a"\nseed = 1\n')
@@ -65,6 +67,7 @@ def test_two_adapters_with_the_same_id_but_other_weights_differ_by_digest(run_cl
     assert any(n.startswith("MODEL IDENTITY DIFFERS: adapter") and "digest" in n for n in rep["notes"])
 
 
+@pytest.mark.slow
 def test_other_weights_are_an_identity_failure(run_cli, tmp_path):
     """Another seed: the same shapes and settings, other weights (the weights digest differs)."""
     res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nseed = 1\n')
@@ -73,6 +76,7 @@ def test_other_weights_are_an_identity_failure(run_cli, tmp_path):
     assert fb["kind"] == "identity" and "weights_digest (weights) sha256:" in fb["message"], fb["message"]
 
 
+@pytest.mark.slow
 def test_a_difference_too_small_to_break_tolerance_still_fails(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "reference"\n[model]\nnorm_eps = 1.0000001e-5\n')
     assert res.exit_code == 1 and rep["verdict"] == "fail"
@@ -83,6 +87,7 @@ def test_a_difference_too_small_to_break_tolerance_still_fails(run_cli, tmp_path
     assert "norm_eps" in rep["notes"][0] and "the model identity differs" in rep["verdict_line"]
 
 
+@pytest.mark.slow
 def test_identical_models_have_no_identity_difference(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "sdpa"\n')
     assert res.exit_code == 0 and not rep["identity_differences"]
@@ -152,6 +157,7 @@ def llama_pair(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_bf16_like_with_like_is_calibrated_and_a_scaled_projection_fails(run_cli, llama_pair, tmp_path):
     """Both sides bfloat16: the fixed bf16 envelope passed a 30% change of one projection. Now the weights
     digest fails the identity check, and compared on purpose the calibrated verdict breaks at layer 3."""
@@ -183,6 +189,7 @@ def test_every_model_field_is_an_identity_key_or_says_why_not():
     assert names == set(IDENTITY_KEYS) | NOT_IDENTITY and not set(IDENTITY_KEYS) & NOT_IDENTITY
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key,value", [("attn_softcap", 5.0), ("embed_scale", "none"), ("final_softcap", 9.0),
                                        ("rope_local_theta", 5e4)])
 def test_a_gemma_field_difference_is_named(key, value, tmp_path):

@@ -23,6 +23,7 @@ def traces(tmp_path_factory):
     return paths
 
 
+@pytest.mark.slow
 def test_the_policy_is_the_flags_else_the_baseline_declaration_else_the_dtype_default(traces):
     """batched-left differs from reference by ~1e-6: a baseline declaring atol 1e-12 must fail it."""
     default = jobs.compare(traces["plain"], traces["cand"]).report
@@ -36,6 +37,7 @@ def test_the_policy_is_the_flags_else_the_baseline_declaration_else_the_dtype_de
         assert jobs.resolve(None, t, t).sources["atol"] == "baseline trace"
 
 
+@pytest.mark.slow
 def test_a_run_without_out_keeps_no_trace_and_the_report_names_none(tmp_path):
     out = jobs.run("reference", "batched-left")
     assert out.ref_path is None and out.cand_path is None
@@ -44,6 +46,7 @@ def test_a_run_without_out_keeps_no_trace_and_the_report_names_none(tmp_path):
     assert os.path.isfile(kept.ref_path) and kept.report.cand["file"] == kept.cand_path
 
 
+@pytest.mark.slow
 def test_an_outcome_and_its_report_print_as_their_verdict(traces):
     out = jobs.run("reference", "fault:skip-kv")
     line = out.report.verdict_line()
@@ -54,6 +57,7 @@ def test_an_outcome_and_its_report_print_as_their_verdict(traces):
                           f"ref_path={traces['plain']!r}, cand_path={traces['cand']!r})")
 
 
+@pytest.mark.slow
 def test_fail_fast_stops_at_the_first_break_and_says_which_layers_were_not_reached():
     out = jobs.run("reference", "fault:gqa-mapping", judging=jobs.Judging(fail_fast=True))
     assert not out.report and out.report.first_break.layer == 0
@@ -61,6 +65,7 @@ def test_fail_fast_stops_at_the_first_break_and_says_which_layers_were_not_reach
     assert jobs.run("reference", "batched-left", judging=jobs.Judging(fail_fast=True)).not_reached == []
 
 
+@pytest.mark.slow
 def test_compare_records_a_preset_with_the_baselines_model_and_prompts(traces):
     rep = jobs.compare(traces["plain"], "fault:gqa-mapping").report
     assert not rep and (rep.first_break.layer, rep.first_break.tensor) == (0, "attn_update"), rep.verdict_line()

@@ -81,6 +81,7 @@ def project_edges() -> dict[str, dict[str, int]]:
     return {m: {t: ln for t, ln in deps.items() if t in mods and t != m} for m, deps in imports().items()}
 
 
+@pytest.mark.slow
 def test_the_parser_sees_the_imports_it_must_judge():
     """The checks below are only as good as this: known edges of the code must be found."""
     edges = project_edges()
@@ -92,12 +93,14 @@ def test_the_parser_sees_the_imports_it_must_judge():
     assert "torch" in imports()["engine.native.model"]
 
 
+@pytest.mark.slow
 def test_nothing_imports_from_a_package_to_its_right():
     bad = [f"{m} (line {ln}) imports {t}" for m, deps in project_edges().items() for t, ln in deps.items()
            if ORDER.index(t.split(".")[0]) > ORDER.index(m.split(".")[0])]
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pkg", ["dumps", "verify"])
 def test_dumps_and_verify_import_neither_torch_nor_the_engine(pkg):
     bad = [f"{m} (line {ln}) imports {t}" for m, deps in imports().items() if m.split(".")[0] == pkg
@@ -105,6 +108,7 @@ def test_dumps_and_verify_import_neither_torch_nor_the_engine(pkg):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow
 def test_only_the_vllm_worker_imports_vllm_and_it_imports_nothing_of_ours():
     """vLLM changes process-wide state when imported: it never enters prefill-diff's process."""
     bad = [f"{m} (line {ln})" for m, deps in imports().items() if m != VLLM_WORKER for t, ln in deps.items()
@@ -144,6 +148,7 @@ def _cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 def test_no_import_cycle():
     cycle = _cycle(project_edges())
     assert cycle is None, " -> ".join(cycle)
@@ -154,6 +159,7 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b": 1}, "b": {}}) is None
 
 
+@pytest.mark.slow
 def test_importing_dumps_and_verify_loads_no_torch():
     """The same rule, at run time: what the modules import transitively."""
     mods = [m for m in modules() if m.split(".")[0] in ("dumps", "verify")]

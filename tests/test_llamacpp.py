@@ -17,6 +17,8 @@ from prefill_diff.engine.config import load_side
 from prefill_diff.engine.models.gguf_loader import smollm2_path
 from prefill_diff.verify.tolerance import default_policy
 
+pytestmark = pytest.mark.slow  # llama.cpp runs of the SmolLM2 GGUF
+
 FRANCE = "The capital of France is"
 
 

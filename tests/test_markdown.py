@@ -74,6 +74,7 @@ def test_markdown_of_a_pass_has_no_first_break_and_no_mark(reports):
     assert "**PASSED \\| 4/4 layers, logits and cache within tolerance**" in text
 
 
+@pytest.mark.slow
 def test_markdown_shows_the_layers_the_terminal_shows_and_counts_the_rest(deep):
     table = rows(markdown(deep, "auto"))
     layers = [r[0] for r in table[1:] if r and r[0] not in ("sample",)][:7]
@@ -132,6 +133,7 @@ def test_markdown_goes_to_a_file_or_alone_to_stdout(run_cli, tmp_path):
     assert res.exit_code == 2 and "cannot write --markdown (the Markdown report)" in res.output
 
 
+@pytest.mark.slow
 def test_github_actions_step_summary_and_one_error_line_for_the_first_break(run_cli, tmp_path):
     summary = tmp_path / "summary.md"
     summary.write_text("earlier step\n", encoding="utf-8")

@@ -85,6 +85,7 @@ def slabs(draw):
     return r, c, tol, draw(st.booleans())
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(400), deadline=None)
 @given(slabs())
 def test_slab_metrics_equal_the_naive_rule(case):

@@ -27,6 +27,8 @@ from prefill_diff.engine.models.spec import ModelSpec
 sys.path.insert(0, str(Path(__file__).parent / "bench"))
 from bench_model_cache import TINY as ARGS, write_tiny_gguf  # noqa: E402
 
+pytestmark = pytest.mark.slow  # conversions of the SmolLM2 GGUF, cache entries across processes
+
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):

@@ -263,6 +263,7 @@ def _gguf_cases():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["block_count as a string", "block_count as an array", "head_count 0",
                                   "epsilon as a string", "epsilon NaN", "vocab_size 2**63",
                                   "negative embedding_length", "block_count 1e8", "a 1 MB key"])
@@ -274,6 +275,7 @@ def test_gguf_metadata_of_the_wrong_type_or_range_is_named(tmp_path, run_cli, ca
     assert len(res.output) < 1000  # a 1 MB key name is shortened, not printed whole
 
 
+@pytest.mark.slow
 def test_the_valid_gguf_the_cases_start_from_records(tmp_path, run_cli):
     """The mutations above change one value of a file that is otherwise accepted."""
     path = write_gguf(tmp_path / "m.gguf")
@@ -283,6 +285,7 @@ def test_the_valid_gguf_the_cases_start_from_records(tmp_path, run_cli):
 
 # -- memory limits ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_an_address_space_limit_is_an_estimate_refusal_not_an_allocator_crash(tmp_path):
     """Under an address-space limit (prlimit --as) the estimate compares with the address space still free (the
     limit less VmSize): exit 2 before allocating, where torch's DefaultCPUAllocator used to end it with exit 3."""
@@ -327,6 +330,7 @@ def _pd(*args) -> str:
     return " ".join([sys.executable, "-m", "prefill_diff.cli.main", *args])
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_said_before_the_trace_is_started_never_a_segfault(small_fs):
     """HDF5 crashed the process (SIGSEGV) after a failed write: the space is checked from the trace's sizes."""
     res = small_fs(_pd("record", "reference", "-o", '"$SMALL/x.h5"') + '; echo "exit=$?"; ls -A "$SMALL"')
@@ -335,6 +339,7 @@ def test_a_full_disk_is_said_before_the_trace_is_started_never_a_segfault(small_
     assert res.stdout.strip().endswith("exit=2")  # nothing left in the file system: no partial file
 
 
+@pytest.mark.slow
 def test_a_full_tmpdir_under_run_and_a_full_report_disk_are_exit_2_leaving_nothing(small_fs):
     res = small_fs("TMPDIR=$SMALL " + _pd("run", "reference", "batched-left") + '; echo "exit=$?"')
     assert "exit=2" in res.stdout and "not enough space for the trace" in res.stderr, res.stdout + res.stderr
@@ -344,6 +349,7 @@ def test_a_full_tmpdir_under_run_and_a_full_report_disk_are_exit_2_leaving_nothi
     assert res.stdout.strip().endswith("exit=2")  # no truncated report left behind
 
 
+@pytest.mark.slow
 def test_a_full_model_cache_runs_without_the_cache(tmp_path, small_fs):
     path = write_gguf(tmp_path / "m.gguf")
     res = small_fs("PREFILL_DIFF_CACHE=$SMALL/c " + _pd("record", "reference", "--model", f"gguf:{path}",
@@ -353,6 +359,7 @@ def test_a_full_model_cache_runs_without_the_cache(tmp_path, small_fs):
     assert res.stdout.strip().endswith("exit=0")  # no half-written entry
 
 
+@pytest.mark.slow
 def test_stdout_on_a_full_device_is_exit_2():
     res = subprocess.run(" ".join(PD + ["presets"]) + " > /dev/full", shell=True, capture_output=True, text=True,
                          timeout=120)
@@ -369,6 +376,7 @@ def test_an_output_name_too_long_is_refused_before_any_work(tmp_path, run_cli):
     _refused(res, "--json", "its file name is 256 bytes")
 
 
+@pytest.mark.slow
 def test_a_legal_name_whose_temporary_sibling_would_be_too_long_is_written(tmp_path, run_cli):
     out = tmp_path / ("b" * 240)
     assert run_cli("record", "reference", "-o", out).exit_code == 0
@@ -387,6 +395,7 @@ def test_a_deleted_working_directory_is_one_line(tmp_path):
     assert "FATAL" not in res.stderr
 
 
+@pytest.mark.slow
 def test_utf8_argv_under_a_c_locale_is_read_as_the_bytes_given(tmp_path):
     """LC_ALL=C without UTF-8 mode: Python decodes argv as ASCII with surrogate escapes; the bytes are UTF-8."""
     env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": ""}
@@ -435,6 +444,7 @@ def test_vllm_kv_cache_space_joins_the_estimate(tmp_path, run_cli):
 
 # -- the converted-model cache ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_an_abandoned_conversion_is_reclaimed_and_a_running_one_is_not(tmp_path, run_cli, monkeypatch):
     import gguf
 
@@ -460,6 +470,7 @@ def test_an_abandoned_conversion_is_reclaimed_and_a_running_one_is_not(tmp_path,
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_a_cache_entry_others_may_write_is_never_used(tmp_path, run_cli, monkeypatch):
     """Weights edited and the manifest recomputed by someone else: not trusted, converted afresh (said once)."""
     from prefill_diff.engine.models import sources
@@ -482,6 +493,7 @@ def test_a_cache_entry_others_may_write_is_never_used(tmp_path, run_cli, monkeyp
 
 # -- tensor-parallel ranks -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_taken_rendezvous_port_is_one_line(tmp_path, run_cli, monkeypatch):
     import socket
 

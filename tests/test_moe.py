@@ -63,6 +63,7 @@ def test_the_moe_mlp_equals_a_naive_loop(family):
         torch.testing.assert_close(weights.float().sum(-1), torch.ones(2, 9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", FLOAT32_PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_moe_family_passes_each_float32_path_with_routing_compared(family, path):
@@ -74,6 +75,7 @@ def test_each_moe_family_passes_each_float32_path_with_routing_compared(family, 
     assert len(rep.layers) == 4 and not rep.skipped, rep.skipped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PRECISION_PATHS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_moe_family_passes_each_precision_path(family, path):

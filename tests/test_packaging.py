@@ -55,6 +55,7 @@ def wheel_names(tmp_path_factory) -> set:
     return set(zipfile.ZipFile(wheel).namelist())
 
 
+@pytest.mark.slow
 def test_the_wheel_ships_the_docs(wheel_names):
     """A non-editable install gets the documents: they are package data of prefill_diff.docs."""
     assert {f"prefill_diff/docs/{d}.md" for d in DOCS} <= wheel_names, sorted(wheel_names)

@@ -24,6 +24,8 @@ from prefill_diff.cli.jobs import compare_files
 from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
+pytestmark = pytest.mark.slow  # process groups: spawned tensor-parallel ranks, torchrun
+
 STATES = ("layer_input", "attn_update", "mid", "mlp_update", "layer_output")
 
 

@@ -55,6 +55,7 @@ def _record(tmp_path, name, *extra, epoch="1700000000"):
     return out
 
 
+@pytest.mark.slow
 def test_a_trace_records_version_command_line_and_time(tmp_path, run_cli):
     path = _record(tmp_path, "[bold]t.h5")
     with h5py.File(path) as f:
@@ -66,6 +67,7 @@ def test_a_trace_records_version_command_line_and_time(tmp_path, run_cli):
     assert res.exit_code == 0 and f"recorded by prefill-diff {p['version']} at {p['time']}: {p['argv']}" in res.output
 
 
+@pytest.mark.slow
 def test_two_recordings_with_source_date_epoch_have_the_same_metadata(tmp_path):
     a, b = _record(tmp_path, "a.h5"), _record(tmp_path, "b.h5")
     with h5py.File(a) as fa, h5py.File(b) as fb:
@@ -74,6 +76,7 @@ def test_two_recordings_with_source_date_epoch_have_the_same_metadata(tmp_path):
     assert ma == mb
 
 
+@pytest.mark.slow
 def test_the_json_report_records_its_provenance_and_each_trace_s(tmp_path, run_cli, monkeypatch):
     ref = _record(tmp_path, "ref.h5", epoch="86400")
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")

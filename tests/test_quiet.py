@@ -16,6 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "bench"))
 from bench_model_cache import write_tiny_gguf  # noqa: E402
 
+pytestmark = pytest.mark.slow  # whole CLI processes on a pseudo-terminal, signals
+
 pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 

@@ -1,6 +1,7 @@
 """The README's examples stay true: the Commands block runs, in order, with the exit statuses it states."""
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import re
@@ -8,6 +9,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # every README command run as a process
 
 ROOT = Path(__file__).resolve().parents[1]
 

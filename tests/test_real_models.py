@@ -20,6 +20,8 @@ from conftest import spawning_presets  # noqa: E402
 import gguf  # noqa: E402,F401  (the test extras install both; a missing one must fail, never skip)
 import transformers  # noqa: E402,F401
 
+pytestmark = pytest.mark.slow  # SmolLM2 and real checkpoints through every engine
+
 SMOL = ModelSpec("smollm2")
 FRANCE = Inputs(prompts=("The capital of France is",))
 THREE = Inputs(prompts=("The capital of France is", "Hello, my name is", "In 1969, the first man on the moon was"))

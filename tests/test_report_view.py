@@ -53,6 +53,7 @@ def traces(tmp_path_factory):
 
 # -- lines that survive pipes and narrow terminals ------------------------------------------------
 
+@pytest.mark.slow
 def test_verdict_is_one_unwrapped_line_when_piped_at_any_width():
     for cols in (None, "40"):
         env = dict(ENV, **({"COLUMNS": cols} if cols else {}))
@@ -65,6 +66,7 @@ def test_verdict_is_one_unwrapped_line_when_piped_at_any_width():
         assert out.stderr == ""  # no progress display when stderr is not a terminal
 
 
+@pytest.mark.slow
 def test_header_verdict_and_notes_are_never_wrapped(reports):
     rep = reports["fault:skip-kv"]
     for width in (40, 80):
@@ -140,6 +142,7 @@ def deep(tmp_path_factory):
     return run_pair(str(d / "ref.toml"), str(d / "cand.toml")).report
 
 
+@pytest.mark.slow
 def test_layers_auto_shows_the_first_break_neighbourhood_and_counts_the_rest(deep):
     assert deep.first_break.layer == 8 and len(deep.layers) == 16
     assert shown_layers(deep, "auto") == [6, 7, 8, 9, 10, 15]
@@ -163,6 +166,7 @@ def test_layers_failing_on_a_pass_says_so_instead_of_an_empty_table(reports):
     assert "no layer is out of tolerance" not in failing and "layer_" in failing
 
 
+@pytest.mark.slow
 def test_compile_time_of_a_compiled_side_is_a_note(run_cli, traces, tmp_path):
     import shutil
 
@@ -182,6 +186,7 @@ def test_compile_time_of_a_compiled_side_is_a_note(run_cli, traces, tmp_path):
     assert "torch.compile" not in run_cli("compare", traces["full"], traces["full"]).output
 
 
+@pytest.mark.slow
 def test_top_ids_not_in_the_other_sides_top_5_are_marked_in_words(reports):
     from prefill_diff.cli.jobs import run as run_pair
     from prefill_diff.cli.render import final_table
@@ -237,6 +242,7 @@ def test_one_name_per_state(reports, run_cli, traces):
 
 # -- JUnit and JSON for CI, --strict ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_junit_to_stdout_with_no_none_properties(run_cli, tmp_path):
     res = run_cli("run", "reference", "fault:skip-kv", "--junit", "-")
     assert res.exit_code == 1 and not (tmp_path / "-").exists()
@@ -269,6 +275,7 @@ def test_junit_marks_layers_not_reached_by_fail_fast_as_skipped(run_cli, tmp_pat
     assert not any(isinstance(r, Skipped) for r in cases["layer 000"].result)
 
 
+@pytest.mark.slow
 def test_fail_fast_says_what_it_did_not_compare_and_that_its_sides_were_in_memory(run_cli, tmp_path):
     out = tmp_path / "r.json"
     res = run_cli("run", "reference", "fault:skip-kv", "--fail-fast", "--json", out)
@@ -341,6 +348,7 @@ def test_junit_fails_a_final_break_that_no_candidate_check_carries(reports):
         assert failing == [(f"final {b.tensor}", "value")]
 
 
+@pytest.mark.slow
 def test_strict_fails_an_inconclusive_pass(run_cli, tmp_path):
     from junitparser import Failure, JUnitXml
     args = ("run", "reference", "fault:gqa-mapping", "--model", "seed-2.8", "-q")
@@ -402,6 +410,7 @@ def test_inspect_says_what_sampled_and_stats_levels_hold(run_cli, traces):
     assert "this trace keeps statistics" in out
 
 
+@pytest.mark.slow
 def test_inspect_at_80_columns_cuts_no_number_and_prints_no_repr(traces):
     for level in ("full", "stats"):
         out = subprocess.run([sys.executable, "-m", "prefill_diff.cli.main", "inspect", str(traces[level])],
@@ -489,6 +498,7 @@ def pty_run(args, cols):
     return p.returncode, out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_presets_wrap_at_word_boundaries_on_a_narrow_terminal():
     from prefill_diff.engine.config import PRESETS
     rc, out = pty_run(["presets"], 60)
@@ -500,6 +510,7 @@ def test_presets_wrap_at_word_boundaries_on_a_narrow_terminal():
         assert name in words and all(w in words for w in desc.split()), name
 
 
+@pytest.mark.slow
 def test_progress_is_drawn_on_a_terminal_and_absent_when_piped(tmp_path):
     rc, out = pty_run(["record", "reference", "-o", str(tmp_path / "t.h5")], 100)
     assert rc == 0 and "loading the model" in out and "wrote" in out
@@ -509,6 +520,7 @@ def test_progress_is_drawn_on_a_terminal_and_absent_when_piped(tmp_path):
     assert piped.returncode == 0 and piped.stderr == "" and "recording" not in piped.stdout
 
 
+@pytest.mark.slow
 def test_quiet_silences_transformers_loading_bars_on_a_terminal():
     pytest.importorskip("transformers")
     rc, out = pty_run(["run", "reference", "transformers", "--model", "smollm2", "--prompt", "Hi", "-q"], 100)
@@ -579,6 +591,7 @@ def terminal_80(monkeypatch):
     monkeypatch.setattr(main, "console", lambda stderr=False: real(stderr) if stderr else real(terminal=True, width=80))
 
 
+@pytest.mark.slow
 def test_run_and_inspect_fit_an_80_column_terminal(run_cli, traces, terminal_80):
     res = run_cli("run", "reference", "fault:gqa-mapping")
     lines = ESCAPES.sub("", res.output).splitlines()
@@ -592,6 +605,7 @@ def test_run_and_inspect_fit_an_80_column_terminal(run_cli, traces, terminal_80)
     assert len(heads) == 2 and [w for h in heads for w in h if w != "ch" and w != "pos"] == [str(c) for c in range(10)]
 
 
+@pytest.mark.slow
 def test_run_and_inspect_fit_a_real_80_column_terminal(traces):
     rc, out = pty_run(["run", "reference", "fault:gqa-mapping"], 80)
     lines = screen_lines(out)
@@ -603,6 +617,7 @@ def test_run_and_inspect_fit_a_real_80_column_terminal(traces):
 
 # -- piped output: no trailing spaces; an ASCII stream: stand-ins, the same verdict and exit status --------
 
+@pytest.mark.slow
 def test_piped_output_has_no_trailing_spaces(run_cli, traces):
     for args in (("run", "reference", "fault:gqa-mapping"), ("compare", traces["stats"], traces["gqa_stats"]),
                  ("inspect", traces["full"]), ("ledger",), ("presets",)):
@@ -616,6 +631,7 @@ def ascii_run(*args):
                           env=dict(ENV, PYTHONIOENCODING="ascii"))
 
 
+@pytest.mark.slow
 def test_an_ascii_stdout_gets_stand_ins_and_the_same_verdict(traces):
     out = ascii_run("run", "reference", "fault:gqa-mapping")
     text, err = out.stdout.decode("ascii"), out.stderr.decode("ascii")  # every byte ASCII
@@ -628,6 +644,7 @@ def test_an_ascii_stdout_gets_stand_ins_and_the_same_verdict(traces):
     assert out.returncode == 0 and out.stderr == b"" and "weights sha256:" in out.stdout.decode("ascii")
 
 
+@pytest.mark.slow
 def test_machine_reports_and_error_lines_on_ascii_streams(traces):
     out = ascii_run("run", "reference", "fault:gqa-mapping", "--json", "-")
     assert out.returncode == 1 and json.loads(out.stdout.decode("ascii"))["verdict"] == "fail"
@@ -667,6 +684,7 @@ def test_plot_data_keeps_zeros_and_draws_them_below_the_scale(reports):
     assert cache_breaks(rep) == []
 
 
+@pytest.mark.slow
 def test_bound_floor_is_atol_plus_ntol_times_the_smallest_row_rms(tmp_path):
     """The plot's allowed-error line, checked against an independent computation from the trace."""
     from prefill_diff.dumps.reader import Trace
@@ -689,6 +707,7 @@ def test_bound_floor_is_atol_plus_ntol_times_the_smallest_row_rms(tmp_path):
                 assert t_.max_abs <= t_.bound_floor and t_
 
 
+@pytest.mark.slow
 def test_plot_is_written_for_a_break_and_a_pass(reports, tmp_path):
     from prefill_diff.verify.formats.plot import plot_errors
     for name, rep in reports.items():
@@ -697,6 +716,7 @@ def test_plot_is_written_for_a_break_and_a_pass(reports, tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_refused_reuse_reason_is_words_not_a_dict_repr(run_cli, tmp_path):
     path = tmp_path / "am.h5"
     assert run_cli("record", "fault:adapter-mismatch", "-o", path).exit_code == 0
@@ -721,6 +741,7 @@ def calibrated_failure(tmp_path_factory):
     return rep
 
 
+@pytest.mark.slow
 def test_calibrated_failures_are_marked_in_the_final_table_and_counted_in_the_json(calibrated_failure):
     rep = calibrated_failure
     logits = rep.final.tensor("logits")
@@ -754,6 +775,7 @@ def test_the_plot_of_a_calibrated_verdict_draws_the_calibrated_allowance(calibra
     assert any(line.get_linestyle() == "--" for line in low.get_lines())
 
 
+@pytest.mark.slow
 def test_padding_only_non_finite_cells_show_the_valid_error_and_the_break_names_every_sample(run_cli, tmp_path):
     out = tmp_path / "r.json"
     res = run_cli("run", "reference", "fault:masked-row-softmax", "--json", out)

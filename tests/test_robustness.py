@@ -93,6 +93,7 @@ def _exercise(good: Path, bad: Path):
         pass
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_files_fail_loudly_or_compare_never_crash(small_trace, tmp_path, data):
@@ -193,6 +194,7 @@ def test_hostile_declared_sizes_are_refused(small_trace, tmp_path):
         Trace(meta)
 
 
+@pytest.mark.slow
 def test_same_architecture_different_weights_stay_comparable(run_cli, tmp_path):
     other = tmp_path / "other.toml"
     other.write_text('preset = "batched-left"\n[model]\nseed = 7\n')
@@ -210,6 +212,7 @@ def test_same_architecture_different_weights_stay_comparable(run_cli, tmp_path):
     assert any("MODEL IDENTITY DIFFERS: weights_digest" in n for n in rep["notes"])
 
 
+@pytest.mark.slow
 def test_different_vocabularies_are_a_metadata_break(run_cli, tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     vocab = tmp_path / "v.toml"
@@ -223,6 +226,7 @@ def test_different_vocabularies_are_a_metadata_break(run_cli, tmp_path):
 
 # -- interruptions ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sigkill_many_times_never_leaves_an_accepted_trace(tmp_path, monkeypatch):
     """The trace-format test kills `record` four times; here ten, at random moments."""
     from test_trace_format import test_killing_record_never_leaves_an_accepted_trace as kill
@@ -283,6 +287,7 @@ models = st.tuples(st.integers(1, 2), st.sampled_from([1, 2, 3]), st.sampled_fro
 lengths = st.lists(st.integers(1, 10), min_size=1, max_size=3)
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(model=models, lens=lengths, batching=st.sampled_from(["left", "right", "packed", "unbatched"]),
        kernel=st.sampled_from(["eager", "sdpa", "tiled"]), chunk=st.integers(0, 4), page=st.integers(1, 5),
@@ -305,6 +310,7 @@ FAULTS = ["last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked
           "masked-row-softmax"]
 
 
+@pytest.mark.slow
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(model=models, lens=lengths, fault=st.sampled_from(FAULTS))
 def test_property_every_fault_is_caught_or_declared_unshowable(tmp_path, model, lens, fault):

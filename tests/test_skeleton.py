@@ -50,6 +50,7 @@ def test_built_model_runs_the_snapshot_weights():
         assert torch.equal(t, state[name]), name
 
 
+@pytest.mark.slow
 def test_preparing_a_synthetic_run_imports_neither_dynamo_nor_inductor():
     """Issue 18: start-up. A compiled run imports them (engine/native/compiled.py); nothing else may."""
     code = ("import sys\nfrom prefill_diff.engine.config import load_side\nfrom prefill_diff.engine.prepared import "

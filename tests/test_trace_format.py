@@ -183,6 +183,7 @@ def test_inspect_every_level(levels, run_cli):
     assert res.exit_code == 2 and "--layer must be in [0, 4)" in res.output
 
 
+@pytest.mark.slow
 def test_inspect_summary_shows_fault_reuse_and_invariant_violations(run_cli, tmp_path):
     for preset, want in (("fault:skip-kv", ("fault injected", "skip-kv", "invariant 1 (equal lengths")),
                          ("prefix-reuse", ("sample 0: prefix of 4 reused", "sample 2: prefix of 4 reused"))):
@@ -193,6 +194,7 @@ def test_inspect_summary_shows_fault_reuse_and_invariant_violations(run_cli, tmp
         assert res.exit_code == 0 and all(w in out for w in want), out[:600]
 
 
+@pytest.mark.slow
 def test_inspect_does_not_import_torch(levels):
     code = ("import sys; from prefill_diff.cli.main import cli\n"
             "try:\n    cli(['inspect', sys.argv[1]], standalone_mode=False)\nexcept SystemExit: pass\n"
@@ -229,6 +231,7 @@ def _wait_for_partial(tmp_path, proc, timeout=60.0):
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_killing_record_never_leaves_an_accepted_trace(tmp_path):
     """SIGKILL at random moments while the trace is being written (issue 8 repeats this many times)."""
     cfg = tmp_path / "big.toml"
@@ -269,6 +272,7 @@ def start_big_record(tmp_path):
     return proc, target
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_removes_the_partial_file(tmp_path):
     proc, target = start_big_record(tmp_path)
     proc.send_signal(signal.SIGINT)

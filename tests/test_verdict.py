@@ -38,6 +38,7 @@ def test_fault_localised_with_matching_diagnosis(reference, tmp_path, fault):
     assert not rep
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cand", ["batched-left", "fault:gqa-mapping", "fault:skip-kv", "fault:last-column",
                                   "fault:masked-row-softmax", "chunked", "transformers"])
 def test_fail_fast_and_full_run_agree_on_the_first_break(reference, tmp_path, cand):
@@ -56,6 +57,7 @@ def test_fail_fast_and_full_run_agree_on_the_first_break(reference, tmp_path, ca
         assert fast.stopped_early == (b.layer is not None and b.layer < 3)
 
 
+@pytest.mark.slow
 def test_junit_is_valid_and_carries_the_first_break(run_cli, tmp_path):
     from junitparser import Failure, JUnitXml
     out = tmp_path / "r.xml"
@@ -101,6 +103,7 @@ def test_plot_is_written(run_cli, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
+@pytest.mark.slow
 def test_plot_marks_exactly_the_points_that_broke_tolerance(reference, tmp_path):
     """The picture agrees with the verdict: a passing run marks nothing, a fault marks its broken tensors."""
     from prefill_diff.verify.formats.plot import plot_data, plot_errors
@@ -121,6 +124,7 @@ def test_plot_marks_exactly_the_points_that_broke_tolerance(reference, tmp_path)
         assert (tmp_path / f"{cand}.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_tolerance_file_and_flags(run_cli, tmp_path):
     pol = tmp_path / "p.toml"
     pol.write_text('base = "float32"\ntopk = 3\n[attn_update]\natol = 5.0\nrtol = 0.0\n[residual]\natol = 20.0\n'

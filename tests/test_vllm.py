@@ -22,6 +22,8 @@ import torch
 from prefill_diff.engine.foreign import vllm_worker
 from prefill_diff.engine.foreign.vllm_engine import ENV
 
+pytestmark = pytest.mark.slow  # vLLM in its own environment and process
+
 
 def _vllm_python() -> str | None:
     given = os.environ.get(ENV)
