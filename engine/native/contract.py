@@ -10,11 +10,14 @@ import torch
 from ..shared.errors import PreconditionError
 
 
+def _integers(x: torch.Tensor, rule: str, what: str) -> None:
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise PreconditionError(rule, f"{what} must be integers (got dtype {x.dtype})")
+
+
 def check_ids(input_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
     """(1) every non-padding id is inside the vocabulary (and an id is an integer)."""
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        dtype = str(input_ids.dtype).replace("torch.", "")
-        raise PreconditionError("2.1(1)", f"token ids must be integers (got dtype {dtype})")
+    _integers(input_ids, "2.1(1)", "token ids")
     bad = valid & ((input_ids < 0) | (input_ids >= vocab_size))
     if bool(bad.any()):
         b, i = (int(t) for t in bad.nonzero()[0])
@@ -61,8 +64,7 @@ def check_positions(positions: torch.Tensor, valid: torch.Tensor, seq: torch.Ten
     if tuple(positions.shape) != tuple(valid.shape):
         raise PreconditionError("2.1(3)", "positions must have the shape of input_ids "
                                 f"(got {list(positions.shape)}, ids {list(valid.shape)})")
-    if positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise PreconditionError("2.1(3)", f"positions must be integers (got dtype {positions.dtype})")
+    _integers(positions, "2.1(3)", "positions")
     bad = valid & ((positions < 0) | (positions >= max_position))
     if bool(bad.any()):
         b, i = (int(t) for t in bad.nonzero()[0])
