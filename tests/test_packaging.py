@@ -68,6 +68,15 @@ def test_the_wheel_runs_as_python_m_prefill_diff(wheel_names):
         {"cli", "engine", "dumps", "verify", "docs"}
 
 
+def test_the_wheel_ships_every_module_of_the_source_tree(wheel_names):
+    """pyproject.toml lists the packages one by one: a subpackage it misses is absent from a non-editable install
+    (an editable one still finds it), so every .py of the four packages must be in the wheel."""
+    sources = {f"prefill_diff/{p.relative_to(ROOT).as_posix()}" for pkg in ("cli", "engine", "dumps", "verify")
+               for p in (ROOT / pkg).rglob("*.py") if "toplevel" not in p.parts}
+    assert sources, "no source modules found"
+    assert not sources - wheel_names, sorted(sources - wheel_names)
+
+
 def test_python_m_prefill_diff_is_the_cli(tmp_path):
     res = subprocess.run([sys.executable, "-m", "prefill_diff", "docs"], capture_output=True, text=True,
                          cwd=tmp_path)
