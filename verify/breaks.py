@@ -115,9 +115,10 @@ def finite_break(stage: str, layer: int | None, t: TensorResult) -> Break | None
     if f.ok:
         return None
     s = t.bad_samples[0] if t.bad_samples else None
-    if not f.valid_ok:
+    if not f.valid_ok:  # the samples whose finite masks differ (bad_samples also holds those out of tolerance)
+        s, pos = f.at[0] if f.at else (s, t.bad_positions.get(s))
         return Break(stage=stage, kind="finite_mask", message=wording.nonfinite_valid(t), layer=layer,
-                     tensor=t.tensor, sample=s, position=t.bad_positions.get(s), samples=t.bad_samples)
+                     tensor=t.tensor, sample=s, position=pos, samples=tuple(x for x, _ in f.at) or t.bad_samples)
     samples = tuple(x[0] for x in f.pad_by_sample) or t.bad_samples
     return Break(stage=stage, kind="finite_mask", message=wording.nonfinite_padding(t), layer=layer,
                  tensor=t.tensor, padding=True, sample=samples[0] if samples else s, samples=samples)

@@ -77,6 +77,7 @@ class Partial:
     worst: tuple | None = None  # (excess, sample, token, channel, bound, reference value, candidate value)
     fin: list = field(default_factory=lambda: [0, 0, 0])  # ref-only finite, cand-only finite, both non-finite
     bad_samples: dict = field(default_factory=dict)  # sample -> first bad token (None: padding)
+    nonfinite: dict = field(default_factory=dict)  # sample -> first token whose valid cells' finite masks differ
     head_bad: np.ndarray | None = None
 
     def merge(self, o: "Partial") -> None:
@@ -91,6 +92,8 @@ class Partial:
         self.fin = [a + b for a, b in zip(self.fin, o.fin)]
         for s, t in o.bad_samples.items():
             self.bad_samples.setdefault(s, t)
+        for s, t in o.nonfinite.items():
+            self.nonfinite.setdefault(s, t)
         if o.head_bad is not None:
             self.head_bad = o.head_bad if self.head_bad is None else (self.head_bad | o.head_bad)
 
@@ -271,7 +274,7 @@ def _rescaled(p: Partial, r, c, tol, equal_nan, sample, toks, heads) -> Partial:
     if q.worst is not None:
         excess, *where, bound, ref, cand = q.worst
         q.worst = (excess * s, *where, bound * s, ref * s, cand * s)
-    q.fin = p.fin  # counted before the non-finite elements were zeroed
+    q.fin, q.nonfinite = p.fin, p.nonfinite  # counted before the non-finite elements were zeroed
     for k, t in p.bad_samples.items():
         q.bad_samples.setdefault(k, t)
     return q
@@ -285,7 +288,11 @@ def _finite_part(r, c, p: Partial, equal_nan: bool, sample: int, toks):
     if equal_nan:
         same = both & ((np.isnan(r) & np.isnan(c)) | (r == c))
         n_both -= int(same.sum())
+        both = both & ~same
     p.fin = [int((fr & ~fc).sum()), int((~fr & fc).sum()), n_both]
+    differ = (fr != fc) | both
+    if differ.any():
+        p.nonfinite.setdefault(sample, int(toks[int(np.argmax(differ.any(axis=1)))]))
     ok = fr & fc
     if (~ok).any():
         p.bad_samples.setdefault(sample, int(toks[int(np.argmax((~ok).any(axis=1)))]))

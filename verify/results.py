@@ -33,6 +33,7 @@ class Finite:
     pad_cand: int = 0
     pad_by_sample: tuple = ()  # (reference sample, reference count, candidate count) where the two differ
     equal_nan: bool = False  # non-finite on both sides at the same place counts as agreement
+    at: tuple = ()  # (reference sample, first token) where the valid cells' finite masks differ, by sample
 
     @property
     def valid_ok(self) -> bool:
@@ -184,6 +185,7 @@ class Accumulator:
             bound_floor=p.bound_floor if np.isfinite(p.bound_floor) else None,
             needed=Needed(atol=p.min_atol, rtol=p.min_rtol, ntol=p.min_ntol, row_rtol=p.min_row_rtol),
             finite=Finite(ref_only=p.fin[0], cand_only=p.fin[1], both=p.fin[2], pad_ref=pad_ref, pad_cand=pad_cand,
-                          pad_by_sample=tuple(pad_by_sample), equal_nan=self.equal_nan),
+                          pad_by_sample=tuple(pad_by_sample), equal_nan=self.equal_nan,
+                          at=tuple(sorted(p.nonfinite.items()))),
             bad_samples=tuple(sorted(p.bad_samples)), bad_positions=dict(p.bad_samples),
             heads=None if p.head_bad is None else tuple(int(h) for h in np.flatnonzero(p.head_bad)), **kw)

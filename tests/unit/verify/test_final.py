@@ -108,8 +108,6 @@ def test_non_finite_logits_break_before_values():
     assert (fb.kind, fb.sample, fb.samples) == ("finite_mask", 2, (2,))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a finite-mask break names the first sample of bad_samples, which mixes "
-                   "samples with values out of tolerance and samples with non-finite values (breaks.finite_break)")
 def test_a_finite_mask_break_names_the_sample_with_the_non_finite_value():
     """Sample 0 has only a finite value out of tolerance; the NaN is in sample 2: the finite-mask break (the
     first) must point at sample 2, not at sample 0's value difference."""
