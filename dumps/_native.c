@@ -5,7 +5,7 @@
    computes each group in one pass, with the GIL released. It is optional: built when a C compiler is
    at hand (pyproject.toml), otherwise dumps/native.py says so and the numpy code does the same work.
 
-   Semantics kept from the numpy code (dumps/recorder.py slab_stats, verify/metrics.py _pass):
+   Semantics kept from the numpy code (dumps/reductions.py slab_stats, verify/metrics.py _pass):
    - minima and maxima are NaN when any value is NaN (numpy's min/max), an infinity counts as a value;
    - the signed relative error's extremes ignore NaN (numpy's fmax/fmin) and are NaN when every quotient is;
    - differences and quotients are computed in the data's type, exactly as numpy does (IEEE; no fast-math);

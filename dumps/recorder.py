@@ -69,7 +69,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -79,12 +78,13 @@ from ..engine.shared.errors import PrefillDiffError
 from ..engine.shared.untrusted import check_name_length, partial_sibling
 from . import metacheck
 from . import schema as sc
-from .h5write import LIBVER, new_attr, new_group, text_attr
+from .h5write import LIBVER, text_attr
+from .layer_store import LayerStore
 from .placement import TraceExistsError, check_interrupt, completed, partial, place, settled
 from .provenance import provenance
-from .reductions import RunningStats, is_torch, slab_stats, slot_rows, source_dtype, stat_tables, to_numpy, top_ids
+from .reductions import is_torch, slab_stats, slot_rows, source_dtype, to_numpy, top_ids
 from .sampling import Sampled, gather, select_channels, select_tokens
-from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES, layer_group
+from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES
 
 
 def _mib(n: int) -> str:
@@ -122,21 +122,6 @@ def _want(what: str, x, expected: tuple) -> None:
         shown = "(" + ", ".join("T" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") \
             + ")"
         raise RecorderError(f"{what} has shape {got}, expected {shown}")
-
-
-@dataclass
-class _LayerBuffers:
-    """What a layer accumulates in memory and ``flush`` writes, one dataset write each: creating a few
-    hundred small datasets and writing them piecemeal (per sample, by fancy index) was most of what the
-    stats and sampled levels cost. Kept after the layer is written: a later prefill call that
-    reaches the same layer adds to them and the layer is rewritten whole."""
-    positions: np.ndarray | None = None  # (S, T) cache positions, -1 past a sample's length
-    lengths: np.ndarray | None = None  # (S,) cache lengths
-    heads: tuple = ()  # (n_kv_heads, head_dim) of the cache, for the cache group's attributes
-    tensors: dict = field(default_factory=dict)  # "keys"/"values" -> dataset (full level, written in place)
-    sampled: dict = field(default_factory=dict)  # tensor name -> Sampled (sampled level)
-    routing: dict = field(default_factory=dict)  # ids, weights, margin (and logits at the full level) -> (S, C, ...)
-    routing_source: str | None = None  # the router logits' dtype in the engine
 
 
 class Recorder:
@@ -179,17 +164,13 @@ class Recorder:
         text_attr(self.f, "format_version", FORMAT_VERSION)
         text_attr(self.f, "level", level)
         self.f.attrs["complete"] = 0
-        self._stats: dict[int, dict[str, RunningStats]] = {}  # layer -> tensor name -> its statistics so far
+        self.store = LayerStore(self.f)  # what the layers keep in memory until flushed
         self._closed = False
         self.n_samples = None
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
-        self._groups: dict[int, h5py.Group] = {}  # layer -> its group, created on first use
         self._reuse: dict = {}  # layer_output slabs of layer _reuse_layer: identity -> (root tensor, statistics)
         self._reuse_layer: int | None = None
-        self._small: dict[tuple, object] = {}  # (layer, element path, name) -> h5py DatasetID written so far
-        self._layers: dict[int, _LayerBuffers] = {}
-        self._dirty: set = set()  # layers with something not yet written
         self._final: dict | None = None  # FINAL element name -> its array, made on the first final()
         self._final_sources: dict = {}  # norm_last, logits -> the source dtype
         self._cells: dict = {}  # sampled level: (sample, col, T) -> the rows and slots of its sampled tokens
@@ -239,6 +220,7 @@ class Recorder:
             ids[i, :len(s)] = s
         self.dims = {"S": S, "C": n_cols, "N": nmax, "dim": self.args["dim"], "vocab": self.args["vocab_size"],
                      "H": self.args["n_kv_heads"], "D": self.args["head_dim"], "stat": len(STAT_COLUMNS)}
+        self.store.dims = self.dims
         margs = meta["model"]["args"]
         if margs.get("n_experts"):  # a mixture of experts: its routing's sizes (metacheck'd below)
             self.dims.update(A=int(margs.get("n_active_experts") or 0), E=int(margs["n_experts"]))
@@ -296,18 +278,6 @@ class Recorder:
             raise RecorderError(f"not enough space for the trace {self.path}: it needs about {_mib(need)}, and its "
                                 f"file system ({where}) has {_mib(free)} free")
 
-    def _group(self, layer: int) -> h5py.Group:
-        g = self._groups.get(layer)
-        if g is None:  # made once per layer by this recorder (the first makes the layers group too)
-            g = self._groups[layer] = h5py.Group(new_group(self.f.id, layer_group(layer)))
-        return g
-
-    def _buffers(self, layer: int) -> _LayerBuffers:
-        self._dirty.add(layer)
-        if layer not in self._layers:
-            self._layers[layer] = _LayerBuffers()
-        return self._layers[layer]
-
     def _write_meta(self):
         text_attr(self.f, "meta", json.dumps(self.meta, sort_keys=True, default=str))
 
@@ -350,15 +320,6 @@ class Recorder:
             raise RecorderError(f"{what}: layer {layer} out of range (meta.model.args.n_layers = "
                                 f"{self.args['n_layers']})")
 
-    def _stat(self, layer: int, name: str) -> RunningStats:
-        """The running statistics of a layer's tensor, kept for the whole run: a layer written and then reached
-        again is rewritten with every sample's statistics, not only the later ones."""
-        self._dirty.add(layer)
-        per_layer = self._stats.setdefault(layer, {})
-        if name not in per_layer:
-            per_layer[name] = RunningStats(self.n_samples)
-        return per_layer[name]
-
     def state(self, layer: int, name: str, sample: int, col: int, x) -> None:
         """One sample's cells [col, col + T) of a residual-stream state: (T, dim), attn_heads (T, n_heads·head_dim)."""
         self._need_begin()
@@ -374,7 +335,7 @@ class Recorder:
         self._seen.add((layer, name))
         T = shape[0]
         v = self.valid[sample, col:col + T]
-        st = self._stat(layer, name)
+        st = self.store.stat(layer, name)
         idx = None if T and v.all() else np.flatnonzero(v)  # every cell valid: no search for the first and last
         if idx is None or idx.size:
             a, b = (0, T) if idx is None else (int(idx[0]), int(idx[-1]) + 1)
@@ -436,14 +397,14 @@ class Recorder:
         key = (layer, name)
         if key not in self._ds:
             dims = {**self.dims, "W": x.shape[1]}
-            ds = h5py.Dataset(sc.STATE.create(self._group(layer), dims, name, to_numpy(x[:0]).dtype,
+            ds = h5py.Dataset(sc.STATE.create(self.store.group(layer), dims, name, to_numpy(x[:0]).dtype,
                                               **self._kw((1, self.n_cols, x.shape[1]))))
             text_attr(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(x))
             self._ds[key] = ds
         return self._ds[key]
 
     def _sampled_buffer(self, layer, name, x, width: int) -> Sampled:
-        sampled = self._buffers(layer).sampled
+        sampled = self.store.buffers(layer).sampled
         if name not in sampled:
             width = int(width)
             ch = select_channels(width, self.sample_channels, self.sample_seed)
@@ -474,7 +435,7 @@ class Recorder:
         if idx.size and (idx.min() < 0 or idx.max() >= E):
             raise RecorderError(f"layer {layer} routing ids of sample {sample} must be experts in [0, {E}) (got "
                                 f"{int(idx.min())}..{int(idx.max())})")
-        buf = self._buffers(layer)
+        buf = self.store.buffers(layer)
         self._seen.add((layer, "routing"))
         if not buf.routing:
             for name in ("ids", "weights", "margin", "scale") + (("logits",) if self.level == "full" else ()):
@@ -508,7 +469,7 @@ class Recorder:
         self._seen.add((layer, "cache"))
         pos = to_numpy(positions).astype(np.int64)
         H, D = keys.shape[0], keys.shape[2]
-        lc = self._buffers(layer)
+        lc = self.store.buffers(layer)
         if lc.positions is None:
             dims = {**self.dims, "T": int(self.lengths.max())}
             lc.positions = np.full(sc.CACHE_POSITIONS.shape_for(dims), sc.CACHE_POSITIONS.fill, dtype=np.int64)
@@ -520,11 +481,11 @@ class Recorder:
         lc.positions[sample, :T] = pos
         lc.lengths[sample] = T
         for name, t in (("keys", keys), ("values", values)):
-            self._stat(layer, f"cache_{name}").add(sample, slab_stats(slot_rows(t, T, H, D)))
+            self.store.stat(layer, f"cache_{name}").add(sample, slab_stats(slot_rows(t, T, H, D)))
             if self.level == "full":
                 if name not in lc.tensors:
                     tmax = max(int(self.lengths.max()), T)
-                    ds = h5py.Dataset(sc.CACHE.create(self._group(layer), {**self.dims, "T": tmax}, name, to_numpy(t[:0]).dtype,
+                    ds = h5py.Dataset(sc.CACHE.create(self.store.group(layer), {**self.dims, "T": tmax}, name, to_numpy(t[:0]).dtype,
                                          maxshape=(self.n_samples, H, None, D), **self._kw((1, H, tmax, D))))
                     text_attr(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(t))
                     lc.tensors[name] = ds
@@ -542,105 +503,7 @@ class Recorder:
         written by ``flush`` or ``close``, all layers in one go: written here, between the prefill's layers,
         the same HDF5 calls took twice as long (caches cold after the engine's work)."""
         check_interrupt()
-        self._dirty.add(layer)
-
-    def _write_layer(self, layer: int) -> None:
-        """Write what a layer kept in memory: made on its first write, rewritten in place on a later one."""
-        g = self._group(layer)
-        stats = self._stats.get(layer, {})
-        if stats:
-            tables = stat_tables(list(stats.values()))
-            stats_id, sums_id = self._subgroup(g, layer, sc.STATS_GROUP), self._subgroup(g, layer, sc.CHECKSUMS_GROUP)
-            for i, (name, st) in enumerate(stats.items()):
-                self._put_small(stats_id, layer, sc.STATS, name, tables[i])
-                self._put_small(sums_id, layer, sc.CHECKSUM, name, np.array(st.checksum, dtype=np.int64))
-        buf = self._layers.get(layer)
-        if buf is not None:
-            self._write_cache_index(g, layer, buf)
-            for name, smp in buf.sampled.items():
-                self._write_sampled_layer(g, layer, name, smp)
-            if buf.routing:
-                self._write_routing(g, layer, buf)
-        self._dirty.discard(layer)
-
-    def _write_routing(self, g: h5py.Group, layer: int, buf: _LayerBuffers) -> None:
-        """A layer's routing datasets, made on the layer's first write, in place later."""
-        gid = self._subgroup(g, layer, sc.ROUTING_GROUP)
-        for name, data in buf.routing.items():
-            key = (layer, sc.ROUTING[name].path)
-            dsid = self._small.get(key)
-            if dsid is None:
-                el = sc.ROUTING[name]
-                dims = {**dict(zip(el.shape, data.shape)), **self.dims}  # A and E: the engine's, as given
-                self._small[key] = dsid = el.create(gid, dims, leaf=True, data=data)
-                if name == "logits":
-                    new_attr(dsid, sc.ATTR_SOURCE_DTYPE, buf.routing_source or str(data.dtype))
-            else:
-                dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
-
-    def _subgroup(self, g: h5py.Group, layer: int, name: str) -> h5py.h5g.GroupID:
-        """The low-level id of layer group ``g``'s group ``name`` (stats, checksums, cache, sampled): made on first
-        use, the stats group with its columns, or opened where the full level's cache tensors made it."""
-        key = (layer, name)
-        gid = self._small.get(key)
-        if gid is None:
-            buf = self._layers.get(layer)
-            if name == sc.CACHE_GROUP and buf is not None and buf.tensors:
-                gid = h5py.h5g.open(g.id, name.encode("ascii"))
-            else:
-                gid = new_group(g.id, name)
-                if name == sc.STATS_GROUP:
-                    new_attr(gid, sc.ATTR_COLUMNS, json.dumps(STAT_COLUMNS))
-            self._small[key] = gid
-        return gid
-
-    def _put_small(self, gid, layer: int, el: sc.Element, name: str, data: np.ndarray) -> None:
-        """A layer's contiguous statistics dataset ``el`` (stats/NAME or checksums/NAME, in its group ``gid``)
-        holds ``data``: created on the layer's first write, written in place on a later one (a layer reached
-        again)."""
-        key = (layer, el.path, name)
-        dsid = self._small.get(key)
-        data = np.ascontiguousarray(data, dtype=el.dtype)
-        if dsid is None:
-            self._small[key] = el.create(gid, self.dims, name, leaf=True, data=data)
-        else:
-            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
-
-    def _write_cache_index(self, g: h5py.Group, layer: int, buf: _LayerBuffers) -> None:
-        """A layer's cache positions and lengths, in one write each: created on the layer's first write (with
-        the cache group's attributes), in place later."""
-        if buf.positions is None:
-            return
-        key = (layer, sc.CACHE_POSITIONS.path)
-        if key not in self._small:
-            cache = self._subgroup(g, layer, sc.CACHE_GROUP)
-            T = buf.positions.shape[1]
-            self._small[key] = sc.CACHE_POSITIONS.create(cache, {**self.dims, "T": T}, leaf=True, data=buf.positions,
-                                                         chunks=(1, T), maxshape=(self.n_samples, None))
-            self._small[(layer, sc.CACHE_LENGTHS.path)] = sc.CACHE_LENGTHS.create(cache, self.dims, leaf=True,
-                                                                                  data=buf.lengths)
-            new_attr(cache, sc.ATTR_HEAD_DIM, buf.heads[1])
-            new_attr(cache, sc.ATTR_N_KV_HEADS, buf.heads[0])
-            return
-        pos = h5py.Dataset(self._small[key])
-        if pos.shape != buf.positions.shape:
-            pos.resize(buf.positions.shape)
-        pos[...] = buf.positions
-        self._small[(layer, sc.CACHE_LENGTHS.path)].write(h5py.h5s.ALL, h5py.h5s.ALL, buf.lengths)
-
-    def _write_sampled_layer(self, g: h5py.Group, layer: int, name: str, smp: Sampled) -> None:
-        """A layer's sampled/NAME: created with its attributes on the layer's first write, in place later."""
-        key = (layer, sc.SAMPLED.path, name)
-        dsid = self._small.get(key)
-        if dsid is not None:
-            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, smp.values)
-            return
-        dsid = sc.SAMPLED.create(self._subgroup(g, layer, sc.SAMPLED_GROUP), {**self.dims, "K": len(smp.channels)},
-                                 name, leaf=True, data=smp.values)
-        new_attr(dsid, sc.ATTR_CHANNELS, smp.channels)
-        new_attr(dsid, sc.ATTR_WIDTH, smp.width)
-        new_attr(dsid, sc.ATTR_SOURCE_DTYPE, smp.source_dtype)
-        self._small[key] = dsid
+        self.store.dirty.add(layer)
 
     def final(self, sample: int, norm_last, logits, column: int, token_index: int) -> None:
         """h_b at the sample's gathered position (dim,), its raw logits (vocab_size,), and where it was gathered
@@ -681,31 +544,14 @@ class Recorder:
         whole in place later; a layer still being recorded is written as far as it goes and rewritten later."""
         if self.n_samples is None:
             return
-        for layer in sorted(self._dirty):
-            self._write_layer(layer)
+        self.store.write_dirty()
         if not self._roots_dirty:  # a live reader flushes per layer; the inputs are written once
             return
         for name, el in sc.INPUTS.items():
-            self._root_dataset(el, self._inputs[name])
+            self.store.root_dataset(el, self._inputs[name])
         for key, el in sc.FINAL.items() if self._final is not None else ():
-            self._root_dataset(el, self._final[key], self._final_sources.get(key))
+            self.store.root_dataset(el, self._final[key], self._final_sources.get(key))
         self._roots_dirty = False
-
-    def _root_dataset(self, el: sc.Element, data: np.ndarray, source_dtype: str | None = None) -> None:
-        """Root element ``el`` (inputs/NAME, final/NAME: contiguous, its declared fill) holds ``data``: made on
-        the first call (its group too, and its source_dtype attribute), in place later."""
-        dsid = self._small.get((None, el.path))
-        data = np.ascontiguousarray(data)
-        if dsid is not None:
-            dsid.write(h5py.h5s.ALL, h5py.h5s.ALL, data)
-            return
-        group = el.path.rpartition("/")[0]
-        gid = self._small.get((None, group))
-        if gid is None:
-            gid = self._small[(None, group)] = new_group(self.f.id, group)
-        dsid = self._small[(None, el.path)] = el.create(gid, self.dims, leaf=True, data=data)
-        if source_dtype is not None:
-            new_attr(dsid, sc.ATTR_SOURCE_DTYPE, source_dtype)
 
     def final_top_ids(self) -> list[int]:
         """Every sample's top-k ids as recorded so far (what a caller needs for token text after the run);
