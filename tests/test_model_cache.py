@@ -484,7 +484,7 @@ def test_cache_prune_never_follows_a_link(cache_dir, tmp_path, run_cli):
 
 _WRITER = """
 import os, sys, time
-from prefill_diff.engine import cache_entries, model_cache
+from prefill_diff.engine.models import cache_entries, model_cache
 
 def save(value, directory):
     with open(os.path.join(directory, "weights.bin"), "wb") as f:
