@@ -1,8 +1,8 @@
 """Every engine prefill-diff runs, declared in one place: its name, its options, what it computes, its module.
 
-An engine is one module under ``engine/`` plus one ``EngineInfo`` here (docs/engines.md shows how, with vLLM as
-the worked example). The module implements three functions, each called for a prepared side
-(``runner.Prepared``)::
+An engine is one module (``engine/native/``, ``engine/foreign/``) plus one ``EngineInfo`` here (docs/engines.md
+shows how, with vLLM as the worked example). The module implements three functions, each called for a prepared side
+(``prepared.Prepared``)::
 
     check(prep)              refuse, in one line (ConfigError), whatever the engine cannot run; called
                              before any side does any work
