@@ -1,7 +1,7 @@
 """Model snapshots: immutable weights (and adapter) with content digests (docs/contract.md).
 
 A snapshot keeps float32 master weights under our module names. ``build`` makes a
-runnable ``Transformer`` in a given precision; adapters (LoRA, ``adapters.py``) and
+runnable ``Transformer`` in a given precision; adapters (LoRA, ``native/lora.py``) and
 weight-only int8 quantisation (``quantize.py``) are applied to the built model from
 outside, as gpt-fast does. Where snapshots come from: ``sources.py``.
 """

@@ -13,8 +13,8 @@ over the whole projections (OLMo 2); post-norms in place of pre-norms (OLMo 2: U
 the attention reading R itself, and likewise the MLP).
 
 Attention kernels, the KV cache, recording, faults and chunking change the model from
-outside (``prefill.py``'s ForwardStep, ``cache.py``, ``faults.py``); adapters and
-quantisation replace its linear layers (``adapters.py``, ``quantize.py``). Here the
+outside (``prefill.py``'s ForwardStep, ``kv_cache.py``, ``faults.py``); adapters and
+quantisation replace its linear layers (``lora.py``, ``quantize.py``). Here the
 attention only calls ``step.rope_of`` and ``step.attend``, and the block only ``step.record``.
 """
 from __future__ import annotations
