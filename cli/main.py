@@ -626,9 +626,6 @@ def _unraisable(hook):
     return report
 
 
-MKL_REPRODUCIBLE = ("MKL_CBWR", "AUTO,STRICT")
-
-
 def main():
     try:  # torch's libraries fail to load (oneMKL aborts with a FATAL ERROR) from a deleted working directory
         os.getcwd()
@@ -636,10 +633,6 @@ def main():
         click.echo("Error: the working directory no longer exists (it was deleted or moved away): cd to one that "
                    "does, then run again", err=True)
         sys.exit(EXIT_BAD_INPUT)
-    # oneMKL's default code path depends on the buffers' alignment, so the same float32 prefill differed in its
-    # last bits from one process to the next (2 of 6 recordings here); strict CNR mode gives the same bits in
-    # every process, spawned ranks included (they inherit the environment). Read by MKL when torch loads.
-    os.environ.setdefault(MKL_REPRODUCIBLE[0], MKL_REPRODUCIBLE[1])
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)  # timeout, kill and CI cancellation: cleaned up like Ctrl-C
     sys.unraisablehook = _unraisable(sys.unraisablehook)

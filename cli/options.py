@@ -26,8 +26,6 @@ Environment variables:
   PREFILL_DIFF_NATIVE  0: do not use the compiled kernels (see --version)
   PREFILL_DIFF_MMAP    0: read traces without memory-mapping them
   PREFILL_DIFF_DEBUG   1: an internal error (exit 3) prints its traceback
-  MKL_CBWR             oneMKL's reproducibility mode (default AUTO,STRICT:
-                       the same run gives the same bits in every process)
   PREFILL_DIFF_VLLM_PYTHON the Python of the environment the vllm engine
                        runs in, unless [run.vllm] python names one
                        (prefill-diff vllm-setup makes one)
