@@ -3,6 +3,7 @@ still compared, and --allow-identity-difference turns it back into a note."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,34 @@ def test_identical_models_have_no_identity_difference(run_cli, tmp_path):
     res, rep = _run(run_cli, tmp_path, 'preset = "sdpa"\n')
     assert res.exit_code == 0 and not rep["identity_differences"]
     assert not any("IDENTITY" in n for n in rep["notes"])
+
+
+@pytest.mark.slow
+def test_another_family_of_the_same_sizes_is_an_identity_failure_other_sizes_are_not_comparable(run_cli, tmp_path):
+    """The README's Exit status: synthetic against synthetic:qwen3 (the same sizes) is compared and fails with an
+    identity break, exit 1; against seed-2.8 (other sizes) it is a metadata break, nothing compared, exit 2."""
+    readme = " ".join((Path(__file__).resolve().parent.parent / "README.md").read_text().split())
+    assert "(`--model synthetic` against `synthetic:qwen3`) are compared and fail with an `identity` break, " \
+           "status 1" in readme
+    for model in ("synthetic", "synthetic:qwen3", "seed-2.8"):
+        assert run_cli("record", "reference", "--model", model, "-o", tmp_path / f"{model}.h5").exit_code == 0
+
+    def compare(cand):
+        out = tmp_path / f"{cand}.json"
+        res = run_cli("compare", tmp_path / "synthetic.h5", tmp_path / f"{cand}.h5", "--json", out)
+        return res, json.loads(out.read_text())
+
+    res, rep = compare("synthetic:qwen3")
+    assert res.exit_code == 1 and rep["first_break"]["kind"] == "identity", rep["verdict_line"]
+    assert rep["verdict_line"].startswith("FAILED | identity | arch (architecture family) 'llama' in the reference, "
+                                          "'qwen3' in the candidate; qk_norm (QK-norm) 'none' in the reference, "
+                                          "'head' in the candidate; weights_digest")
+    assert len(rep["layers"]) == 4  # compared and shown
+    res, rep = compare("seed-2.8")
+    assert res.exit_code == 2 and rep["first_break"]["kind"] == "metadata", rep["verdict_line"]
+    assert rep["verdict_line"].startswith("FAILED | metadata | traces are not comparable: architectures differ "
+                                          "(dim 128 vs 8; n_layers 4 vs 2;")
+    assert rep["layers"] == []
 
 
 def _meta(source: str, **args) -> dict:
