@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cache_checks import layer_window
 from .calibrate import UNIT_ROUNDOFF, precision_key, precision_label, precisions, unit_roundoff
 from .identity import differences, hint
 from .rank_checks import heads_note
@@ -41,15 +42,16 @@ def _reuse(cand, key: str) -> list:
 CONTRACT = "See contract.md §2.11 (installed with prefill-diff: `prefill-diff docs contract` prints it)."
 
 
-def diagnose(fb, pairs, final, ref, cand, policy=None) -> str | None:
+def diagnose(fb, pairs, final, ref, cand, policy=None, layers=()) -> str | None:
     """The hint for first break fb of a comparison of ref and cand (pairs: matched samples; final: the final
-    stage's result or None; policy: the rule the values were judged by); one that cites the §2.11 table says
-    where that table is."""
-    text = _hint(fb, pairs, final, ref, cand, policy)
+    stage's result or None; policy: the rule the values were judged by; layers: the compared layers' results,
+    which say what agreed in the break's layer); one that cites the §2.11 table says where that table is."""
+    lr = next((x for x in layers if fb is not None and x.layer == fb.layer), None) if fb is not None else None
+    text = _hint(fb, pairs, final, ref, cand, policy, lr)
     return f"{text} {CONTRACT}" if text and "§2.11" in text else text
 
 
-def _hint(fb, pairs, final, ref, cand, policy=None) -> str | None:
+def _hint(fb, pairs, final, ref, cand, policy=None, lr=None) -> str | None:
     if fb is None:
         return None
     if fb.kind == "coverage":
@@ -72,7 +74,9 @@ def _hint(fb, pairs, final, ref, cand, policy=None) -> str | None:
                 "tolerance; a top-k difference alone changes greedy decoding.")
     if fb.stage == "final":
         return _final_values(pairs, final, cand)
-    return _layer_values(fb, pairs, ref, cand)
+    if fb.kind == "routing":
+        return _routing(fb, lr)
+    return _layer_values(fb, pairs, ref, cand, lr)
 
 
 def _shape(fb, pairs, cand) -> str:
@@ -166,21 +170,103 @@ def _final_values(pairs, final, cand) -> str:
             " — §2.11 row 1, 'first-step condition prefix'.")
 
 
-def _layer_values(fb, pairs, ref, cand) -> str | None:
-    """A value break inside a layer: a forced reuse, one head's wrong KV head, padding seen, or drift."""
+def _layer_values(fb, pairs, ref, cand, lr=None) -> str | None:
+    """A value break inside a layer: a forced reuse, one head's wrong KV head, padding seen, the sliding window,
+    attention itself, the experts' combination, or drift."""
     forced = _reuse(cand, "forced")
     if fb.tensor in ("cache_keys", "cache_values") and forced:
         return (f"Cache values of the reused prefix differ at layer {fb.layer}, and the candidate forced a prefix "
                 f"reuse that the metadata check refused ({forced[0]['reason']}): a cache built under another "
                 "adapter or weights was reused? — §2.11 row 6, 'snapshot identity'.")
-    if fb.tensor in ("attn_update", "attn_heads") and fb.layer == 0:
-        attention = _attention_at_layer0(fb, pairs, ref, cand)
+    if fb.tensor in ("attn_update", "attn_heads"):
+        attention = (_attention_at_layer0(fb, pairs, ref, cand) if fb.layer == 0 else None) or \
+            _window(fb, ref, lr) or _every_head(fb, ref, lr)
         if attention:
             return attention
+    if fb.tensor == "mlp_update":
+        experts = _same_experts(fb, lr)
+        if experts:
+            return experts
     t = fb.max_abs_error
     return (f"First value difference at layer {fb.layer} {fb.tensor} (max_abs={t:.2g}); the smallest atol that "
             f"would pass is in the report. If it grows steadily with depth it is numeric drift of the candidate's "
             "precision or kernel; a jump at one layer points at that layer's computation.") if t is not None else None
+
+
+def _agree(lr, *names) -> bool:
+    """Every tensor ``names`` of layer result lr was compared (values, sampled or statistics) and is within
+    tolerance."""
+    if lr is None:
+        return False
+    found = [lr.tensor(n) for n in names]
+    return all(t is not None and t.level != "none" and bool(t) for t in found)
+
+
+def _first_token(lr, tensor: str) -> int | None:
+    """The earliest token index out of tolerance in ``tensor`` over every sample, or None where unknown."""
+    t = None if lr is None else lr.tensor(tensor)
+    toks = [p for p in (t.bad_positions.values() if t is not None else ()) if p is not None]
+    return min(toks) if toks else None
+
+
+def _window(fb, ref, lr) -> str | None:
+    """Attention in a sliding-window layer (W) first differs where the window first cuts (token W, or W - 1 for a
+    window one short), its keys and values agreeing: the window's bound is off by one. A query at token t attends
+    to tokens t-W+1..t, every earlier token while t < W."""
+    window = layer_window(ref, fb.layer)
+    first = _first_token(lr, fb.tensor)
+    if window is None or first not in (window - 1, window) or first < 1 or not _agree(lr, "cache_keys", "cache_values"):
+        return None
+    how = ("one key too wide: queries past the window attend to W+1 keys instead of W (token W is the first whose "
+           "window leaves out an earlier token)" if first == window else
+           "one key too narrow: queries attend to W-1 keys instead of W from token W-1 on (the first token a window "
+           "one key short cuts)")
+    return (f"Layer {fb.layer} is a sliding-window layer (W={window}) and its attention output first differs at "
+            f"token {first} (tokens 0..{first - 1} agree) while its cached keys and values agree: consistent with the "
+            f"sliding window applied off by one, {how}.")
+
+
+def _every_head(fb, ref, lr) -> str | None:
+    """Every query head's attention output differs while the keys and values agree: the scores, the mask or the
+    softmax, common to every head."""
+    n_heads = ref.args.get("n_heads")
+    if not n_heads or fb.heads is None or len(fb.heads) < n_heads or not _agree(lr, "cache_keys", "cache_values"):
+        return None
+    return (f"At layer {fb.layer} every query head's attention output differs ({n_heads} of {n_heads}) while the "
+            "layer's cached keys and values agree: the difference enters inside attention, after K and V, and is "
+            "common to every head — consistent with the attention scores (their scale or soft-cap), the mask or "
+            "the softmax computed differently (or the query projection, which the trace does not hold). A jump at "
+            "this one layer is such a logic difference; growth with depth from earlier layers would be numeric "
+            "drift instead.")
+
+
+def _same_experts(fb, lr) -> str | None:
+    """A mixture of experts' MLP update differs while its input and every token's experts agree."""
+    routing = None if lr is None else lr.routing
+    if routing is None or not routing.compared or routing.flips or not _agree(lr, "mid"):
+        return None
+    return (f"At layer {fb.layer} the MLP update differs while its input (mid) agrees and every one of the "
+            f"{routing.compared} tokens compared chose the same experts on both sides: the experts' outputs are "
+            "weighted or computed differently — the top-k weights (renormalised or not: norm_topk_prob), a shared "
+            "expert's gate, or an expert's own weights — a logic difference, not a routing decision.")
+
+
+def _routing(fb, lr) -> str:
+    """A routing flip that noise does not explain: the router decided differently (fb.max_abs_error holds the
+    reference's router margin there, fb.bound the most noise can move it)."""
+    if fb.max_abs_error is None or fb.max_abs_error == float("inf"):
+        return (f"At layer {fb.layer} the two sides take a different number of experts per token: the routing "
+                "configuration differs (experts per token, n_active_experts), a logic difference, not numeric "
+                "drift.")
+    where = f"token {fb.position} of sample {fb.sample}" if fb.position is not None else "a token"
+    cause = (" The router's input (mid) agrees within tolerance, so the router itself decided differently: its "
+             "top-k selection (which ranks it takes), how it ranks the experts (router weights, a bias, the "
+             "softmax or sigmoid before the top-k) or how many it takes." if _agree(lr, "mid") else
+             " The router's input (mid) differs beyond tolerance too: the flip may follow from that difference; "
+             "see the layer's mid.")
+    return (f"A routing decision differs at layer {fb.layer}, not numeric drift: the candidate sent {where} to "
+            f"other experts although the reference's router margin there (its k-th minus its (k+1)-th router "
+            f"logit) is {fb.max_abs_error:.3g}, more than the {fb.bound:.3g} that noise can overturn." + cause)
 
 
 def _attention_at_layer0(fb, pairs, ref, cand) -> str | None:

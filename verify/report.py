@@ -284,7 +284,7 @@ class Session:
         if fb is not None and fb.kind == "identity":
             hint = identity_hint(list(self.identity), self.first_checked, allowed=False)
         else:  # the traces are still open: some hints read them
-            hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy)
+            hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy, self.layers)
         return Report(first_break=fb, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
                       n_layers=self.ref.n_layers, notes=tuple(notes), skipped=tuple(sorted(self.cmp.skipped)),
                       inconclusive=tuple(inconclusive),

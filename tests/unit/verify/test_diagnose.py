@@ -213,3 +213,78 @@ def test_a_value_break_elsewhere_is_drift_or_a_jump():
     text = hint(brk("value", layer=2, tensor="mlp_update", max_abs_error=0.0123))
     assert text.startswith("First value difference at layer 2 mlp_update (max_abs=0.012); ")
     assert hint(brk("value", layer=2, tensor="mlp_update")) is None  # no error to quote
+
+
+# -- hints that read what agreed in the break's layer (its LayerResult) ------------------------------------------
+
+class _Tensor(SimpleNamespace):
+    """A TensorResult stand-in: within tolerance or not (its truth), its level, and per sample its first token out
+    of tolerance."""
+
+    def __bool__(self):
+        return self.ok
+
+
+def _tensor(name, ok=True, level="full", first=None):
+    return _Tensor(tensor=name, level=level, ok=ok, bad_positions=first or {})
+
+
+def _layer(i, *tensors, routing=None):
+    ts = {t.tensor: t for t in tensors}
+    return SimpleNamespace(layer=i, routing=routing, tensor=ts.get)
+
+
+def _attention_layer(i, first, kv_level="full"):
+    return _layer(i, _tensor("cache_keys", level=kv_level), _tensor("cache_values", level=kv_level),
+                  _tensor("attn_update", ok=False, first=first))
+
+
+WINDOWED = {"sliding_window": 4, "layer_types": ["full", "sliding", "full", "full"]}
+
+
+@pytest.mark.parametrize("first,how", [({0: 4, 2: 6}, "one key too wide: queries past the window attend to W+1 keys"),
+                                       ({1: 3}, "one key too narrow: queries attend to W-1 keys instead of W from "
+                                                "token W-1 on")])
+def test_a_sliding_window_layer_first_differing_where_the_window_cuts_is_the_window(first, how):
+    ref = side(args=WINDOWED)
+    fb = brk("value", layer=1, heads=(0, 1), max_abs_error=0.3)
+    text = diagnose(fb, PAIRS, None, ref, side(), None, [_attention_layer(0, {}), _attention_layer(1, first)])
+    t = min(first.values())
+    assert text.startswith(f"Layer 1 is a sliding-window layer (W=4) and its attention output first differs at token "
+                           f"{t} (tokens 0..{t - 1} agree) while its cached keys and values agree: consistent with the "
+                           "sliding window applied off by one, " + how), text
+
+
+def test_the_window_is_not_blamed_without_its_evidence():
+    """A full layer, a difference before the window cuts, or keys and values not compared: no window hint."""
+    fb = brk("value", layer=1, heads=(0,), max_abs_error=0.3)
+    for args, lr in (({}, _attention_layer(1, {0: 4})), (WINDOWED, _attention_layer(1, {0: 2})),
+                     (WINDOWED, _attention_layer(1, {0: 4}, kv_level="none"))):
+        text = diagnose(fb, PAIRS, None, side(args=args), side(), None, [lr])
+        assert text.startswith("First value difference at layer 1 attn_update"), text
+
+
+def test_every_query_head_over_agreeing_keys_and_values_is_attention_itself():
+    fb = brk("value", layer=2, heads=(0, 1), max_abs_error=0.3)
+    text = diagnose(fb, PAIRS, None, side(), side(), None, [_attention_layer(2, {0: 1})])
+    assert text.startswith("At layer 2 every query head's attention output differs (2 of 2) while the layer's "
+                           "cached keys and values agree"), text
+    for lr in (_attention_layer(2, {0: 1}, kv_level="none"), _attention_layer(1, {0: 1})):  # K/V unknown
+        assert diagnose(fb, PAIRS, None, side(), side(), None, [lr]).startswith("First value difference at layer 2")
+    some = brk("value", layer=2, heads=(1,), max_abs_error=0.3)
+    assert diagnose(some, PAIRS, None, side(), side(), None, [_attention_layer(2, {0: 1})]).startswith(
+        "First value difference at layer 2")
+
+
+def test_a_routing_break_is_a_decision_and_says_whether_the_router_input_agreed():
+    fb = brk("routing", layer=1, tensor="routing", sample=2, position=5, max_abs_error=0.84, bound=1e-3)
+    agreed = diagnose(fb, PAIRS, None, side(), side(), None, [_layer(1, _tensor("mid"))])
+    assert agreed.startswith("A routing decision differs at layer 1, not numeric drift: the candidate sent token 5 "
+                             "of sample 2 to other experts although the reference's router margin there (its k-th "
+                             "minus its (k+1)-th router logit) is 0.84, more than the 0.001 that noise can overturn. "
+                             "The router's input (mid) agrees within tolerance"), agreed
+    moved = diagnose(fb, PAIRS, None, side(), side(), None, [_layer(1, _tensor("mid", ok=False))])
+    assert "The router's input (mid) differs beyond tolerance too" in moved
+    topk = diagnose(brk("routing", layer=0, tensor="routing", max_abs_error=float("inf"), bound=0.0), PAIRS, None,
+                    side(), side())
+    assert topk.startswith("At layer 0 the two sides take a different number of experts per token")
