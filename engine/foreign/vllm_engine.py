@@ -31,6 +31,8 @@ import numpy as np
 from ..models import budget
 from ..calls import plan_calls
 from ..shared.errors import ConfigError, PrefillDiffError
+from ..shared.untrusted import visible
+from .vllm_worker import installed_version, unsupported
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 ENV = "PREFILL_DIFF_VLLM_PYTHON"
@@ -113,17 +115,33 @@ def interpreter(options) -> str:
     if given is None:
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"the vllm engine needs an environment with vLLM, and this one has none: {how}")
+        _check_release(installed_version(), sys.executable)
         return sys.executable
     where = "[run.vllm] python" if options.python else ENV
     if not (os.path.isfile(given) and os.access(given, os.X_OK)):
         raise ConfigError(f"{where} must be an executable Python interpreter (got {given!r}: "
                           f"{'not executable' if os.path.exists(given) else 'no such file'})")
-    probe = subprocess.run([given, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') "
-                                         "is None)"], capture_output=True, timeout=60)
+    probe = subprocess.run([given, "-I", "-c", PROBE], capture_output=True, timeout=60)  # -I: as the worker runs
     if probe.returncode != 0:
         raise ConfigError(f"{where} = {given!r} cannot import vLLM (exit status {probe.returncode}); {SETUP} "
                           "makes an environment that can")
+    _check_release(probe.stdout.decode("utf-8", "replace").strip()[:100] or None, given)
     return given
+
+
+# run by an environment's interpreter: exit status 1 without vLLM, else the version of the distribution that
+# installs it (as vllm_worker.installed_version reads it, without importing vLLM; nothing when none names it)
+PROBE = ("import importlib.metadata as m, importlib.util, sys\n"
+         "if importlib.util.find_spec('vllm') is None: sys.exit(1)\n"
+         "print(next((m.version(d) for d in m.packages_distributions().get('vllm', ())), ''))")
+
+
+def _check_release(version: str | None, python: str) -> None:
+    """A known vLLM version outside the worker's SUPPORTED range is refused before either side does any work
+    (the worker checks again as it starts); an unknown one is left to the worker."""
+    why = None if version is None else unsupported(version, python)
+    if why:
+        raise ConfigError(visible(why))
 
 
 def plan(prep, positions, pad: int, tp) -> None:

