@@ -1,10 +1,11 @@
 """A side made ready to run on its engine: model loaded, requests resolved and checked, calls planned.
 
-``prepare`` does what every engine needs — load the snapshot, tokenize, check the request against §2.1,
-check the memory estimate and the tensor-parallel size — then hands the side to its engine (the registry in
-engine/registry.py): ``check`` refuses what the engine cannot run, ``plan`` makes its prefill calls. Every path
-— one sample at a time, a left- or right-padded batch, a packed row, prefix reuse, chunked — is a list of
-``Call``s, each with a ``Placement`` that maps its rows, columns and sequences onto the trace's coordinates.
+``prepare`` does what every engine needs — check that the engine's packages are installed, load the snapshot,
+tokenize, check the request against §2.1, check the memory estimate and the tensor-parallel size — then hands
+the side to its engine (the registry in engine/registry.py): ``check`` refuses what the engine cannot run,
+``plan`` makes its prefill calls. Every path — one sample at a time, a left- or right-padded batch, a packed
+row, prefix reuse, chunked — is a list of ``Call``s, each with a ``Placement`` that maps its rows, columns and
+sequences onto the trace's coordinates.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from .calls import plan_calls
 from .config import Inputs, RunConfig, Side
 from .shared.errors import ConfigError, PreconditionError, UnsupportedModel
 from .native.prefill import Engine
+from .registry import missing_packages
 from .models.snapshot import Snapshot
 from .models.sources import load_snapshot
 
@@ -156,8 +158,9 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     """Load the model, tokenize, and plan the prefill calls (including any earlier prefix requests). ``routing``:
     experts to force, {layer: {(sample, token index): experts}} (routing replay), known before planning because
     a reused prefix is prefilled then."""
-    snapshot = snapshot or load_snapshot(side.model)
     run = side.run
+    missing_packages(run.info)  # an engine's missing package is said before any model loads
+    snapshot = snapshot or load_snapshot(side.model)
     if snapshot.foreign is not None and run.engine != "transformers":
         raise UnsupportedModel(f"{snapshot.foreign} (only the transformers engine runs a model our engine does not "
                                "implement)")

@@ -19,6 +19,8 @@ The entry declares the rest as data, so nothing else in the project asks "which 
   ``weight_quant``, ``cache_dtype``). A calibrated verdict's golden (float64) and twin (the candidate's
   precisions) run on the reference's engine when it can run both, else on ours (``twin_maker``).
 - ``tp``: whether ``[run] tp > 1`` shards it over processes (engine/native/parallel.py), else why not.
+- ``needs``: the packages it imports in prefill-diff's own process, each with the extra that installs it;
+  ``prepared.prepare`` checks them (``missing_packages``) before a side loads its model.
 
 This module imports nothing heavy (no torch): the CLI reads it before any engine loads, and an engine's
 module (its third-party package) is imported only when a side runs on it.
@@ -26,9 +28,10 @@ module (its third-party package) is imported only when a side runs on it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field, fields
 
-from .shared.errors import ConfigError
+from .shared.errors import ConfigError, PrefillDiffError
 from .shared.precisions import CACHE_DTYPES, FLOATS, FP8
 
 GOLDEN = {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}
@@ -166,6 +169,7 @@ class EngineInfo:
     faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
     unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
+    needs: tuple = ()  # (import name, extra of prefill-diff that installs it) for each package it imports
 
     def load(self):
         """The engine's module (check, plan, execute)."""
@@ -183,16 +187,20 @@ ENGINES = {e.name: e for e in (
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
                        "shared-gate-dropped"), replays_routing=True),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
-               TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True),
+               TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True,
+               needs=(("transformers", "hf"), ("safetensors", "hf"))),
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
-               no_tp="llama.cpp runs the whole model in one process"),
+               no_tp="llama.cpp runs the whole model in one process",
+               needs=(("llama_cpp", "llamacpp"), ("gguf", "llamacpp"))),
     EngineInfo("vllm", "foreign.vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, kernels), "
                "run in the user's own environment and captured through hooks", VllmOptions, "vllm",
                Computes(("float32", "bfloat16", "float16"), ("float32", "bfloat16", "float16") + FP8),
                no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
-               unrecorded=("python",)),
+               unrecorded=("python",),
+               # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
+               needs=(("transformers", "hf"), ("safetensors", "hf"))),
 )}
 OURS = "native"
 
@@ -211,6 +219,27 @@ def by_table(table: str) -> EngineInfo | None:
 
 def option_names(info: EngineInfo) -> set:
     return set() if info.options is None else {f.name for f in fields(info.options)}
+
+
+class MissingPackage(PrefillDiffError):
+    """An engine's package is not installed in this environment (exit status 2)."""
+
+
+def missing_packages(info: EngineInfo) -> None:
+    """Refuse, in one line naming the extra that installs them, the packages ``info`` needs that this
+    environment lacks (found without importing them)."""
+    missing = [(name, extra) for name, extra in info.needs if _absent(name)]
+    if missing:
+        extras = ",".join(dict.fromkeys(extra for _, extra in missing))
+        raise MissingPackage(f"the {info.name} engine needs {', '.join(name for name, _ in missing)}, missing from "
+                             f"prefill-diff's environment: pip install 'prefill-diff[{extras}]'")
+
+
+def _absent(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # a parent package missing, or a module whose spec is unset
+        return True
 
 
 def twin_maker(ref_engine: str, cand_prec: dict) -> str | None:
