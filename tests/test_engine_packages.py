@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 from prefill_diff.engine import prepared
 from prefill_diff.engine.config import PRESETS, load_side
