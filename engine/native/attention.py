@@ -22,8 +22,6 @@ import torch.nn.functional as F
 
 from ..shared.errors import MaskError
 
-KERNELS = ("eager", "sdpa", "tiled")
-
 
 @dataclass
 class AttentionMask:

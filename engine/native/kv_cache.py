@@ -9,55 +9,20 @@ the layout). Every read goes through ``read`` (what attention sees) or ``stored`
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from ..shared.errors import ConfigError
-from ..shared.precisions import CACHE_DTYPES, FLOATS
+from ..shared.precisions import FLOATS
 from ..shared.precisions import FP8 as FP8_NAMES
+from .settings import CacheLayout  # plain data (no torch)
 
-CACHE_KINDS = ("contiguous", "paged")
 # storage dtypes of a KV cache; fp8 as vLLM stores it: the value divided by the layer's scale (1.0 unless
 # calibrated), cast to the fp8 format, read back times the scale
 FP8 = dict(zip(FP8_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2)))
 _TORCH = {**dict(zip(FLOATS, (torch.float64, torch.float32, torch.bfloat16, torch.float16))), "int8": torch.int8,
           **FP8}
-LAYOUT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    kind: str = "contiguous"
-    dtype: str | None = None  # storage dtype; None = the activation dtype
-    key_rotation: str = "post"  # "post": keys after RoPE (as attention used them); "pre": rotated on read
-    page_size: int = 16
-    int8_scales: str = "per-token"  # or "per-head" (one scale per head and write)
-    version: int = LAYOUT_VERSION
-
-    def __post_init__(self):
-        if self.kind not in CACHE_KINDS:
-            raise ConfigError(f"cache layout must be one of {', '.join(CACHE_KINDS)} (got {self.kind!r})")
-        if self.dtype is not None and self.dtype not in CACHE_DTYPES:
-            raise ConfigError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)} (got {self.dtype!r})")
-        if self.key_rotation not in ("post", "pre"):
-            raise ConfigError(f"key_rotation must be 'post' or 'pre' (got {self.key_rotation!r})")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ConfigError(f"page_size must be a positive integer (got {self.page_size!r})")
-        if self.int8_scales not in ("per-token", "per-head"):
-            raise ConfigError(f"int8_scales must be 'per-token' or 'per-head' (got {self.int8_scales!r})")
-
-    def resolved(self, act_dtype: str) -> "CacheLayout":
-        return self if self.dtype else CacheLayout(**{**asdict(self), "dtype": act_dtype})
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def plain(self) -> bool:
-        """True when the cache holds exactly what attention used, contiguously (no read-through needed)."""
-        return self.kind == "contiguous" and self.key_rotation == "post" and self.dtype not in ("int8", *FP8)
 
 
 def torch_dtype(name: str) -> torch.dtype:

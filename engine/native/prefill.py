@@ -20,49 +20,15 @@ from typing import NamedTuple
 import torch
 
 from . import contract
-from .attention import AttentionMask, get_kernel, standard_head_map, KERNELS
+from .attention import AttentionMask, get_kernel, standard_head_map
 from .kv_cache import CacheLayout, KVCache, check_invariants, torch_dtype
 from .compiled import compile_layers
 from ..coords import CacheWrite, Cell, SeqRun
 from ..shared.errors import CacheInvariantError, ConfigError
 from .faults import Faults, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
 from .model import apply_rope, longrope_switch, rope_attention_factor, rope_cos_sin, rope_inv_freq
+from .settings import CacheConfig, NumericalConfig  # plain data (no torch)
 from ..models.snapshot import Snapshot
-
-
-@dataclass(frozen=True)
-class NumericalConfig:
-    """Precision of weights and activations, the attention kernel, determinism."""
-    dtype: str = "float32"
-    kernel: str = "eager"
-    block_size: int = 16
-    weight_quant: str = "none"
-    deterministic: bool = True
-    training: bool = False
-    dropout_seed: int | None = None
-    compile: bool = False  # torch.compile (inductor) each layer's norms and MLP (engine/native/compiled.py)
-
-    def __post_init__(self):
-        if self.kernel not in KERNELS:
-            raise ConfigError(f"kernel must be one of {', '.join(KERNELS)} (got {self.kernel!r})")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ConfigError(f"block_size must be a positive integer (got {self.block_size!r})")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile must be true or false (got {self.compile!r})")
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """KV layout and how the prompt is fed: whole, or in chunks against the growing cache."""
-    layout: CacheLayout = CacheLayout()
-    chunk_size: int = 0  # 0: the whole prompt in one forward
-    invariants: str = "raise"  # "raise" or "record" (recording runs keep going so the diff can localise)
-
-    def __post_init__(self):
-        if not isinstance(self.chunk_size, int) or self.chunk_size < 0:
-            raise ConfigError(f"chunk_size must be a non-negative integer (got {self.chunk_size!r})")
-        if self.invariants not in ("raise", "record"):
-            raise ConfigError(f"invariants must be 'raise' or 'record' (got {self.invariants!r})")
 
 
 @dataclass

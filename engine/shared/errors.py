@@ -1,8 +1,11 @@
-"""Named exceptions every package raises, and the interrupt flag: part of the shared leaf (engine/shared/).
+"""Named exceptions every package raises, the "did you mean" their messages give, and the interrupt flag: part
+of the shared leaf (engine/shared/).
 
 The CLI turns every ``PrefillDiffError`` into exit status 2.
 """
 from __future__ import annotations
+
+import difflib
 
 
 class PrefillDiffError(Exception):
@@ -36,6 +39,13 @@ class ModelLoadError(PrefillDiffError):
 class UnsupportedModel(ModelLoadError):
     """A well-formed checkpoint of an architecture or setting our engine does not implement (transformers may
     still run it)."""
+
+
+def did_you_mean(word, choices, fmt: str = " (did you mean {}?)") -> str:
+    """``fmt`` filled with the closest of ``choices`` to a misspelt ``word``, or "" when none is close (an error
+    message's hint)."""
+    near = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
+    return fmt.format(near[0]) if near else ""
 
 
 INTERRUPT = {"seen": False}  # set by the CLI's SIGINT handler (read between layers by the trace recorder)
