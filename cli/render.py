@@ -382,11 +382,31 @@ def first_break_panel(report):
     return Panel(Group(*body), title="first break", border_style="red")
 
 
+def prefill_lines(report) -> list:
+    """A line of fields for each side whose prefill reused a cache or took more than one step (its ``prefill`` in
+    the JSON): ``candidate prefill (budget 32 tokens a step, shared): sample 0: 64 from cache + 6 computed, 1 step;
+    …``."""
+    lines = []
+    for side, d in (("reference", report.ref), ("candidate", report.cand)):
+        p = d.get("prefill") or {}
+        rows = p.get("samples") or ()
+        if not any(o["from_cache"] or o["steps"] > 1 for o in rows):
+            continue
+        per = {"step": " a step, shared", "sample": " of each sample a step"}.get(p.get("budget_per"), "")
+        budget = f" (budget {p['token_budget']} tokens{per})" if p.get("token_budget") else ""
+        lines.append(Fields(Text(f"{side} prefill{budget}: " + "; ".join(
+            f"sample {o['sample']}: {o['from_cache']} from cache + {o['computed']} computed, {o['steps']} step"
+            + ("" if o["steps"] == 1 else "s") for o in rows)), ("; ",)))
+    return lines
+
+
 def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = False):
     """The human report as (renderable, unwrapped) pairs; unwrapped parts are lines of fields (``print_line``)."""
     yield Fields(header_text(report), ("  ",)), True
     if report.calibration:
         yield Text(f"rule: {report.calibration}", style="dim"), True
+    for line in prefill_lines(report):
+        yield line, True
     for n in report.notes:
         if n.startswith("MODEL IDENTITY DIFFERS"):
             yield plain(n, style="bold yellow"), True

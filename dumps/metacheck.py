@@ -175,6 +175,12 @@ TOLERANCE = obj({"base": text(choices=DTYPES), "equal_nan": boolean(), "topk": i
 REUSE_OUTCOME = obj({"sample": integer(0), "prefix_len": integer(0), "hit": boolean(), "forced": boolean(),
                      "reason": text(none=True), "expected": boolean(none=True)})
 
+PREFILL = obj({"token_budget": integer(1, none=True), "budget_per": text(choices=("sample", "step"), none=True),
+               "samples": array(obj({"sample": integer(0), "tokens": integer(0), "from_cache": integer(0),
+                                     "computed": integer(0), "steps": integer(0)},
+                                    required=("sample", "tokens", "from_cache", "computed", "steps")))},
+              none=True, required=("samples",))
+
 META = obj({
     "model": obj({
         "source": text(), "spec": MODEL_SPEC, "args": obj(MODEL_ARGS), "weights_digest": text(none=True),
@@ -204,6 +210,7 @@ META = obj({
         "invariant_violations": array(text(), none=True),
         "quantized_weights_digest": text(none=True),
         "timing": obj({"compile_s": number(0, none=True), "prefill_s": number(0, none=True)}, none=True),
+        "prefill": PREFILL,
     }, none=True),
 })
 
@@ -239,7 +246,8 @@ def check_meta(meta) -> None:
 
 
 def check_meta_against_file(meta, n_samples: int, lengths) -> None:
-    """The rules between metadata and the datasets: one text per sample, reuse outcomes of real samples."""
+    """The rules between metadata and the datasets: one text per sample, reuse outcomes and prefill facts of real
+    samples, each sample's prefill adding up to its length."""
     texts = meta.get("texts")
     if texts is not None and len(texts) not in (0, n_samples):
         raise MetaError("meta.texts", f"must hold one text per sample ({n_samples}; it holds {len(texts)})",
@@ -249,6 +257,15 @@ def check_meta_against_file(meta, n_samples: int, lengths) -> None:
         s = o.get("sample")
         if s is not None and s >= n_samples:
             raise MetaError(f"meta.record.reuse[{i}].sample", f"must name one of the {n_samples} samples", s)
+    for i, o in enumerate((rec.get("prefill") or {}).get("samples") or ()):
+        where = f"meta.record.prefill.samples[{i}]"
+        if o["sample"] >= n_samples:
+            raise MetaError(f"{where}.sample", f"must name one of the {n_samples} samples", o["sample"])
+        if lengths is not None and o["tokens"] != int(lengths[o["sample"]]):
+            raise MetaError(f"{where}.tokens", f"must be sample {o['sample']}'s length ({int(lengths[o['sample']])})",
+                            o["tokens"])
+        if o["from_cache"] + o["computed"] != o["tokens"]:
+            raise MetaError(where, "must have from_cache + computed = tokens", show_value=False)
 
 
 # -- the write side: what the recorder is given ------------------------------------------------------------

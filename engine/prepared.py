@@ -169,7 +169,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     prep = Prepared(side, snapshot, tokens, texts)
     prep.routing = routing or {}
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": None},
-                   "reuse": None, "invariant_violations": [], "quantized_weights_digest": None}
+                   "reuse": None, "invariant_violations": [], "quantized_weights_digest": None, "prefill": None}
     set_deterministic(run.numerical.deterministic, compiling=run.numerical.compile)
     budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
     positions = sample_positions(side.inputs, tokens)
@@ -185,7 +185,28 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
         prep.calls = plan_calls([list(t) for t in tokens], positions, list(range(len(tokens))), run.batching, pad)
     else:
         engine.plan(prep, positions, pad, tp)
+        if run.info.prefill_steps == "plan":
+            prep.record["prefill"] = planned_prefill(prep)
     return prep
+
+
+def planned_prefill(prep: Prepared) -> dict:
+    """Each sample's prefill as its planned calls compute it (the trace's ``record.prefill``): tokens served from
+    a reused prefix, tokens computed, and the forward steps computing them — one per call, or per chunk of
+    ``chunk_size`` columns of a chunked call (``token_budget``: tokens of each sample a step computes)."""
+    chunk = prep.side.run.cache.chunk_size or None
+    samples = {s: {"sample": s, "tokens": len(t), "from_cache": 0, "computed": 0, "steps": 0}
+               for s, t in enumerate(prep.tokens)}
+    for call in prep.calls:
+        width = min(chunk or call.ids.shape[1], call.ids.shape[1])
+        for r, c0, c1, s, _ in call.runs:
+            cols = (torch.nonzero(call.mask[r, c0:c1]).flatten() + c0).tolist()  # its valid columns
+            prefix = call.history.get(call.samples.index(s))
+            rec = samples[s]
+            rec["from_cache"] += 0 if prefix is None else prefix.length
+            rec["computed"] += len(cols)
+            rec["steps"] += len({c // width for c in cols})
+    return {"token_budget": chunk, "budget_per": "sample" if chunk else None, "samples": list(samples.values())}
 
 
 def set_deterministic(mode: bool, compiling: bool) -> None:

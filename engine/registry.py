@@ -170,6 +170,10 @@ class EngineInfo:
     unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
     needs: tuple = ()  # (import name, extra of prefill-diff that installs it) for each package it imports
+    # record.prefill (each sample's tokens from a cache, tokens computed, forward steps): "plan" when its planned
+    # calls are its forward steps (prepared.planned_prefill), "run" when the engine records what its scheduler
+    # did, "" when it records none
+    prefill_steps: str = ""
 
     def load(self):
         """The engine's module (check, plan, execute)."""
@@ -185,10 +189,10 @@ ENGINES = {e.name: e for e in (
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
-                       "shared-gate-dropped"), replays_routing=True),
+                       "shared-gate-dropped"), replays_routing=True, prefill_steps="plan"),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True,
-               needs=(("transformers", "hf"), ("safetensors", "hf"))),
+               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan"),
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
@@ -200,7 +204,7 @@ ENGINES = {e.name: e for e in (
                no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
                unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
-               needs=(("transformers", "hf"), ("safetensors", "hf"))),
+               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run"),
 )}
 OURS = "native"
 

@@ -236,14 +236,14 @@ def test_the_interpreter_is_never_read_from_a_trace():
 
 @pytest.mark.parametrize("preset", ["vllm", "vllm-chunked", "vllm-prefix-cache", "vllm-bf16", "vllm-fp8-kv"])
 def test_each_vllm_preset_passes_against_the_reference(preset, vllm_python, run_cli, tmp_path):
-    res = run_cli("run", "reference", preset, "--json", "-", "--out", tmp_path)
+    res = run_cli("run", "reference", preset, "--json", tmp_path / "report.json", "--out", tmp_path)
     if preset == "vllm-fp8-kv" and not _cpu_runs_fp8_kv():
         # vLLM's CPU build stores fp8 caches only with AVX-512 or AMX: its refusal is one line, exit 2, no trace
         assert res.exit_code == 2 and res.output.count("\n") == 1, res.output
         assert "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in res.output, res.output
         assert not (tmp_path / "cand.h5").exists()
         return
-    rep = _json(res)
+    rep = json.loads((tmp_path / "report.json").read_text())  # the terminal report is res.output
     assert res.exit_code == 0, rep["verdict_line"]
     assert len(rep["layers"]) == 4 and not rep["inconclusive"]
     if preset in ("vllm-bf16", "vllm-fp8-kv"):  # below float32: judged against measured noise, with a twin of
@@ -264,6 +264,32 @@ def test_each_vllm_preset_passes_against_the_reference(preset, vllm_python, run_
             assert hits == {0: 64, 1: 32, 2: 0}, hits
             assert any("tokens from the prefix cache: sample 0 64 of 70, sample 1 32 of 45" in n
                        for n in rep["notes"]), rep["notes"]
+        _check_prefill(rep, t, preset, res.output)
+
+
+def _check_prefill(rep: dict, t, preset: str, out: str) -> None:
+    """The JSON's candidate.prefill against what vLLM did: the positions each sample computed (its trace's
+    residual states), vLLM's own count of cached tokens and its scheduler's steps, its effective budget."""
+    p, v = rep["candidate"]["prefill"], t.meta["record"]["vllm"]
+    assert p["token_budget"] == v["effective"]["max_num_batched_tokens"] and p["budget_per"] == "step", p
+    assert rep["candidate"]["engine"]["chunk_size"] is None  # vLLM's chunks are its scheduler's, said in prefill
+    by_vllm = {o["sample"]: o for o in v["samples"]}
+    for o in p["samples"]:
+        _, toks = t.cells(o["sample"])
+        assert o["tokens"] == int(t.lengths[o["sample"]]) and o["computed"] == toks.size, o
+        assert o["from_cache"] == int(toks[0]) == by_vllm[o["sample"]]["num_cached_tokens"], o
+        assert o["steps"] == by_vllm[o["sample"]]["steps"] >= -(-o["computed"] // p["token_budget"]), o
+    said = [ln for ln in out.splitlines() if ln.startswith("candidate prefill")]
+    if preset == "vllm-chunked":  # a 32-token budget: the 70- and 45-token prompts over several steps
+        assert p["token_budget"] == 32 and [o["steps"] > 1 for o in p["samples"]] == [True, True, False], p
+        assert said and said[0].startswith("candidate prefill (budget 32 tokens a step, shared): sample 0: 0 from "
+                                           f"cache + 70 computed, {p['samples'][0]['steps']} steps;"), out
+    elif preset == "vllm-prefix-cache":
+        assert [(o["from_cache"], o["computed"]) for o in p["samples"]] == [(64, 6), (32, 13), (0, 9)], p
+        assert said and "sample 0: 64 from cache + 6 computed, 1 step; sample 1: 32 from cache + 13 computed" in \
+            said[0], out
+    else:
+        assert all(o["from_cache"] == 0 for o in p["samples"]), p
         if preset == "vllm-fp8-kv":
             assert t.meta["layout"]["dtype"] == "fp8_e4m3"
         if preset == "vllm":

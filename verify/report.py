@@ -182,7 +182,19 @@ def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
             "weights_digest": m.get("model", {}).get("weights_digest"),
             "adapter": m.get("model", {}).get("adapter"),
             "quantized_weights_digest": (m.get("record") or {}).get("quantized_weights_digest"),
-            "layout": m.get("layout"), "provenance": m.get("provenance")}
+            "layout": m.get("layout"), "provenance": m.get("provenance"),
+            "prefill": _prefill((m.get("record") or {}).get("prefill"))}
+
+
+PREFILL_KEYS = ("sample", "tokens", "from_cache", "computed", "steps")
+
+
+def _prefill(p: dict | None) -> dict | None:
+    """A trace's ``record.prefill`` (checked by its reader) in the report's key order."""
+    if not isinstance(p, dict):
+        return None
+    return {"token_budget": p.get("token_budget"), "budget_per": p.get("budget_per"),
+            "samples": [{k: o.get(k) for k in PREFILL_KEYS} for o in p.get("samples") or ()]}
 
 
 def record_notes(t: Trace, side: str) -> tuple[list, list]:

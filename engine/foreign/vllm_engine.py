@@ -375,10 +375,16 @@ def _run_meta(recorder, prep, meta: dict, samples: list) -> None:
         "isa": meta.get("isa"), "bf16_rounding": meta.get("bf16_rounding"), "timing": meta.get("timing"),
         "samples": [{"sample": h["index"], "steps": h["steps"], "num_cached_tokens": h["num_cached_tokens"]}
                     for h, _ in samples]}
+    budget = eff.get("max_num_batched_tokens")
+    prep.record["prefill"] = {  # vLLM's scheduler: one token budget a step, shared by the requests it runs
+        "token_budget": budget if isinstance(budget, int) else None, "budget_per": "step",
+        "samples": [{"sample": h["index"], "tokens": len(prep.tokens[h["index"]]), "from_cache": h["num_cached_tokens"],
+                     "computed": int(a["positions"].shape[0]), "steps": h["steps"]} for h, a in samples]}
     m = recorder.meta
     kv = KV_DTYPES[None if run.cache.layout.dtype in (None, run.numerical.dtype) else run.cache.layout.dtype]
-    recorder.update_meta(
-        engine={**m.get("engine", {}), "kernel": meta.get("attention_backend"), "batching": run.batching},
+    recorder.update_meta(  # chunk_size null: vLLM chunks by its scheduler's budget (record.prefill), not ours
+        engine={**m.get("engine", {}), "kernel": meta.get("attention_backend"), "batching": run.batching,
+                "chunk_size": None},
         layout={**m.get("layout", {}), "kind": "paged", "page_size": int(eff.get("block_size") or
                                                                          run.options.block_size),
                 "dtype": run.numerical.dtype if kv == "auto" else kv},

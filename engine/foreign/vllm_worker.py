@@ -411,7 +411,7 @@ class Capture:
                 continue
             a, b = st["qsl"][r], st["qsl"][r + 1]
             rec = self.samples.setdefault(s, {"positions": [], "states": {}, "steps": 0})
-            rec["steps"] += 1
+            rec["steps"] += b > a  # a step that computed some of its tokens
             rec["positions"] += st["positions"][a:b]
             for key, rows in self.step_rows.items():
                 rec["states"].setdefault(key, []).append(rows[a:b])
