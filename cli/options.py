@@ -11,6 +11,8 @@ from ..engine.models import budget
 from ..engine.shared.errors import ConfigError
 from ..engine.shared.untrusted import check_int64
 from ..engine.models.spec import ModelSpec
+from ..engine.native.settings import MODEL_PRESETS
+from ..verify.tolerance import DTYPE_DEFAULTS, KINDS, POLICY_ALIASES
 from .jobs import Judging, Tolerance
 from .outputs import Reports
 
@@ -84,6 +86,16 @@ model_cache_option = click.option(
          "$PREFILL_DIFF_CACHE, else $XDG_CACHE_HOME/prefill-diff or ~/.cache/prefill-diff); off: convert every run.")
 
 
+# --help's lists, made from the tables they name, so that a family or a policy added is listed
+_FAMILIES = [name.split(":", 1)[1] for name in MODEL_PRESETS if name.startswith("synthetic:")]
+_BUILT_IN = [name for name in MODEL_PRESETS if name != "synthetic" and ":" not in name]
+MODEL_HELP = (f"The model to prefill: synthetic (default); synthetic:FAMILY at the same sizes, FAMILY one of "
+              f"{', '.join(_FAMILIES)}; {', '.join(_BUILT_IN)}; hf:DIR, gguf:FILE or smollm2 (a config file's own "
+              "[model] wins).")
+POLICY_HELP = (f"Tolerance policy by precision: {', '.join(DTYPE_DEFAULTS)}, or an alias: {', '.join(POLICY_ALIASES)} "
+               "(default: the coarser precision of the two traces compared).")
+
+
 def model_options(f):
     """--model, --prompt, --tokens: *what* to prefill (in run and compare, for both sides) unless a config sets
     its own, as one ``what`` (Prefilled)."""
@@ -93,10 +105,7 @@ def model_options(f):
     return _compose(
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
-        click.option("--model", "model", default=None, metavar="SOURCE",
-                     help="The model to prefill: synthetic (default), synthetic:FAMILY (qwen2, qwen3, olmo2, "
-                          "llama-biased: the same sizes), seed-2.8, hf:DIR, gguf:FILE or smollm2 (a config "
-                          "file's own [model] wins)."),
+        click.option("--model", "model", default=None, metavar="SOURCE", help=MODEL_HELP),
         model_cache_option,
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
                      help="A text prompt to prefill (repeatable; a config file's own [inputs] win); needs a "
@@ -119,9 +128,7 @@ def tolerance_options(f):
         return f(*args, tol=Tolerance(policy=policy, atol=atol, rtol=rtol, ntol=ntol, row_rtol=row_rtol,
                                       tolerance_file=tolerance_file), **kw)
     return _compose(
-        click.option("--policy", default=None, metavar="DTYPE",
-                     help="Tolerance policy by dtype: float64, float32, bfloat16, float16, int8 "
-                          "(default: the coarser dtype of the two traces compared)."),
+        click.option("--policy", default=None, metavar="DTYPE", help=POLICY_HELP),
         click.option("--atol", type=float, default=None, help="Absolute tolerance for every tensor kind."),
         click.option("--rtol", type=float, default=None, help="Relative tolerance for every tensor kind."),
         click.option("--ntol", type=float, default=None,
@@ -129,8 +136,7 @@ def tolerance_options(f):
         click.option("--row-rtol", type=float, default=None,
                      help="Accept a whole row (one position's vector) within this relative L2 error (0: off)."),
         click.option("--tolerance", "tolerance_file", type=click.Path(dir_okay=False), default=None,
-                     help="TOML policy file: [residual] atol=..., rtol=..., ntol=...; kinds: residual, "
-                          "attn_update, mlp_update, cache_keys, cache_values, logits."),
+                     help=f"TOML policy file: [residual] atol=..., rtol=..., ntol=...; kinds: {', '.join(KINDS)}."),
         section="Tolerance",
     )(collect)
 
