@@ -31,9 +31,18 @@ from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy
 from ..verify.report import Report, Session, compare_traces
 from ..verify.routing import forced_routing, replay_cells, wants_replay
 from ..verify.tolerance import Policy
+from ..verify import wording
 
 # label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
 SideProgress = Callable[[str], Callable[[int], None] | None]
+
+
+def check_sources(*sources: str, model=None, inputs=None) -> None:
+    """Read and check each preset or config file now, before the engine (torch) is imported: a typo or a bad value
+    is said at once."""
+    from ..engine.config import load_side  # plain data: no torch
+    for source in sources:
+        load_side(source, model, inputs)
 
 
 def _import_sides():
@@ -156,12 +165,12 @@ class CalibPlan:
     def label(self) -> str:
         return precision_label(self.cand_prec)
 
-    def rule_note(self) -> str | None:
-        """The header's rule when the candidate is its own twin (no golden is recorded)."""
+    def rule_note(self, policy: Policy) -> str | None:
+        """The header's rule when the candidate is its own twin (no golden is recorded): ``policy``'s fixed
+        envelope judges its numerics."""
         if not (self.use and self.twin_is_cand):
             return None
-        return (f"calibrated: the candidate is the reference's own path in {self.label} (its twin), so it adds no "
-                "error beyond its numerics; numerics: candidate vs reference within the fixed envelope")
+        return wording.own_twin_rule(self.label, policy.name)
 
     def calibration(self, golden: Trace, twin: Trace | None) -> Calibration:
         return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label,
@@ -238,6 +247,12 @@ def _progress_for(progress: SideProgress | None, label: str):
     return None if progress is None else progress(label)
 
 
+def _phase(progress: SideProgress | None, label: str) -> None:
+    """Tell the progress display (if it has a ``phase``) that a step between sides begins."""
+    if progress is not None and hasattr(progress, "phase"):
+        progress.phase(label)
+
+
 def _engine(meta: dict) -> str:
     eng = meta.get("engine")
     return str(eng.get("name") or OURS) if isinstance(eng, dict) else OURS
@@ -272,10 +287,11 @@ def _judge_open(ref: Trace, cand: Trace, judging: Judging, plan: CalibPlan, sibl
             twin = stack.enter_context(open_any(siblings[1])) if siblings[1] else None
             calib = plan.calibration(golden, twin)
         files = (ref.name if kept[0] else None, cand.name if kept[1] else None)
-        return compare_traces(ref, cand, resolve(None if calib else judging.tolerance, ref, cand),
+        policy = resolve(None if calib else judging.tolerance, ref, cand)
+        return compare_traces(ref, cand, policy,
                               fail_fast=judging.fail_fast, calib=calib, allow_subset=judging.allow_subset,
                               allow_identity=judging.allow_identity,
-                              rule_note=None if calib else plan.rule_note(),
+                              rule_note=None if calib else plan.rule_note(policy),
                               uncalibrated=None if calib else plan.note, files=files)
 
 
@@ -292,6 +308,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     memory and stops at the first break (no trace files).
     """
     timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
+    check_sources(ref, cand, model=model, inputs=inputs)
     if judging.fail_fast:
         if out_dir:
             raise ConfigError("--fail-fast keeps no traces; drop --out")
@@ -299,7 +316,9 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     explicit = judging.tolerance.declared
     check_calibration(judging, explicit=explicit, level=level)
     sides = _import_sides()
-    ref_prep, cand_prep = sides.prepare_side(ref, model, inputs), sides.prepare_side(cand, model, inputs)
+    ref_side, cand_side = sides.load_side(ref, model, inputs), sides.load_side(cand, model, inputs)  # checked first
+    _phase(progress, "loading the model and preparing both sides")
+    ref_prep, cand_prep = sides.prepare(ref_side), sides.prepare(cand_side)
     check_coverage(ref_prep.tokens, cand_prep.tokens, judging.allow_subset)
     keep = out_dir is not None
     work = out_dir if keep else tempfile.mkdtemp(prefix="prefill-diff-")
@@ -316,6 +335,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                 siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
                                               os.path.join(work, "twin.h5"), force=force, progress=progress,
                                               snapshot=ref_prep.snapshot)
+            _phase(progress, "comparing")
             report = _judge_open(r, c, judging, plan, siblings, kept=(keep, keep))
             forced, forced_ref, rounds, flips = {}, {}, 0, 0
             while _replays(cand_prep) and rounds < REPLAY_ROUNDS and wants_replay(report, forced):
@@ -332,6 +352,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                                                   os.path.join(work, f"twin-replay{rounds}.h5"), force=force,
                                                   progress=progress, snapshot=ref_prep.snapshot,
                                                   routing=forced_ref)
+                _phase(progress, "comparing")
                 with open_any(paths[1]) as c2:
                     report = _judge_open(r, c2, judging, plan, siblings, kept=(keep, keep))
             if rounds:
@@ -400,8 +421,11 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     timestamp()
     if twin_of is not None and level != "full":
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
+    check_sources(config, model=model, inputs=inputs)
     sides = _import_sides()
-    prep = sides.prepare_side(config, model, inputs)
+    side = sides.load_side(config, model, inputs)
+    _phase(progress, "loading the model")
+    prep = sides.prepare(side)
     path = sides.record_side(prep, output, level, force, compression, progress=_progress_for(progress, "recording"),
                            tolerance=spec)
     done = Recorded(str(path), level, prep.snapshot.args.n_layers, len(prep.tokens))
@@ -430,14 +454,14 @@ def is_trace(path: str) -> bool:
 
 
 def compare(baseline: str, candidate: str, model=None, inputs=None, *, level: str | None = None,
-            judging: Judging = JUDGED) -> Outcome:
+            judging: Judging = JUDGED, progress: SideProgress | None = None) -> Outcome:
     """BASELINE (a trace) against CANDIDATE: a trace, or a preset/config recorded now with the baseline's
     model and prompts (unless ``model``/``inputs`` are given). A golden and twin recorded beside BASELINE
     (`record --twin-of`) make the verdict calibrated; for a candidate recorded now they are recorded too."""
     timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
     if is_trace(candidate):
-        return compare_files(baseline, candidate, judging)
-    return _compare_recorded(baseline, candidate, model, inputs, level, judging)
+        return compare_files(baseline, candidate, judging, progress)
+    return _compare_recorded(baseline, candidate, model, inputs, level, judging, progress)
 
 
 def _declared_by(ref: Trace, judging: Judging) -> bool:
@@ -445,9 +469,10 @@ def _declared_by(ref: Trace, judging: Judging) -> bool:
     return judging.tolerance.declared or (judging.calibrate is None and ref.meta.get("tolerance") is not None)
 
 
-def compare_files(ref_path, cand_path, judging: Judging = JUDGED) -> Outcome:
+def compare_files(ref_path, cand_path, judging: Judging = JUDGED, progress: SideProgress | None = None) -> Outcome:
     """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
     with open_any(ref_path) as ref, open_any(cand_path) as cand:
+        _phase(progress, "comparing")
         plan = _plan_for(ref, cand, judging, explicit=_declared_by(ref, judging),
                          level=max(ref.level, cand.level, key=LEVELS.index))
         siblings = _siblings(str(ref_path), plan) if plan.use else None
@@ -464,9 +489,11 @@ def compare_files(ref_path, cand_path, judging: Judging = JUDGED) -> Outcome:
     return Outcome(report, str(ref_path), str(cand_path))
 
 
-def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str | None, judging: Judging) -> Outcome:
+def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str | None, judging: Judging,
+                      progress: SideProgress | None = None) -> Outcome:
     """``compare BASELINE PRESET``: record the candidate (and, calibrated, the baseline's golden and twin)
     into a temporary directory, with the baseline's model and prompts, and compare."""
+    check_sources(candidate)
     sides = _import_sides()
     with open_any(baseline) as base:
         side, why_not = None, None
@@ -480,10 +507,13 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str |
     check_calibration(judging, explicit=judging.tolerance.declared, level=level)
     if judging.calibrate and side is None:
         raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
-    prep = sides.prepare_side(candidate, spec, ins)
+    cand_side = sides.load_side(candidate, spec, ins)
+    _phase(progress, f"loading the model to record {candidate} with the baseline's prompts")
+    prep = sides.prepare(cand_side)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-")
     try:
-        path = sides.record_side(prep, os.path.join(tmp, "cand.h5"), level)
+        path = sides.record_side(prep, os.path.join(tmp, "cand.h5"), level,
+                                 progress=_progress_for(progress, "candidate"))
         with open_any(baseline) as ref, open_any(path) as cand:
             plan = _plan_for(ref, cand, judging, explicit=_declared_by(ref, judging), level=level)
             siblings = _siblings(baseline, plan) if plan.use else None
@@ -491,8 +521,9 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str |
                 plan = plan.declined(f"the baseline's own run cannot be rebuilt: {why_not}")
             elif plan.use and siblings is None:
                 siblings = record_calibration(side, plan, os.path.join(tmp, "golden.h5"),
-                                              os.path.join(tmp, "twin.h5"),
+                                              os.path.join(tmp, "twin.h5"), progress=progress,
                                               snapshot=prep.snapshot if prep.side.model == spec else None)
+            _phase(progress, "comparing")
             report = _judge_open(ref, cand, judging, plan, siblings, kept=(True, False))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -569,8 +600,8 @@ def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, judging: Jud
     traces = [LiveTrace(r, n) for r, n in zip(recs, names)]
     calib = plan.calibration(traces[2], traces[3] if len(traces) > 3 else None) if calibrated else None
     policy = resolve(None if calib else judging.tolerance, *traces[:2])
-    session = Session(traces[0], traces[1], policy, calib, judging.allow_subset, None if calib else plan.rule_note(),
-                      uncalibrated=None if calib else plan.note, allow_identity=judging.allow_identity,
+    session = Session(traces[0], traces[1], policy, calib, judging.allow_subset,
+                      None if calib else plan.rule_note(policy), uncalibrated=None if calib else plan.note, allow_identity=judging.allow_identity,
                       in_memory=True)
     if session.metadata_failed:
         return session.finish(stopped_early=True)

@@ -21,7 +21,8 @@ from importlib import metadata
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, SpinnerColumn, TextColumn
+from rich.progress import BarColumn, Progress as RichProgress, ProgressColumn, SpinnerColumn, TextColumn
+from rich.text import Text
 
 from ..dumps import native, provenance
 from ..dumps.inspect import summarize
@@ -34,10 +35,11 @@ from . import jobs
 from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
                       model_options, report_options, tolerance_options)
 from .outputs import (EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit,
-                      stdout_taken, write_text)
+                      stdout_taken, verdict_status, write_text)
 from .render import (cache_json_item, cache_notes, cache_table, cache_where, ledger_renderable, plain, print_inspect,
                      print_line, pruned_lines)
-from .terminal import text_streams
+from .terminal import (flush_stdout, keep_status_if_stdout_closes, reset_closed_stdout_status, silence_stdout,
+                       status_if_stdout_closes, text_streams)
 
 
 class BadInput(click.ClickException):
@@ -54,6 +56,18 @@ class Cli(click.Group):
             return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
+        reset_closed_stdout_status()
+        try:
+            result = self._invoke(ctx)
+        except SystemExit as e:  # sys.exit(verdict): what is still buffered is flushed under the same status
+            if not flush_stdout():
+                ctx.exit(status_if_stdout_closes())
+            raise e
+        if not flush_stdout():
+            ctx.exit(status_if_stdout_closes())
+        return result
+
+    def _invoke(self, ctx):
         done_before = n_completed()
         try:
             result = super().invoke(ctx)
@@ -84,10 +98,9 @@ class Cli(click.Group):
         except MemoryError:
             raise BadInput("not enough memory for this model and input on this machine "
                            "(a smaller model, fewer or shorter prompts, or a lower --level)") from None
-        except BrokenPipeError:  # the reader of stdout went away (`| head`): stop quietly, as Unix tools do
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            ctx.exit(141)
+        except BrokenPipeError:  # the reader of stdout went away (`| head -1`): write nothing more; the status
+            silence_stdout()     # is the verdict's once it is known (a closed pipe never changes it), else 0
+            ctx.exit(status_if_stdout_closes())
         except Exception as e:  # a bug, not bad input; or the environment refused (memory, disk)
             said = environment_failure(e)
             if said is not None:
@@ -120,13 +133,21 @@ def environment_failure(e: BaseException) -> str | None:
 GENEROUS_WIDTH = 120  # columns of the report when stdout is not a terminal and COLUMNS is unset (CI logs, pipes)
 
 
+class _Console(Console):
+    """rich's Console, except that a closed stdout is not its own ``SystemExit(1)``: the BrokenPipeError reaches
+    ``Cli.invoke``, which ends the command with the verdict's status."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
 def console(stderr: bool = False, terminal: bool | None = None, width: int | None = None):
     """Rich console: the terminal's width; not a terminal: COLUMNS, else a fixed generous width.
 
     ``terminal`` and ``width`` override what is detected (tests draw an 80-column terminal with them)."""
-    c = Console(stderr=stderr, highlight=False, force_terminal=terminal, width=width)
+    c = _Console(stderr=stderr, highlight=False, force_terminal=terminal, width=width)
     if width is None and not c.is_terminal and not os.environ.get("COLUMNS"):
-        c = Console(stderr=stderr, highlight=False, force_terminal=terminal, width=GENEROUS_WIDTH)
+        c = _Console(stderr=stderr, highlight=False, force_terminal=terminal, width=GENEROUS_WIDTH)
     return c
 
 
@@ -148,20 +169,31 @@ def quiet_libraries(verbose: bool = False) -> None:
         tlog.set_verbosity_error()
 
 
-class Progress:
-    """One transient progress display on stderr for every long step; nothing when stderr is not a terminal.
+class _Count(ProgressColumn):
+    """Layers done of the total, for a side's layers; nothing for a step of unknown length (no "0/?")."""
 
-    ``step(label)`` shows an indeterminate pulse (model load, compare); ``side(label)`` returns the
-    per-layer callback a job calls, with the layer total once the recorder knows it.
+    def render(self, task) -> Text:
+        return Text("" if task.total is None else f"{int(task.completed)}/{int(task.total)}")
+
+
+class Progress:
+    """What the command is doing, on stderr: a transient display on a terminal; where stderr is a pipe or a file
+    (a CI log), one line per phase, with the seconds since the command started; nothing under -q.
+
+    ``step(label)`` starts a phase (model load, compare); ``side(label)`` returns the per-layer callback a job
+    calls while it records a side, with the layer total once the recorder knows it; ``sides()`` gives jobs
+    both, as a callable with a ``phase`` method.
     """
 
     def __init__(self, quiet: bool = False):
         self.console = console(stderr=True)
         self.prog = None
+        self.lines = not quiet and not self.console.is_terminal and _real_file(sys.stderr)
+        self.start = time.monotonic()
         if not quiet and self.console.is_terminal:
             spinner = "dots" if getattr(sys.stderr, "unicode", True) else "line"  # dots: braille characters
             self.prog = RichProgress(SpinnerColumn(spinner), TextColumn("{task.description}"), BarColumn(),
-                                     MofNCompleteColumn(), transient=True, console=self.console)
+                                     _Count(), transient=True, console=self.console)
         self._task = None
 
     def __enter__(self):
@@ -174,37 +206,50 @@ class Progress:
             self.prog.__exit__(*exc)
 
     def step(self, label: str) -> None:
+        if self.lines:
+            click.echo(f"prefill-diff: {visible(label)} ({time.monotonic() - self.start:.1f} s)", err=True)
         if self.prog is None:
             return
         if self._task is not None:
             self.prog.remove_task(self._task)
         self._task = self.prog.add_task(label, total=None)
 
-    def side(self, label: str, after: str | None = None):
-        """The per-layer callback of one side's recording (None without a display); ``after``: the step shown
-        once its last layer is done."""
+    def side(self, label: str):
+        """The per-layer callback of one side's recording (None when nothing is shown)."""
         if self.prog is None:
+            if self.lines:
+                self.step(f"{label}: recording")
             return None
         self.step(f"{label}: layers")
         task = self._task
 
         def on_layer(layer):
             self.prog.update(task, completed=layer + 1)
-            t = next((x for x in self.prog.tasks if x.id == task), None)
-            if after and t is not None and t.total is not None and layer + 1 >= t.total:
-                self.step(after)
 
         def set_total(n):
             self.prog.update(task, total=n)
         on_layer.set_total = set_total
         return on_layer
 
-    def sides(self, after: dict):
-        """The jobs' per-side progress: label -> per-layer callback (None without a display); ``after`` maps a
-        side's label to the step shown once its last layer is done (default: comparing)."""
-        if self.prog is None:
+    def sides(self):
+        """The jobs' progress: label -> per-layer callback of that side (or None), and ``.phase(label)`` for the
+        steps between sides (comparing); None when nothing is shown."""
+        if self.prog is None and not self.lines:
             return None
-        return lambda label: self.side(label, after.get(label, "comparing"))
+
+        def for_side(label):
+            return self.side(label)
+        for_side.phase = self.step
+        return for_side
+
+
+def _real_file(stream) -> bool:
+    """``stream`` writes to a file descriptor (a pipe, a file): not a test harness's buffer."""
+    try:
+        stream.fileno()
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _version(ctx, param, value) -> None:
@@ -271,19 +316,15 @@ def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, judging):
         raise BadInput("--fail-fast keeps no traces; drop --out")
     check_out_dir(out_dir)
     with Progress(out.quiet) as prog:
-        prog.step("loading the model, running the sides layer by layer" if fail_fast
-                  else "loading the model and preparing both sides")
+        if fail_fast:
+            prog.step("loading the model, running the sides layer by layer")
         outcome = jobs.run(ref, cand, spec, inputs, out_dir=out_dir, level=level, force=force,
                            judging=replace(judging, tolerance=tol, fail_fast=fail_fast),
-                           progress=None if fail_fast else prog.sides(RUN_STEPS))
+                           progress=None if fail_fast else prog.sides())
+    keep_status_if_stdout_closes(verdict_status(outcome.report, out))  # the verdict is known: a closed stdout keeps it
     if outcome.ref_path and not out.quiet and not stdout_taken(out):
         print_line(console(), plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
-
-
-# what the progress display shows once a side's last layer is done
-RUN_STEPS = {"reference": "recording the candidate", "candidate": "comparing (or recording the golden and twin)",
-             "golden (float64)": "recording the twin, or comparing"}
 
 
 @cli.command()
@@ -298,9 +339,12 @@ RUN_STEPS = {"reference": "recording the candidate", "candidate": "comparing (or
               help="Also record this trace's float64 golden (OUTPUT's stem + .golden.h5) and its twin at the "
                    "precisions of PRECISION, a preset or config (stem + .twin-KEY.h5), so that `compare` of this "
                    "baseline against a candidate of those precisions is calibrated.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress on stderr (by default a terminal shows a display, a pipe or file gets one line per "
+                   "phase).")
 @model_options
 @tolerance_options
-def record(config, output, level, compression, force, twin_of, what, tol):
+def record(config, output, level, compression, force, twin_of, quiet, what, tol):
     """Prefill CONFIG (a preset or TOML file) and write its trace to OUTPUT.
 
     The file appears only when complete: it is written under a temporary name and
@@ -324,10 +368,9 @@ def record(config, output, level, compression, force, twin_of, what, tol):
 
     def wrote(done: jobs.Recorded) -> None:  # the trace is complete: said before any golden and twin run
         print_line(con, plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"))
-    with Progress() as prog:
-        prog.step("loading the model")
+    with Progress(quiet) as prog:
         done = jobs.record(config, output, spec, inputs, level=level, compression=compression, force=force,
-                           tolerance=tol, twin_of=twin_of, progress=prog.sides({"recording": "writing"}),
+                           tolerance=tol, twin_of=twin_of, progress=prog.sides(),
                            on_written=wrote)
     if done.golden is not None:
         print_line(con, plain(f"wrote {done.golden} (float64 golden)" + ("" if done.twin is None else
@@ -363,10 +406,8 @@ def compare(baseline, candidate, tol, out, what, fail_fast, judging):
     quiet_libraries(out.verbose)
     spec, inputs = what.resolve()
     with Progress(out.quiet) as prog:
-        prog.step("comparing" if two_traces
-                  else f"recording {candidate} with the baseline's model and prompts, then comparing")
         outcome = jobs.compare(baseline, candidate, spec, inputs,
-                               judging=replace(judging, tolerance=tol, fail_fast=fail_fast))
+                               judging=replace(judging, tolerance=tol, fail_fast=fail_fast), progress=prog.sides())
     sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
 
 
@@ -450,7 +491,7 @@ def presets():
     Example:
         prefill-diff presets
     """
-    from ..engine.config import PRESETS  # imports torch (the engine's modules do)
+    from ..engine.config import PRESETS  # plain data: no torch
     width = max(len(name) for name in PRESETS)
     cols = shutil.get_terminal_size((0, 0)).columns if sys.stdout.isatty() else 0
     for name, (desc, _) in PRESETS.items():

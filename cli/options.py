@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import click
 
+from ..engine.config import Inputs, check_model_source  # plain data: no torch
 from ..engine.models import budget
 from ..engine.shared.errors import ConfigError
 from ..engine.shared.untrusted import check_int64
@@ -237,8 +238,9 @@ class Prefilled:
 def shared_inputs(model, prompts, tokens):
     """--model/--prompt/--tokens -> (ModelSpec or None, Inputs or None)."""
     if not (model or prompts or tokens):
-        return None, None  # and no engine import: comparing two trace files never loads torch
-    from ..engine.config import Inputs  # the engine's modules import torch: only when a side will run
+        return None, None
+    if model:
+        check_model_source(model, "--model")
     spec = ModelSpec(model) if model else None
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")

@@ -2,6 +2,7 @@
 reports, and on GitHub Actions the step summary and an error annotation."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from ..verify.formats.junit import to_junit
 from ..verify.formats.markdown import to_markdown
 from ..verify.formats.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
 from .render import COLUMNS, print_line, print_report, shown_layers, verdict_text
-from .terminal import xml_for_stdout
+from .terminal import keep_status_if_stdout_closes, xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -119,6 +120,9 @@ def check_output_file(path, what: str, force: bool = True) -> None:
 
 def _check_plot(plot_path) -> None:
     if plot_path is not None:
+        if importlib.util.find_spec("matplotlib") is None:  # found now, not after the run
+            raise PrefillDiffError(f"--plot {plot_path} needs matplotlib, which is not installed: "
+                                   "pip install 'prefill-diff[plot]'")
         ext = os.path.splitext(str(plot_path))[1].lower()
         if ext not in PLOT_FORMATS:
             raise PrefillDiffError(f"--plot {plot_path}: unsupported format {ext or '(no extension)'!r} "
@@ -137,32 +141,44 @@ def check_out_dir(out_dir) -> None:
     writable_dir(out_dir, f"traces into --out {out_dir}")
 
 
+def verdict_status(report, out: Reports) -> int:
+    """The exit status of a verdict: 0 pass, 1 fail (an INCONCLUSIVE pass too, under --strict), 2 for traces
+    that cannot be compared (docs/report-format.md: reported, not a tolerance verdict)."""
+    if report.incomparable:
+        return EXIT_BAD_INPUT
+    return EXIT_PASS if replace(report, strict=bool(out.strict)) else EXIT_FAIL
+
+
 def emit(report, out: Reports, console, not_reached=()) -> int:
     """Write machine reports, print the human one on ``console``; returns the exit status of the verdict.
 
+    Files are written first (reports, plot, the step summary), stdout last, so that a reader of stdout that goes
+    away (``| head -1``) loses nothing written to files, and the command still exits with the verdict's status.
     ``not_reached``: layers a --fail-fast run never compared (JUnit marks them skipped). Under ``--strict`` the
     report itself holds an INCONCLUSIVE pass as a failure, so every format says the same verdict.
     """
+    status = verdict_status(report, out)
+    keep_status_if_stdout_closes(status)
     report = replace(report, strict=bool(out.strict))
-    write_reports(report, out, not_reached)
-    github_actions(report, out)
+    write_reports(report, out, not_reached, to_stdout=False)
     if out.plot:
         plot_errors(report, out.plot)
+    github_actions(report, out)
+    write_reports(report, out, not_reached, to_stdout=True)
     if not stdout_taken(out):
         if out.quiet:
             print_line(console, verdict_text(report), (" | ",))
         else:
             print_report(console, report, which=out.layers, verbose=out.verbose)
-    if report.incomparable:
-        return EXIT_BAD_INPUT  # incomparable traces (docs/report-format.md): reported, not a tolerance verdict
-    return EXIT_PASS if report else EXIT_FAIL
+    return status
 
 
-def write_reports(report, out: Reports, not_reached=()) -> None:
-    """Every text report asked for (FORMATS), each to its file or ('-') to stdout."""
+def write_reports(report, out: Reports, not_reached=(), to_stdout: bool | None = None) -> None:
+    """Every text report asked for (FORMATS), each to its file or ('-') to stdout; ``to_stdout`` True or False:
+    only those that go to stdout, or only those that go to files."""
     for key, fmt in FORMATS.items():
         dest = getattr(out, key)
-        if not dest:
+        if not dest or (to_stdout is not None and (dest == "-") != to_stdout):
             continue
         text = fmt.text(report, out, not_reached)
         if dest == "-":

@@ -344,8 +344,9 @@ def _metrics_lines(tr) -> Text:
     return Text(s + ("" if tr else f"  {BAD}"), style="" if tr else "red")
 
 
-def verbose_renderable(report):
-    """-v: every metric per tensor of the failing layer (on a pass: of the layer with the largest error)."""
+def verbose_lines(report) -> list:
+    """-v: every metric per tensor of the failing layer (on a pass: of the layer with the largest error), each
+    tensor's metrics a line of fields: whole off a terminal, folded at its phrases ("; ", ", ") on one."""
     fb = report.first_break
     target = None
     if fb is not None and fb.stage == "layer":
@@ -358,13 +359,16 @@ def verbose_renderable(report):
     if target is not None:
         why = "the first break's layer" if fb is not None and fb.stage == "layer" else "the largest error"
         parts.append(Text(f"layer {target.layer} ({why}), every metric per tensor:", style="bold"))
-        parts += [_metrics_lines(tr) for tr in target.tensors]
+        parts += [Fields(_metrics_lines(tr), METRIC_SEPS, indent=4) for tr in target.tensors]
         if target.cache.detail:
             parts.append(plain(f"cache: {target.cache.detail}", style="red"))
     if report.final is not None and (fb is None or fb.stage == "final"):
         parts.append(Text("final stage, every metric per tensor:", style="bold"))
-        parts += [_metrics_lines(tr) for tr in report.final.tensors]
-    return Group(*parts)
+        parts += [Fields(_metrics_lines(tr), METRIC_SEPS, indent=4) for tr in report.final.tensors]
+    return parts
+
+
+METRIC_SEPS = ("; ", ", ")  # a -v metric line folds between its clauses, then between its metrics
 
 
 def first_break_panel(report):
@@ -422,7 +426,8 @@ def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = 
     if report.final is not None:
         yield final_table(report, width), False
     if verbose:
-        yield verbose_renderable(report), False
+        for line in verbose_lines(report):
+            yield line, True
     if report.first_break is not None:
         yield first_break_panel(report), False
     for n in report.inconclusive:
@@ -493,7 +498,7 @@ def print_inspect(console, s: dict) -> None:
     for line in s.get("levels_note") or ():
         print_line(console, plain(line, style="yellow"))
     if "values" in s:
-        for line in _values_lines(s["values"], console.width if console.is_terminal else None):
+        for line in _values_lines(s["values"], console.width):  # piped: COLUMNS, else 120
             print_line(console, line)
 
 
@@ -581,22 +586,24 @@ def _layer_stats_table(s: dict, width: int):
 
 
 def _final_ids_table(s: dict) -> Table:
-    final = Table(title="final: gathered token and top ids", title_justify="left", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
+    final = Table(title="final: the position the logits were gathered at (its token id), and the top ids",
+                  title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     final.add_column("sample", justify="right", no_wrap=True)
-    final.add_column("gathered token", justify="right", no_wrap=True)
+    final.add_column("gathered at", justify="right", no_wrap=True)
     final.add_column("top ids", overflow="fold")
     for f in s["final"]:
         ids = f["top_ids"][:5]
         shown = " ".join(f"{i}:{token_repr(t)}" for i, t in zip(ids, f["top_text"])) if f.get("top_text") else \
             " ".join(map(str, ids))
-        final.add_row(str(f["sample"]), str(f["gathered_token"]), plain(shown))
+        pos = f.get("gathered_position", f.get("gathered_token"))
+        at = f"pos {pos}" + ("" if f.get("gathered_id") is None else f" (id {f['gathered_id']})")
+        final.add_row(str(f["sample"]), at, plain(shown))
     return final
 
 
 def _values_lines(v: dict, width: int | None = None):
-    """`inspect --sample`: the values asked for, one line per position; given a width (a terminal's), in blocks
-    of as many channels as fit it, each under its own channel header."""
+    """`inspect --sample`: the values asked for, one line per position; given a width, in blocks of as many
+    channels as fit it, each under its own channel header."""
     where = f"{v['tensor']}" + (f", layer {v['layer']}" if v.get("layer") is not None else "") + \
         f", sample {v['sample']}"
     rows = "position" + ("" if v["shape"][0] == 1 else "s")

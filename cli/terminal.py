@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import io
+import os
 import re
 import sys
 import unicodedata
@@ -120,6 +121,52 @@ def text_streams():
         yield
     finally:
         sys.stdout, sys.stderr = saved
+
+
+# The exit status a command ends with when the reader of its stdout goes away (`| head -1`): 0 for listings and
+# summaries; a verdict's status once the verdict is known (``keep_status_if_stdout_closes``), so that a closed pipe
+# never turns a pass into a failure or a failure into a pass.
+_CLOSED_STDOUT = {"status": 0}
+
+
+def keep_status_if_stdout_closes(status: int) -> None:
+    """From now on a closed stdout ends the command with ``status`` (the verdict's), writing nothing more."""
+    _CLOSED_STDOUT["status"] = status
+
+
+def status_if_stdout_closes() -> int:
+    return _CLOSED_STDOUT["status"]
+
+
+def reset_closed_stdout_status() -> None:
+    _CLOSED_STDOUT["status"] = 0
+
+
+def silence_stdout() -> None:
+    """The reader of stdout went away: what is still buffered and anything written later go to /dev/null (the
+    file descriptor is replaced, so neither the interpreter's last flush nor a library raises again)."""
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else 1
+    except (OSError, ValueError):
+        fd = 1
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def flush_stdout() -> bool:
+    """Flush stdout; False (and stdout silenced) when its reader has gone away."""
+    try:
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        silence_stdout()
+        return False
+    except ValueError:  # closed by a test harness
+        return True
 
 
 def xml_for_stdout(text: str) -> str:

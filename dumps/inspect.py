@@ -149,10 +149,14 @@ def _routing_rows(t: Trace, layers, samples) -> list[dict]:
 def _final_rows(t: Trace, samples) -> list[dict]:
     fin = t.final
     token_text = t.meta.get("token_text") or {}
+    all_ids = t.samples
     out = []
     for s in samples:
         ids = fin["topk_ids"][s].tolist()
-        out.append({"sample": s, "gathered_token": int(fin["gather_token"][s]),
+        pos = int(fin["gather_token"][s])  # the sample's token position whose logits were kept
+        sample_ids = all_ids[s] if s < len(all_ids) else ()
+        out.append({"sample": s, "gathered_position": pos, "gathered_token": pos,  # the old name, kept for readers
+                    "gathered_id": int(sample_ids[pos]) if 0 <= pos < len(sample_ids) else None,
                     "gathered_column": int(fin["gather_col"][s]),
                     "top_ids": ids, "top_logits": [float(x) for x in fin["topk_logits"][s]],
                     "top_text": [token_text.get(str(i)) for i in ids] if token_text else None})

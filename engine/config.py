@@ -36,20 +36,21 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
 
     [fault]                          # one §2.11 fault
     name = "gqa-mapping"
+
+This module imports no torch (its dataclasses are engine/native/settings.py's, the engines' table is
+engine/registry.py): a config is read and checked, and a typo or a bad value said with the file and the
+section, before any engine loads.
 """
 from __future__ import annotations
 
-import difflib
 import os
 import typing
 from dataclasses import asdict, dataclass, fields, replace
 
 from . import registry
-from .native.kv_cache import CacheLayout
-from .shared.errors import ConfigError, PrefillDiffError
+from .shared.errors import ConfigError, PrefillDiffError, did_you_mean
 from .shared.untrusted import check_int64, check_prompt_text, read_small_file
-from .native.model import ModelArgs
-from .native.prefill import CacheConfig, NumericalConfig
+from .native.settings import MODEL_PRESETS, CacheConfig, CacheLayout, ModelArgs, NumericalConfig  # no torch
 from .models.spec import ModelSpec
 
 try:
@@ -95,9 +96,9 @@ class ReuseConfig:
 
     def __post_init__(self):
         if not isinstance(self.prefix_len, int) or self.prefix_len < 1:
-            raise ConfigError(f"reuse prefix_len must be a positive integer (got {self.prefix_len!r})")
+            raise ConfigError(f"prefix_len must be a positive integer (got {self.prefix_len!r})")
         if self.cache_adapter not in ("same", "other"):
-            raise ConfigError(f"reuse cache_adapter must be 'same' or 'other' (got {self.cache_adapter!r})")
+            raise ConfigError(f"cache_adapter must be 'same' or 'other' (got {self.cache_adapter!r})")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ class FaultConfig:
 
     def __post_init__(self):
         if self.name not in FAULTS:
-            raise ConfigError(f"fault name must be one of {', '.join(FAULTS)} (got {self.name!r})")
+            raise ConfigError(f"name must be one of {', '.join(FAULTS)} (got {self.name!r}"
+                              f"{did_you_mean(self.name, FAULTS, '; did you mean {}?')})")
 
 
 
@@ -139,7 +141,8 @@ class RunConfig:
                                                                  "no options") +
                               f" (got {type(self.options).__name__})")
         if self.batching not in BATCHING:
-            raise ConfigError(f"batching must be one of {', '.join(BATCHING)} (got {self.batching!r})")
+            raise ConfigError(f"batching must be one of {', '.join(BATCHING)} (got {self.batching!r}"
+                              f"{did_you_mean(self.batching, BATCHING, '; did you mean {}?')})")
 
     @property
     def info(self) -> registry.EngineInfo:
@@ -311,6 +314,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                      "fault": {"name": "position-restart"}}),
 }
 
+TRACE_SUFFIXES = (".h5", ".hdf5")  # a name ending so is a trace file, never a preset
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
 _TABLES = {e.table: e for e in registry.ENGINES.values() if e.table}  # [run.<table>]: an engine's options
 _RUN_KEYS = {"engine", "batching", "chunk_size", "invariants", "tp"} | {f.name for f in fields(NumericalConfig)} | \
@@ -358,12 +362,6 @@ def _check_types(section: str, got: dict, cls, where: str, skip=()) -> None:
             raise ConfigError(f"{where}: [{section}] {key} must be {names} (got {value!r})")
 
 
-def did_you_mean(word, choices, fmt: str = " (did you mean {}?)") -> str:
-    """``fmt`` filled with the closest of ``choices`` to a misspelt ``word``, or "" when none is close."""
-    near = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1)
-    return fmt.format(near[0]) if near else ""
-
-
 def _check_keys(section: str, got: dict, known: set, where: str) -> None:
     unknown = sorted(set(got) - known)
     if unknown:
@@ -391,7 +389,13 @@ def resolve_source(source: str) -> tuple[str, dict]:
     """A preset name or a TOML path -> (origin, nested config dict with the preset applied)."""
     if source in PRESETS:
         return source, {"preset": source, **PRESETS[source][1]}
-    if source.startswith("fault:") or not (os.path.exists(source) or source.endswith(".toml")):
+    if not source.startswith("fault:") and source.endswith(TRACE_SUFFIXES):
+        raise ConfigError(f"{source}: a trace file, not a preset or a config file (`prefill-diff compare` reads "
+                          "traces)" if os.path.exists(source) else f"no such file: {source}")
+    if not source.startswith("fault:") and not os.path.exists(source) and (
+            source.endswith(".toml") or "/" in source or os.sep in source):
+        raise ConfigError(f"no such file: {source}")
+    if source.startswith("fault:") or not os.path.exists(source):
         raise ConfigError(f"{source!r} is neither a preset nor a config file"
                           f"{did_you_mean(source, PRESETS, '; did you mean {}?')} (presets: {', '.join(PRESETS)})")
     raw = read_toml(source)
@@ -434,20 +438,27 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
     if "invariants" in run and not isinstance(run["invariants"], str):
         raise ConfigError(f"{where}: [run] invariants must be str (got {run['invariants']!r})")
     _check_types("cache", cache, CacheLayout, where)
+    reuse, fault = conf.get("reuse"), conf.get("fault")
+    if reuse is not None:
+        _check_keys("reuse", reuse, {f.name for f in fields(ReuseConfig)}, where)
+        _check_types("reuse", reuse, ReuseConfig, where)
+        reuse = _made(ReuseConfig, "reuse", where, **reuse)
+    if fault is not None:
+        _check_keys("fault", fault, {f.name for f in fields(FaultConfig)}, where)
+        _check_types("fault", fault, FaultConfig, where)
+        fault = _made(FaultConfig, "fault", where, **fault)
+    cache_cfg = _made(CacheConfig, "run", where, _made(CacheLayout, "cache", where, **cache),
+                      run.pop("chunk_size", 0), run.pop("invariants", "record"))
+    return _made(RunConfig, "run", where, name=name, numerical=_made(NumericalConfig, "run", where, **num),
+                 cache=cache_cfg, reuse=reuse, fault=fault, options=options, **run)
+
+
+def _made(cls, section: str, where: str, *args, **kw):
+    """``cls(*args, **kw)``; a value its checks refuse is said with the file (or preset) and the section."""
     try:
-        reuse = conf.get("reuse")
-        if reuse is not None:
-            _check_keys("reuse", reuse, {f.name for f in fields(ReuseConfig)}, where)
-            _check_types("reuse", reuse, ReuseConfig, where)
-            reuse = ReuseConfig(**reuse)
-        fault = conf.get("fault")
-        if fault is not None:
-            _check_keys("fault", fault, {f.name for f in fields(FaultConfig)}, where)
-            _check_types("fault", fault, FaultConfig, where)
-            fault = FaultConfig(**fault)
-        cache_cfg = CacheConfig(CacheLayout(**cache), run.pop("chunk_size", 0), run.pop("invariants", "record"))
-        return RunConfig(name=name, numerical=NumericalConfig(**num), cache=cache_cfg, reuse=reuse, fault=fault,
-                         options=options, **run)
+        return cls(*args, **kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: [{section}] {e}") from None
     except TypeError as e:  # wrong value types reach dataclass constructors
         raise ConfigError(f"{where}: {e}") from None
 
@@ -503,8 +514,22 @@ def parse_model(section: dict, where: str) -> ModelSpec:
             raise ConfigError(f"{where}: [model] rope_scaling must be a table, e.g. "
                               f"{{ rope_type = \"llama3\", factor = 8.0 }} (got {overrides['rope_scaling']!r})")
         overrides["rope_scaling"] = tuple(sorted(overrides["rope_scaling"].items()))
+    check_model_source(source, f"{where}: [model] source")
+    if overrides and source in MODEL_PRESETS:  # the sizes' own rules (n_heads divisible by n_kv_heads, ...)
+        _made(MODEL_PRESETS[source].replace, "model", where, **overrides)
+    elif overrides:
+        raise ConfigError(f"{where}: [model] size overrides apply to synthetic models only (source {source!r}; "
+                          f"overridden: {', '.join(sorted(overrides))})")
     return ModelSpec(source, seed, tuple(sorted(overrides.items())),
                      tuple(sorted(adapter.items())))
+
+
+def check_model_source(source: str, what: str) -> None:
+    """Refuse a model source that names no built-in model and no file kind (``what``: where it was given)."""
+    if source in MODEL_PRESETS or source.startswith(("hf:", "gguf:")) or source == "smollm2":
+        return
+    raise ConfigError(f"{what} must be one of {', '.join(MODEL_PRESETS)}, hf:<dir>, gguf:<file>, smollm2 "
+                      f"(got {source!r}{did_you_mean(source, [*MODEL_PRESETS, 'smollm2'], '; did you mean {}?')})")
 
 
 def parse_inputs(section: dict, where: str) -> Inputs:

@@ -152,7 +152,7 @@ def test_tolerance_file_and_flags(run_cli, tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('[attn]\natol = 1\n')
     res = run_cli("run", "reference", "sdpa", "--tolerance", bad)
-    assert res.exit_code == 2 and "unknown keys ['attn']" in res.output
+    assert res.exit_code == 2 and "unknown table [attn] (tables: [residual], " in res.output
 
 
 def test_metadata_break_for_different_architectures(run_cli, tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..engine.shared.errors import ConfigError, PrefillDiffError
+from ..engine.shared.errors import ConfigError, PrefillDiffError, did_you_mean
 from ..engine.shared.untrusted import read_small_file
 from .tolerance import KINDS, POLICY_ALIASES, TOL_FIELDS, Policy, default_policy, dtype_policy
 
@@ -34,17 +34,20 @@ def read_policy_file(path: str) -> dict:
         raise ConfigError(f"{path}: cannot read tolerance file ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    known = {"base", "equal_nan", "topk", "name", *TOL_FIELDS, *KINDS}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown keys {unknown} (known: {sorted(known)})")
+    keys = ("base", "equal_nan", "topk", "name", *TOL_FIELDS)
+    for k in sorted(set(raw) - set(keys) - set(KINDS)):
+        if isinstance(raw[k], dict):  # a table: a tensor kind's
+            raise ConfigError(f"{path}: unknown table [{k}]{did_you_mean(k, KINDS, ' (did you mean [{}]?)')} "
+                              f"(tables: {', '.join(f'[{kind}]' for kind in KINDS)})")
+        raise ConfigError(f"{path}: unknown key {k}{did_you_mean(k, keys + KINDS)} (keys: {', '.join(keys)}; "
+                          f"tables: {', '.join(f'[{kind}]' for kind in KINDS)})")
     for k in KINDS:
         if k in raw:
             if not isinstance(raw[k], dict):
                 raise ConfigError(f"{path}: [{k}] must be a table with atol and/or rtol")
-            bad = sorted(set(raw[k]) - set(TOL_FIELDS))
-            if bad:
-                raise ConfigError(f"{path}: unknown keys {bad} in [{k}] (known: {', '.join(TOL_FIELDS)})")
+            for bad in sorted(set(raw[k]) - set(TOL_FIELDS)):
+                raise ConfigError(f"{path}: unknown key [{k}] {bad}{did_you_mean(bad, TOL_FIELDS)} "
+                                  f"(keys: {', '.join(TOL_FIELDS)})")
     return raw
 
 

@@ -731,7 +731,7 @@ def _why_go(it: Item, everything: bool, older_than: float | None, now: float) ->
     if it.state != "intact":  # damaged, stale, abandoned, leftover; and what stays anyway (writing, unknown)
         return it.why
     if everything:
-        return "is removed by --all"
+        return "--all asks for every entry"
     days = (now - it.used) / 86400
     if older_than is not None and days > older_than:
         return f"was not used for {days:.0f} day{'' if round(days) == 1 else 's'} (--older-than {older_than:g})"
