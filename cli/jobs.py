@@ -601,8 +601,8 @@ def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, judging: Jud
     calib = plan.calibration(traces[2], traces[3] if len(traces) > 3 else None) if calibrated else None
     policy = resolve(None if calib else judging.tolerance, *traces[:2])
     session = Session(traces[0], traces[1], policy, calib, judging.allow_subset,
-                      None if calib else plan.rule_note(policy), uncalibrated=None if calib else plan.note, allow_identity=judging.allow_identity,
-                      in_memory=True)
+                      None if calib else plan.rule_note(policy), uncalibrated=None if calib else plan.note,
+                      allow_identity=judging.allow_identity, in_memory=True)
     if session.metadata_failed:
         return session.finish(stopped_early=True)
     n_layers = traces[0].n_layers

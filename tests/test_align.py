@@ -75,7 +75,7 @@ def test_a_dropped_and_a_retokenised_sample_are_a_coverage_break_with_the_near_m
                                 "samples [1, 2]")
     assert "candidate sample 1 equals reference sample 2 with one extra leading token 1" in b.message
     assert b.message.endswith("; pass --allow-subset to compare against a subset on purpose")
-    assert notes == ["candidate samples [1] have no counterpart in the reference (not compared)"]
+    assert notes == ["candidate sample 1 has no counterpart in the reference (not compared)"]
 
 
 def test_allow_subset_turns_the_coverage_break_into_a_note():
@@ -83,8 +83,8 @@ def test_allow_subset_turns_the_coverage_break_into_a_note():
     cand = FakeTrace([(1, 2, 3), (9,)])
     b, notes = Alignment(ref, cand).structure_break(allow_subset=True)
     assert b is None
-    assert notes == ["candidate samples [1] have no counterpart in the reference (not compared)",
-                     "1 of 2 reference samples skipped (--allow-subset): samples [1] have no counterpart in the "
+    assert notes == ["candidate sample 1 has no counterpart in the reference (not compared)",
+                     "1 of 2 reference samples skipped (--allow-subset): sample 1 has no counterpart in the "
                      "candidate"]
 
 
@@ -93,7 +93,7 @@ def test_allow_subset_turns_the_coverage_break_into_a_note():
     ((5, 6, 7), (6, 7), "candidate sample 0 equals reference sample 0 without its leading token 5"),
     ((5, 6, 7), (5, 6), "candidate sample 0 equals reference sample 0 without its trailing token 7"),
     ((5, 6, 7, 8, 9), (5, 6, 1, 9), "reference sample 0 (5 tokens) and candidate sample 0 (4 tokens) share a "
-                                    "prefix of 2 and a suffix of 1 tokens"),
+                                    "prefix of 2 tokens and a suffix of 1 token"),
 ])
 def test_near_misses_are_worded_by_their_shape(ref_toks, cand_toks, words):
     ref, cand = FakeTrace([ref_toks]), FakeTrace([cand_toks])
@@ -101,7 +101,7 @@ def test_near_misses_are_worded_by_their_shape(ref_toks, cand_toks, words):
     assert [near_miss(m) for m in misses] == [words]
     b, _ = Alignment(ref, cand).structure_break(allow_subset=False)  # no sample in common: not comparable at all
     assert b.kind == "metadata" and b.message == ("traces are not comparable: no sample has the same token ids "
-                                                  f"(reference 1 samples, candidate 1 samples); {words}")
+                                                  f"(reference 1 sample, candidate 1 sample); {words}")
 
 
 def test_a_sample_sharing_no_end_with_any_candidate_has_no_near_miss():
@@ -129,7 +129,7 @@ def test_position_ids_are_compared_by_token_and_break_at_layer_0():
     b = Alignment(ref, cand).positions_break()
     assert (b.kind, b.layer, b.tensor, b.sample, b.position, b.samples) == ("positions", 0, "positions", 0, 2, (0,))
     assert b.message == ("sample 0: token 2 was given position id 7 in the candidate, 2 in the reference "
-                         "(1 of 3 computed tokens differ)")
+                         "(1 of 3 computed tokens differs)")
 
 
 def test_a_golden_or_twin_must_have_the_references_layout():

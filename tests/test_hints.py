@@ -69,7 +69,7 @@ def test_experts_weighted_differently_over_the_same_experts_is_named():
     assert (fb.layer, fb.tensor) == (0, "mlp_update"), rep.verdict_line()
     compared = rep.layers[0].routing.compared
     assert rep.diagnosis.startswith(
-        f"At layer 0 the MLP update differs while its input (mid) agrees and every one of the {compared} tokens "
-        "compared chose the same experts on both sides: the experts' outputs are weighted or computed differently "
+        f"At layer 0 the MLP update differs while its input (mid) agrees and every token compared ({compared} "
+        "tokens) chose the same experts on both sides: the experts' outputs are weighted or computed differently "
         "— the top-k weights (renormalised or not: norm_topk_prob)"), rep.diagnosis
     assert DRIFT not in rep.diagnosis

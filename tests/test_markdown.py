@@ -55,7 +55,7 @@ def test_markdown_holds_the_verdict_first_break_layer_table_final_ids_and_hint(r
     assert "<h3>prefill-diff: FAILED</h3>" in page
     assert f"<strong>{rep.verdict_line().replace('>', '&gt;')}</strong>" in page  # the verdict line, as printed
     assert "15866 of 15872 values of attn_update out of tolerance (&gt;99.9%)" in page  # the first break's message
-    assert "<blockquote>\n<p>hint: At layer 0 only query heads [0] of 4 differ" in page
+    assert "<blockquote>\n<p>hint: At layer 0 only query head 0 of 4 differs" in page
     table = rows(text)
     head, layers, final = table[0], table[1:5], table[6:]
     # the terminal's columns (attn_heads is not one), a cache column, a row per layer, ✗ where out of tolerance

@@ -93,7 +93,7 @@ def test_junit_fails_every_final_check_that_fails_not_only_the_first(run_cli, tm
     # the first final break carries its own line; the later ones cite it
     assert cases["final logits"].result[0].message.startswith("final logits | sample")
     assert cases["final top ids"].result[0].message.startswith(
-        "after the first break at final logits: final topk_ids top ids | sample")
+        "after the first break at final logits: final top ids | sample 1 | rank 1 is id")
 
 
 def test_plot_is_written(run_cli, tmp_path):
@@ -176,8 +176,8 @@ def test_samples_matched_by_token_ids_not_batch_index(run_cli, tmp_path):
     rep = json.loads(out.read_text())
     assert res.exit_code == 0, rep["verdict_line"]
     assert rep["samples"] == [{"reference": 0, "candidate": 1}, {"reference": 2, "candidate": 0}]
-    assert any("samples [1] have no counterpart" in n and "--allow-subset" in n for n in rep["notes"])
-    assert any("candidate samples [2] have no counterpart" in n for n in rep["notes"])
+    assert any("sample 1 has no counterpart" in n and "--allow-subset" in n for n in rep["notes"])
+    assert any("candidate sample 2 has no counterpart" in n for n in rep["notes"])
 
 
 def test_reports_never_point_at_removed_temporary_traces(run_cli, tmp_path):

@@ -56,7 +56,7 @@ class Slots:
 
     def note(self) -> str:
         return "" if self.window is None else (f" (a sliding-window layer, W={self.window}: each sample's last "
-                                               f"{self.window - 1} slots compared)")
+                                               f"{wording.count(self.window - 1, 'slot')} compared)")
 
 
 def check_cache(ctx: Context, r: LayerView, c: LayerView) -> tuple[CacheResult, dict]:
@@ -95,7 +95,7 @@ def _lengths_and_positions(ctx: Context, r: LayerView, c: LayerView, rsl: Slots,
         return CacheResult(lengths_ok=False, sample=rs, position=first, samples=tuple(kept),
                            detail=wording.cache_length_differs(rs, int(csl.lengths[cs]), int(rsl.lengths[rs]), first)
                            + f" (a sliding-window layer, W={rsl.window}: both sides keep more than its last "
-                             f"{rsl.window - 1} slots, so they keep the whole prompt)")
+                             f"{wording.count(rsl.window - 1, 'slot')}, so they keep the whole prompt)")
     if bad_len:
         rs, cs = next(p for p in ctx.pairs if p[0] == bad_len[0])
         T = int(min(rl[rs], cl[cs]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import wording
 from .cache_checks import layer_window
 from .calibrate import UNIT_ROUNDOFF, precision_key, precision_label, precisions, unit_roundoff
 from .identity import differences, hint
@@ -84,7 +85,7 @@ def _shape(fb, pairs, cand) -> str:
 
 
 def _cache_length(fb, pairs, cand) -> str:
-    prev = "" if fb.layer == 0 else f" (layers 0..{fb.layer - 1} agree)"
+    prev = "" if fb.layer == 0 else " (layer 0 agrees)" if fb.layer == 1 else f" (layers 0..{fb.layer - 1} agree)"
     return (f"The cache of layer {fb.layer} holds a different number of tokens{prev}: consistent with one layer "
             "skipping (or duplicating) a KV write — §2.11 row 2, 'equal lengths across layers'. "
             "The first decode step would fail on shape or read misaligned history.")
@@ -245,10 +246,10 @@ def _same_experts(fb, lr) -> str | None:
     routing = None if lr is None else lr.routing
     if routing is None or not routing.compared or routing.flips or not _agree(lr, "mid"):
         return None
-    return (f"At layer {fb.layer} the MLP update differs while its input (mid) agrees and every one of the "
-            f"{routing.compared} tokens compared chose the same experts on both sides: the experts' outputs are "
-            "weighted or computed differently — the top-k weights (renormalised or not: norm_topk_prob), a shared "
-            "expert's gate, or an expert's own weights — a logic difference, not a routing decision.")
+    return (f"At layer {fb.layer} the MLP update differs while its input (mid) agrees and every token compared "
+            f"({wording.count(routing.compared, 'token')}) chose the same experts on both sides: the experts' "
+            "outputs are weighted or computed differently — the top-k weights (renormalised or not: norm_topk_prob), "
+            "a shared expert's gate, or an expert's own weights — a logic difference, not a routing decision.")
 
 
 def _routing(fb, lr) -> str:
@@ -275,14 +276,21 @@ def _attention_at_layer0(fb, pairs, ref, cand) -> str | None:
     if fb.heads is not None and 0 < len(fb.heads) < (n_heads or 0):
         owner = heads_note(cand, fb.heads) if getattr(cand, "ranks", None) else None
         if owner:
-            return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while the cached K/V "
-                    f"agree, and {owner}: consistent with that rank attending with another rank's KV shard "
-                    "(a tensor-parallel head-to-rank mapping error; cf. §2.11 row 4).")
-        return (f"At layer 0 only query heads {list(fb.heads)} of {n_heads} differ while K/V agree: "
+            return (f"At layer 0 only {_only(fb.heads, n_heads)} while the cached K/V agree, and {owner}: "
+                    "consistent with that rank attending with another rank's KV shard (a tensor-parallel "
+                    "head-to-rank mapping error; cf. §2.11 row 4).")
+        return (f"At layer 0 only {_only(fb.heads, n_heads)} while K/V agree: "
                 "consistent with a query head reading the wrong KV head (g(h) = ⌊h·H_kv/H_q⌋) — §2.11 row 4.")
     padded = _padded_samples(cand, pairs)
     bad = set(fb.samples)
     if bad and padded and bad <= padded and len(bad) < len(pairs):
-        return (f"At layer 0 only padded samples {sorted(bad)} differ; unpadded samples agree: padding keys "
+        return (f"At layer 0 only padded {wording.some('sample', sorted(bad))} "
+                f"{wording.agree(len(bad), 'differs', 'differ')}; unpadded samples agree: padding keys "
                 "visible to valid queries? — §2.11 row 5, 'valid-position semantics'.")
     return None
+
+
+def _only(heads, n_heads: int) -> str:
+    """'query head 1 of 4 differs', 'query heads [0, 2] of 4 differ'."""
+    return (f"{wording.some('query head', heads)} of {n_heads} "
+            f"{wording.agree(len(heads), 'differs', 'differ')}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..dumps.schema import REQUIRED_STATES
+from . import wording
 from .breaks import Break
 from .metrics import slab
 
@@ -81,8 +82,9 @@ def divergence_break(ctx, layer: int) -> Break | None:
                         mx, s, pos = worst
                         rs = _ref_sample(ctx, side, s)
                         return Break(stage="layer", kind="rank_divergence", message=(
-                            f"ranks 0 and {r} of the {side} disagree on replicated {name}: {n_bad} values "
-                            f"differ beyond tolerance, max_abs={mx:.3g} (sample {rs}, position {pos})"),
+                            f"ranks 0 and {r} of the {side} disagree on replicated {name}: "
+                            f"{wording.count(n_bad, 'value')} {wording.agree(n_bad, 'differs', 'differ')} beyond "
+                            f"tolerance, max_abs={mx:.3g} (sample {rs}, position {pos})"),
                             layer=layer, tensor=name, sample=rs, position=pos, max_abs_error=mx,
                             samples=tuple(sorted(_ref_sample(ctx, side, x) for x in bad)))
                     continue
@@ -93,14 +95,15 @@ def divergence_break(ctx, layer: int) -> Break | None:
                         rs = _ref_sample(ctx, side, diff[0])
                         return Break(stage="layer", kind="rank_divergence", message=(
                             f"ranks 0 and {r} of the {side} disagree on replicated {name}: checksums differ for "
-                            f"samples {[_ref_sample(ctx, side, x) for x in diff]} (stats level)"),
+                            f"{wording.some('sample', [_ref_sample(ctx, side, x) for x in diff])} (stats level)"),
                             layer=layer, tensor=name, sample=rs,
                             samples=tuple(_ref_sample(ctx, side, x) for x in diff))
     return None
 
 
 def heads_note(trace, heads) -> str | None:
-    """'query heads 2,3 are rank 1's (it holds query heads 2..3 and KV head 1)', for a rank set."""
+    """'query heads 2,3 are rank 1's (it holds query heads 2..3 and KV head 1)', 'query head 2 is ...', for a rank
+    set."""
     ranks = (trace.meta.get("parallel") or {}).get("ranks") or []
     owners = {}
     for r in ranks:
@@ -116,12 +119,13 @@ def heads_note(trace, heads) -> str | None:
         q0, q1 = info["query_heads"]
         kv = info.get("kv_heads")
         if kv is None:  # a rank set from another writer need not say which KV heads a rank holds
-            held = f"query heads {q0}..{q1 - 1}"
+            held = f"query head {q0}" if q1 - q0 == 1 else f"query heads {q0}..{q1 - 1}"
         else:
             k0, k1 = kv
             kv_held = f"KV head {k0}" if k1 - k0 == 1 else f"KV heads {k0}..{k1 - 1}"
-            held = f"query heads {q0}..{q1 - 1} and {kv_held}"
-        parts.append(f"query heads {','.join(map(str, hs))} are rank {rank}'s (it holds {held})")
+            held = (f"query head {q0}" if q1 - q0 == 1 else f"query heads {q0}..{q1 - 1}") + f" and {kv_held}"
+        which = f"query head {hs[0]} is" if len(hs) == 1 else f"query heads {','.join(map(str, hs))} are"
+        parts.append(f"{which} rank {rank}'s (it holds {held})")
     return "; ".join(parts)
 
 

@@ -8,6 +8,22 @@ contract: the README's outputs are checked byte for byte (tests/test_readme.py).
 from __future__ import annotations
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """n and the noun agreeing with it: '1 sample', '0 samples', '3 samples' (plural: where adding 's' is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def agree(n: int, one: str, many: str) -> str:
+    """The verb (or noun) form that agrees with a count of n: agree(1, 'has', 'have') == 'has'."""
+    return one if n == 1 else many
+
+
+def some(noun: str, items, plural: str | None = None) -> str:
+    """Indices with their noun: 'sample 2' for one, 'samples [1, 2]' for more."""
+    items = [int(i) for i in items]
+    return f"{noun} {items[0]}" if len(items) == 1 else f"{plural or noun + 's'} {items}"
+
+
 def span(toks) -> str:
     """Token indices in words: '3..7' for a run, '5' for one, else the first eight as a list."""
     toks = sorted(int(t) for t in toks)
@@ -38,8 +54,8 @@ def near_miss(m) -> str:
         return f"candidate sample {j} equals reference sample {i} without its leading token {r[0]}"
     if len(r) == len(c) + 1 and r[:-1] == c:
         return f"candidate sample {j} equals reference sample {i} without its trailing token {r[-1]}"
-    return (f"reference sample {i} ({len(r)} tokens) and candidate sample {j} ({len(c)} tokens) share "
-            f"a prefix of {m.prefix} and a suffix of {m.suffix} tokens")
+    return (f"reference sample {i} ({count(len(r), 'token')}) and candidate sample {j} ({count(len(c), 'token')}) "
+            f"share a prefix of {count(m.prefix, 'token')} and a suffix of {count(m.suffix, 'token')}")
 
 
 def near_misses(misses) -> str:
@@ -53,28 +69,33 @@ def architectures_differ(diffs) -> str:
 
 def no_common_sample(n_ref: int, n_cand: int, misses) -> str:
     return ("traces are not comparable: no sample has the same token ids "
-            f"(reference {n_ref} samples, candidate {n_cand} samples)" + near_misses(misses))
+            f"(reference {count(n_ref, 'sample')}, candidate {count(n_cand, 'sample')})" + near_misses(misses))
+
+
+COVERAGE_SPLIT = " (not compared): "  # a coverage break's message: how many, then which samples and the rest
 
 
 def coverage(ref_only, total: int, misses) -> str:
     n = len(ref_only)
-    return (f"{n} of {total} reference sample{'s' if total > 1 else ''} "
-            f"{'have' if n > 1 else 'has'} no counterpart in the candidate (not compared): samples "
-            f"{list(ref_only)}" + near_misses(misses) + "; pass --allow-subset to compare against a subset on purpose")
+    return (f"{n} of {count(total, 'reference sample')} {agree(n, 'has', 'have')} no counterpart "
+            f"in the candidate{COVERAGE_SPLIT}{some('sample', ref_only)}" + near_misses(misses)
+            + "; pass --allow-subset to compare against a subset on purpose")
 
 
 def candidate_only_note(cand_only) -> str:
-    return f"candidate samples {list(cand_only)} have no counterpart in the reference (not compared)"
+    return (f"candidate {some('sample', cand_only)} {agree(len(cand_only), 'has', 'have')} no counterpart in the "
+            "reference (not compared)")
 
 
 def subset_note(ref_only, total: int) -> str:
-    return (f"{len(ref_only)} of {total} reference samples skipped "
-            f"(--allow-subset): samples {list(ref_only)} have no counterpart in the candidate")
+    return (f"{len(ref_only)} of {count(total, 'reference sample')} skipped (--allow-subset): "
+            f"{some('sample', ref_only)} {agree(len(ref_only), 'has', 'have')} no counterpart in the candidate")
 
 
 def positions_differ(sample: int, token: int, cand_id: int, ref_id: int, n_diff: int, n_tokens: int) -> str:
     return (f"sample {sample}: token {token} was given position id {cand_id} in the candidate, {ref_id} in the "
-            f"reference ({n_diff} of {n_tokens} computed tokens differ)")
+            f"reference ({n_diff} of {count(n_tokens, 'computed token')} "
+            f"{agree(n_diff, 'differs', 'differ')})")
 
 
 # -- shapes, finite masks, cache ---------------------------------------------------------------------
@@ -89,19 +110,20 @@ def cache_shape_differs(name: str, ref_shape, cand_shape) -> str:
 
 
 def cache_length_differs(sample: int, cand_len: int, ref_len: int, first_slot: int) -> str:
-    return (f"sample {sample}: candidate holds {cand_len} tokens, reference {ref_len} "
+    return (f"sample {sample}: candidate holds {count(cand_len, 'token')}, reference {ref_len} "
             f"(first differing slot {first_slot})")
 
 
 def cache_positions_differ(sample: int, slot: int, cand_pos: int, ref_pos: int, n_diff: int, n_slots: int) -> str:
     return (f"sample {sample}: slot {slot} holds position {cand_pos} in the candidate, "
-            f"{ref_pos} in the reference ({n_diff} of {n_slots} slots differ)")
+            f"{ref_pos} in the reference ({n_diff} of {count(n_slots, 'slot')} "
+            f"{agree(n_diff, 'differs', 'differ')})")
 
 
 def nonfinite_valid(t) -> str:
     f = t.finite
-    return (f"non-finite values in valid rows of {t.tensor}: {f.cand_only} valid values finite only in the "
-            f"candidate, {f.ref_only} finite only in the reference, {f.both} non-finite in both")
+    return (f"non-finite values in valid rows of {t.tensor}: {count(f.cand_only, 'valid value')} finite only in "
+            f"the candidate, {f.ref_only} finite only in the reference, {f.both} non-finite in both")
 
 
 def nonfinite_padding(t) -> str:
@@ -109,14 +131,16 @@ def nonfinite_padding(t) -> str:
     side = "candidate" if f.pad_cand > f.pad_ref else "reference"
     each = ", ".join(f"{s}: {max(r, c)}" for s, r, c in f.pad_by_sample)
     where = f" (sample{'s' if len(f.pad_by_sample) > 1 else ''} {each})" if each else ""
-    return (f"{max(f.pad_cand, f.pad_ref)} non-finite values in padding rows of {t.tensor} in the {side} only{where}; "
+    return (f"{count(max(f.pad_cand, f.pad_ref), 'non-finite value')} in padding rows of {t.tensor} in the {side} "
+            f"only{where}; "
             "the valid rows agree (a padding row entered a softmax with no finite score?)")
 
 
 # -- values ------------------------------------------------------------------------------------------
 
 def stats_values(t) -> str:
-    return (f"{t.n_bad} of {t.compared} statistics (min, max, mean, rms per sample) of {t.tensor} out of "
+    return (f"{t.n_bad} of {t.compared} {agree(t.compared, 'statistic', 'statistics')} (min, max, mean, rms per "
+            f"sample) of {t.tensor} out of "
             f"tolerance; largest statistic error {t.max_abs:.3g} (atol={t.atol:g}, rtol={t.rtol:g}, "
             f"ntol={t.ntol:g} of the sample's rms); would pass with atol>={t.needed.atol:.3g} [stats level: "
             "no element, row or relative error is recorded]")
@@ -156,7 +180,8 @@ def worst_element(t) -> str:
 
 def values(t) -> str:
     n = t.needed
-    msg = (f"{t.n_bad} of {t.compared} values of {t.tensor} out of tolerance ({share(t.n_bad, t.compared)})"
+    msg = (f"{t.n_bad} of {t.compared} {agree(t.compared, 'value', 'values')} of {t.tensor} out of tolerance "
+           f"({share(t.n_bad, t.compared)})"
            f"{worst_element(t)}; max_abs={t.max_abs:.3g}, "
            f"largest row error {t.max_row_rel:.3g} of the row norm (atol={t.atol:g}, rtol={t.rtol:g}, "
            f"ntol={t.ntol:g}, row_rtol={t.row_rtol:g}); would pass with atol>={n.atol:.3g}, "
@@ -168,7 +193,8 @@ def calibrated_values(t, label: str) -> str:
     k = t.calib
     s, pos = k.worst if k.worst else (None, None)
     return (f"row error {k.max_ratio:.3g}x the measured {label} noise (allowed {k.factor:g}x): "
-            f"{k.bad_rows} of {k.rows} rows of {t.tensor} out ({share(k.bad_rows, k.rows)}); at the worst row "
+            f"{k.bad_rows} of {k.rows} {agree(k.rows, 'row', 'rows')} of {t.tensor} out "
+            f"({share(k.bad_rows, k.rows)}); at the worst row "
             f"(sample {s}, pos {pos}) the candidate is {k.cand_error:.3g} "
             f"of the row norm from the float64 golden, the twin {k.noise:.3g}, allowed {k.allowed:.3g} "
             f"(K x noise + floor {k.floor:.2g}); would pass with --noise-factor {k.min_factor:.3g}")
@@ -179,8 +205,10 @@ def numerics(label: str, policy_name: str, message: str) -> str:
             f"differs from the reference beyond the fixed {policy_name} envelope: {message}")
 
 
-def top_ids_differ(sample: int, rank: int, cand_id: int, ref_id: int, got: float, want: float) -> str:
-    return (f"sample {sample}: rank {rank} is id {cand_id} in the candidate, id {ref_id} in the reference "
+def top_ids_differ(sample: int, index: int, cand_id: int, ref_id: int, got: float, want: float) -> str:
+    """The first top id out of tolerance, at ``index`` (from 0) of the top ids: worded as a rank counted from 1, as
+    the top-ids table lists them."""
+    return (f"sample {sample}: rank {index + 1} is id {cand_id} in the candidate, id {ref_id} in the reference "
             f"(reference logits {got:.4g} vs {want:.4g}, beyond tolerance)")
 
 
@@ -197,9 +225,10 @@ def routing_not_compared(layer: int, why: str) -> str:
 
 
 def routing_flip(f, noise: str, n: int) -> str:
-    more = f" (and {n - 1} more token{'s' if n > 2 else ''})" if n > 1 else ""
+    more = f" (and {count(n - 1, 'more token')})" if n > 1 else ""
     if f.margin == float("inf"):
-        return (f"the candidate takes {len(f.candidate)} experts per token, the reference {len(f.reference)}: "
+        return (f"the candidate takes {count(len(f.candidate), 'expert')} per token, the reference "
+                f"{len(f.reference)}: "
                 f"experts {list(f.reference)} vs {list(f.candidate)}")
     return (f"routing flip: experts {list(f.reference)} vs {list(f.candidate)}{more}; the reference's router margin "
             f"there is {f.margin:.3g}, beyond the {f.bound:.3g} that noise can flip (from {noise})")
@@ -208,13 +237,13 @@ def routing_flip(f, noise: str, n: int) -> str:
 def routing_inconclusive(flips, n_compared: int, n_layers: int) -> str:
     samples = sorted({f.sample for f in flips})
     first = min(f.layer for f in flips)
-    return (f"INCONCLUSIVE | {n_compared}/{n_layers} layers: {len(flips)} routing flip(s) within noise from layer "
-            f"{first}; sample(s) {samples} not compared from there on (the candidate was not rerun with the "
-            "reference's routing)")
+    return (f"INCONCLUSIVE | {n_compared}/{n_layers} layers: {count(len(flips), 'routing flip')} within noise from "
+            f"layer {first}; {some('sample', samples)} not compared from there on (the candidate was not rerun with "
+            "the reference's routing)")
 
 
 def routing_was_forced(side: str, n: int) -> str:
-    return (f"the {side} ran with its router overruled at {n} token(s) (a routing replay forced the reference's "
+    return (f"the {side} ran with its router overruled at {count(n, 'token')} (a routing replay forced the reference's "
             "experts there: record.routing_forced)")
 
 
@@ -223,8 +252,8 @@ def twin_skipped(what: str) -> str:
 
 
 def routing_replayed(flips: int, cells: int) -> str:
-    return (f" | {flips} routing flip(s) within noise, replayed with the reference's experts forced at its {cells} "
-            "near-tie token(s)")
+    return (f" | {count(flips, 'routing flip')} within noise, replayed with the reference's experts forced at its "
+            f"{count(cells, 'near-tie token')}")
 
 
 def routing_not_replayed(f) -> str:
@@ -268,6 +297,13 @@ def calibrated_rule(calib, policy_name: str) -> str:
     return (f"calibrated: each row within {calib.factor:g}x the noise of {twin} against {golden} "
             f"(+ floor {calib.floor:.2g})" + ("" if calib.twin is None else f"; numerics: twin vs reference within "
                                                                             f"the fixed {policy_name} envelope"))
+
+
+def own_twin_rule(label: str, policy_name: str) -> str:
+    """The rule where the candidate is the reference's own path in a lower precision (its twin): its numerics are
+    judged by the fixed envelope of that precision's policy."""
+    return (f"calibrated: the candidate is the reference's own path in {label} (its twin), so it adds no error "
+            f"beyond its numerics; numerics: candidate vs reference within the fixed {policy_name} envelope")
 
 
 def declared_rule(rule: str) -> str:
@@ -350,7 +386,7 @@ def break_line(b, token_text: str | None = None) -> str:
     (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
     """
     if b.kind == "coverage":
-        return f"coverage | {b.message.split(': samples ', 1)[0]}: samples {list(b.samples)}"
+        return f"coverage | {b.message.split(COVERAGE_SPLIT, 1)[0]}{COVERAGE_SPLIT}{some('sample', b.samples)}"
     if b.kind == "identity":
         return "identity | " + b.message.split(": ", 1)[-1]
     if b.stage == "metadata":
@@ -385,9 +421,10 @@ def after_first_break(first, line: str) -> str:
 def _where(b) -> str:
     if b.kind in ("cache_length", "cache_positions"):
         what = "cache length" if b.kind == "cache_length" else "cache positions"
+    elif b.kind == "top_ids":  # its tensor is topk_ids: named once, as the report's "final top ids"
+        what = "top ids"
     else:
-        what = b.tensor + (" finite mask" if b.kind == "finite_mask" else "") + (" top ids" if b.kind == "top_ids"
-                                                                               else "")
+        what = b.tensor + (" finite mask" if b.kind == "finite_mask" else "")
     return f"layer {b.layer} {what}" if b.stage == "layer" else f"final {what}"
 
 

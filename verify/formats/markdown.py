@@ -118,7 +118,7 @@ def _layer_table(report: Report, shown: list, columns) -> str:
         bad = [lr.layer for j, lr in enumerate(report.layers) if j not in shown and not lr]
         what = f"{hidden - len(bad)} within tolerance" + (
             f", {len(bad)} out of tolerance (layers {wording.span(bad)})" if bad else "")
-        out += ["", f"{hidden} more layers not shown ({what}); `--layers all` shows every layer"]
+        out += ["", f"{wording.count(hidden, 'more layer')} not shown ({what}); `--layers all` shows every layer"]
     return "\n".join(out)
 
 

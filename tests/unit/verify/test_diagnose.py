@@ -66,7 +66,7 @@ def test_coverage_and_metadata_breaks():
     assert meta == "The traces are not of the same model architecture or prompts, so no layer can be compared."
 
 
-@pytest.mark.parametrize("layer,agree", [(0, ""), (1, " (layers 0..0 agree)"), (3, " (layers 0..2 agree)")])
+@pytest.mark.parametrize("layer,agree", [(0, ""), (1, " (layer 0 agrees)"), (3, " (layers 0..2 agree)")])
 def test_a_cache_length_break_says_which_layers_agree(layer, agree):
     text = hint(brk("cache_length", layer=layer, tensor="cache_lengths"))
     assert text.startswith(f"The cache of layer {layer} holds a different number of tokens{agree}: ")
@@ -182,7 +182,7 @@ def test_a_cache_value_break_after_a_forced_reuse_is_snapshot_identity():
 
 def test_some_query_heads_at_layer_0_are_a_head_to_kv_head_mapping():
     text = hint(brk("value", heads=(1,), max_abs_error=0.3))
-    assert text.startswith("At layer 0 only query heads [1] of 2 differ while K/V agree") and "§2.11 row 4" in text
+    assert text.startswith("At layer 0 only query head 1 of 2 differs while K/V agree") and "§2.11 row 4" in text
     every = hint(brk("value", heads=(0, 1), max_abs_error=0.3))
     assert every.startswith("First value difference at layer 0 attn_update")  # every head: no mapping error
     later = hint(brk("value", layer=1, heads=(1,), max_abs_error=0.3))
@@ -195,7 +195,7 @@ def test_query_heads_of_one_tensor_parallel_rank_name_that_rank():
     cand = side(args={"n_heads": 4}, parallel={"ranks": ranks})
     cand.ranks = [object(), object()]
     text = hint(brk("value", heads=(2,), max_abs_error=0.3), ref=side(args={"n_heads": 4}), cand=cand)
-    assert ("At layer 0 only query heads [2] of 4 differ while the cached K/V agree, and query heads 2 are rank "
+    assert ("At layer 0 only query head 2 of 4 differs while the cached K/V agree, and query head 2 is rank "
             "1's (it holds query heads 2..3 and KV head 1)") in text
 
 

@@ -128,7 +128,7 @@ def test_a_later_rank_is_named():
     r2 = spec.copy()
     r2.row("layer_input", 0, 4)[1] -= 3.0
     b = divergence_break(_cand_ranks(spec, [spec, spec.copy(), r2]), 0)
-    assert b.message.startswith("ranks 0 and 2 of the candidate disagree on replicated layer_input: 1 values ")
+    assert b.message.startswith("ranks 0 and 2 of the candidate disagree on replicated layer_input: 1 value ")
     assert b.max_abs_error == pytest.approx(3.0, abs=1e-5)
 
 
@@ -146,7 +146,7 @@ def test_a_value_finite_on_one_rank_only_diverges():
     r1.row("mid", 1, 1)[2] = np.inf
     b = divergence_break(_cand_ranks(spec, [spec, r1]), 0)
     assert (b.kind, b.tensor, b.sample, b.samples) == ("rank_divergence", "mid", 1, (1,))
-    assert b.message.startswith("ranks 0 and 1 of the candidate disagree on replicated mid: 1 values differ")
+    assert b.message.startswith("ranks 0 and 1 of the candidate disagree on replicated mid: 1 value differs")
 
 
 def test_a_value_finite_on_one_rank_only_is_placed_at_its_token():
@@ -180,7 +180,7 @@ def test_the_reference_side_is_checked_and_names_its_own_samples():
     ref = _ranked(record(spec, name="ref"), [spec, r1])
     cand = record(_permuted(spec, [1, 2, 0]), name="cand")
     b = divergence_break(context(ref, cand), 0)
-    assert b.message == ("ranks 0 and 1 of the reference disagree on replicated mlp_update: 1 values differ beyond "
+    assert b.message == ("ranks 0 and 1 of the reference disagree on replicated mlp_update: 1 value differs beyond "
                          "tolerance, max_abs=0.75 (sample 2, position 0)")
     assert (b.sample, b.samples) == (2, (2,))
 
@@ -208,9 +208,9 @@ def _side(ranks):
 
 @pytest.mark.parametrize("heads,note", [
     ((2, 3), "query heads 2,3 are rank 1's (it holds query heads 2..3 and KV head 1)"),
-    ((0,), "query heads 0 are rank 0's (it holds query heads 0..1 and KV head 0)"),
-    ((3, 1), "query heads 1 are rank 0's (it holds query heads 0..1 and KV head 0); "
-             "query heads 3 are rank 1's (it holds query heads 2..3 and KV head 1)"),
+    ((0,), "query head 0 is rank 0's (it holds query heads 0..1 and KV head 0)"),
+    ((3, 1), "query head 1 is rank 0's (it holds query heads 0..1 and KV head 0); "
+             "query head 3 is rank 1's (it holds query heads 2..3 and KV head 1)"),
 ])
 def test_heads_note_names_the_ranks_holding_the_heads(heads, note):
     assert heads_note(_side(RANKS), heads) == note
@@ -219,7 +219,7 @@ def test_heads_note_names_the_ranks_holding_the_heads(heads, note):
 def test_heads_note_gives_a_range_of_kv_heads():
     ranks = [{"rank": 0, "query_heads": [0, 8], "kv_heads": [0, 4]}, {"rank": 1, "query_heads": [8, 16],
                                                                      "kv_heads": [4, 8]}]
-    assert heads_note(_side(ranks), (9,)) == "query heads 9 are rank 1's (it holds query heads 8..15 and KV heads 4..7)"
+    assert heads_note(_side(ranks), (9,)) == "query head 9 is rank 1's (it holds query heads 8..15 and KV heads 4..7)"
 
 
 @pytest.mark.parametrize("ranks,heads", [(None, (1,)), ([], (1,)), (RANKS, (4, 7)), (RANKS, ())])
@@ -242,7 +242,7 @@ def test_heads_notes_adds_one_note_per_side_with_ranks_once():
     first = Break(stage="layer", kind="value", message="m", layer=3, tensor="attn_heads", heads=(2,))
     heads_notes(ctx, 3, first)
     heads_notes(ctx, 3, first)
-    want = "layer 3: candidate query heads 2 are rank 1's (it holds query heads 2..3 and KV head 1)"
+    want = "layer 3: candidate query head 2 is rank 1's (it holds query heads 2..3 and KV head 1)"
     assert [n for n in ctx.notes if n.startswith("layer 3")] == [want]
 
 
