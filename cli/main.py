@@ -31,6 +31,7 @@ from ..dumps.placement import completed_traces, n_completed, remove_partial_file
 from ..engine.models import model_cache  # light: no torch
 from ..engine.shared.errors import INTERRUPT, PrefillDiffError
 from ..engine.shared.untrusted import visible
+from ..verify.wording import count
 from . import jobs
 from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
                       model_options, report_options, tolerance_options)
@@ -367,7 +368,8 @@ def record(config, output, level, compression, force, twin_of, quiet, what, tol)
     con = console()
 
     def wrote(done: jobs.Recorded) -> None:  # the trace is complete: said before any golden and twin run
-        print_line(con, plain(f"wrote {done.path} ({level}, {done.n_layers} layers, {done.n_samples} samples)"))
+        print_line(con, plain(f"wrote {done.path} ({level}, {count(done.n_layers, 'layer')}, "
+                              f"{count(done.n_samples, 'sample')})"))
     with Progress(quiet) as prog:
         done = jobs.record(config, output, spec, inputs, level=level, compression=compression, force=force,
                            tolerance=tol, twin_of=twin_of, progress=prog.sides(),
