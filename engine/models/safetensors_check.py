@@ -42,10 +42,13 @@ def check(path: str, where: str) -> dict:
             raise ModelLoadError(f"{where}: {name} is {size} bytes, too short for a safetensors file (an 8-byte "
                                  "header length, then the header)")
         n = struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-        if n > min(HEADER_MAX_BYTES, size - 8):
+        if n > size - 8:
             raise ModelLoadError(f"{where}: {name}'s header length {n:,} is more than the file's {size - 8:,} "
                                  f"bytes after it" + ("" if n <= HEADER_MAX_BYTES else
                                                      f" (and than the {HEADER_MAX_BYTES:,} a header may be)"))
+        if n > HEADER_MAX_BYTES:
+            raise ModelLoadError(f"{where}: {name}'s header length {n:,} is more than the {HEADER_MAX_BYTES:,} "
+                                 "bytes a header may be")
         raw = os.pread(fd, n, 8)
     except OSError as e:
         raise ModelLoadError(f"{where}: cannot read {name} ({e.strerror})") from None

@@ -132,6 +132,18 @@ def test_a_header_length_past_the_librarys_limit_is_refused_naming_it(tmp_path):
     assert HEADER_MAX_BYTES == 100 * 1024 * 1024
 
 
+def test_a_header_length_past_the_librarys_limit_in_a_file_that_long_is_refused_naming_the_limit(tmp_path):
+    """A header length the file could hold, but longer than a header may be: the message says which limit it
+    passed (the file's bytes after the length field are more than the length)."""
+    n = HEADER_MAX_BYTES + 1
+    p = tmp_path / "model.safetensors"
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", n))
+        f.truncate(8 + n + 16)  # sparse: nothing past the length field is written or read
+    assert _refused(str(p)) == (f"{WHERE}: model.safetensors's header length {n:,} is more than the "
+                                f"{HEADER_MAX_BYTES:,} bytes a header may be")
+
+
 # -- refused: the header -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [b'{"a": "\xff"}', b"\xfe\xff{}", b'{"a": 1', b"{'a': 1}", b'{"a": NaN}', b"",
