@@ -24,7 +24,7 @@ from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
 from ..dumps.schema import LEVELS
 from ..engine.shared.errors import ConfigError, PrefillDiffError
-from ..engine.registry import ENGINES, OURS, twin_maker
+from ..engine.registry import ENGINES, OURS, missing_packages, twin_maker
 from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, precision_key, precision_label,
                                 precisions, same_precisions, sibling_paths, unit_roundoff)
 from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
@@ -317,6 +317,8 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     check_calibration(judging, explicit=explicit, level=level)
     sides = _import_sides()
     ref_side, cand_side = sides.load_side(ref, model, inputs), sides.load_side(cand, model, inputs)  # checked first
+    for side in (ref_side, cand_side):  # either engine's missing package is said before any model loads
+        missing_packages(side.run.info)
     _phase(progress, "loading the model and preparing both sides")
     ref_prep, cand_prep = sides.prepare(ref_side), sides.prepare(cand_side)
     check_coverage(ref_prep.tokens, cand_prep.tokens, judging.allow_subset)

@@ -81,6 +81,7 @@ def test_a_missing_package_is_one_line_naming_the_extra_before_any_model_loads(e
     res = run_cli("run", "reference", preset, "--model", "synthetic")
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert f"pip install 'prefill-diff[{extra}]'" in res.output and module in res.output, res.output
+    assert not loaded  # not even the reference's model: both sides' engines are checked first
 
 
 def test_our_engine_needs_no_optional_package(run_cli, monkeypatch):
