@@ -6,6 +6,7 @@ import torch
 import transformers  # installed by the README's test line: a missing one fails, never skips
 
 from conftest import Capture, padded
+from prefill_diff.engine.foreign.hf_engine import returned_cache
 from prefill_diff.engine.models.hub import hf_state_dict
 from prefill_diff.engine.native.model import ModelArgs
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
@@ -101,7 +102,7 @@ def test_engine_agrees_with_transformers_left_padded_batch(family):
         for name in ("layer_input", "attn_update", "mlp_update", "layer_output"):
             a, b = cap.states[(layer, name)][valid], states[(layer, name)][valid]
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=f"layer {layer} {name}")
-        hf_cache = out.cache.layers[layer]
+        hf_cache = returned_cache(out).layers[layer]
         for s, p in enumerate(prompts):
             k, v, positions = cap.caches[(layer, s)]
             n = ids.shape[1]

@@ -14,7 +14,10 @@ engine uses, and its returned cache gives the keys (after RoPE) and values:
 """
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -29,9 +32,66 @@ from ..native.parallel import current
 from ..calls import Placement, call_routing, forced_list, plan_calls
 
 
+LOWEST = (5, 0)  # the oldest transformers release the engine runs: pyproject's [hf] extra, tested in CI
+
+
+def release() -> str | None:
+    """The installed transformers release (read from its metadata, without importing it), or None."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _release_tuple(version: str) -> tuple:
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+
+
+def _sdpa_refusal(args) -> str | None:
+    """Why transformers' sdpa attention cannot run the model, or None. Its sdpa kernel has no score soft-capping,
+    which Gemma 2 applies: transformers 5.21 and later refuse Gemma 2 under sdpa whatever its config
+    (Gemma2PreTrainedModel._supports_sdpa is False); earlier releases run it and silently leave
+    attn_logit_softcapping out."""
+    if args.arch != "gemma2":
+        return None
+    try:
+        from transformers.models.gemma2.modeling_gemma2 import Gemma2PreTrainedModel
+    except ImportError:  # no transformers: build_model says which extra installs it
+        return None
+    eager = "attn_implementation = \"eager\" runs it (the transformers preset)"
+    if not getattr(Gemma2PreTrainedModel, "_supports_sdpa", True):
+        return f"transformers refuses sdpa for Gemma 2 (no soft-capping) in release {release()}; {eager}"
+    if args.attn_softcap is not None:
+        return (f"transformers' sdpa has no soft-capping: release {release()} would run Gemma 2 without its "
+                f"attn_logit_softcapping={args.attn_softcap}; {eager}")
+    return None
+
+
+def _tp_refusal() -> str | None:
+    """Why this transformers release cannot shard a model as the engine records it, or None. DistributedConfig
+    takes tp_size from transformers 5.13 on; earlier releases shard by tp_plan="auto" and a tp_size given to
+    from_pretrained, and there (5.0 measured) the attention's o_proj receives every head, not the rank's."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # no transformers: build_model says which extra installs it
+        return None
+    if "tp_size" in inspect.signature(DistributedConfig).parameters:
+        return None
+    return (f"transformers' tensor parallelism needs transformers 5.13 or later, whose DistributedConfig takes "
+            f"tp_size (found transformers {release()})")
+
+
 def check(prep) -> None:
     """What the transformers engine runs (the model as transformers does); anything else is refused in one line."""
     run = prep.side.run
+    found = release()
+    if found is not None and _release_tuple(found) < LOWEST:
+        raise ConfigError(f"the transformers engine runs transformers {'.'.join(map(str, LOWEST))} or later "
+                          f"(found transformers {found}): pip install 'prefill-diff[hf]'")
+    if run.options.attn_implementation == "sdpa" and (why := _sdpa_refusal(prep.snapshot.args)) is not None:
+        raise ConfigError(why)
+    if run.tp > 1 and (why := _tp_refusal()) is not None:
+        raise ConfigError(why)
     if run.tp > 1 and not prep.snapshot.source.startswith("hf:"):
         raise ConfigError("transformers' tensor parallelism loads a checkpoint with from_pretrained: give "
                           f"--model hf:DIR (got model {prep.snapshot.source!r})")
@@ -221,9 +281,13 @@ def build_model(snapshot, dtype: str, attn: str):
         try:  # safetensors only: transformers would otherwise fall back to a pickled pytorch_model.bin
             model = AutoModelForCausalLM.from_pretrained(src[3:], dtype=tdt, attn_implementation=attn,
                                                          local_files_only=True, use_safetensors=True, **dist)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{src}: transformers cannot load it from safetensors "
-                                 f"({str(e).splitlines()[0][:200]})") from None
+        except (OSError, ValueError, KeyError) as e:  # KeyError: a config its release reads otherwise
+            first = (str(e).splitlines() or [""])[0][:200]
+            if isinstance(e, ValueError) and "attention implementation" in first:  # refused by the model class
+                raise ConfigError(f"{src}: transformers cannot build it with attn_implementation={attn!r} "
+                                  f"({first})") from None
+            raise ModelLoadError(f"{src}: transformers {release()} cannot load it ({type(e).__name__}: {first})") \
+                from None
     elif tp is not None:
         raise ConfigError(f"transformers' tensor parallelism needs --model hf:DIR (got {src!r})")
     elif src.startswith("gguf:") or src == "smollm2":
@@ -420,7 +484,7 @@ def forward_call(model, call, recorder, routing: dict | None = None, record_rout
     finally:
         for h in handles:
             h.remove()
-    for layer, lc in enumerate(out.cache.layers):
+    for layer, lc in enumerate(returned_cache(out).layers):
         first = ids.shape[1] - lc.keys.shape[2]  # a sliding-window layer keeps only the last W - 1 columns
         for b in range(ids.shape[0]):
             cols = valid[b].nonzero().flatten()
@@ -431,6 +495,13 @@ def forward_call(model, call, recorder, routing: dict | None = None, record_rout
         c = int(valid[b].nonzero().flatten()[-1])
         recorder.final(b, norm[b, c], out.logits[b, c], (b, c), int(tok[b, c]))
     return absent
+
+
+def returned_cache(out):
+    """The KV cache a transformers forward returns: the output field is ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (5.24 still answers the old name, with a deprecation message)."""
+    fields = getattr(type(out), "__dataclass_fields__", {})
+    return out.cache if "cache" in fields else out.past_key_values
 
 
 def plan(prep, positions, pad: int, tp) -> None:

@@ -272,6 +272,16 @@ _ROPE_KEYS = {"default": set(), "linear": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
               "longrope": {"short_factor", "long_factor"}}
 _ROPE_OPTIONAL = {"longrope": {"factor", "attention_factor", "original_max_position_embeddings"}}
+# rope types a family's transformers config renames before use: Phi3Config reads the legacy "su" and "yarn" as
+# longrope (whatever the other keys; longrope's own keys are then required)
+_LEGACY_ROPE = {"phi3": {"su": "longrope", "yarn": "longrope"}}
+
+
+def rope_kind(table: dict, arch: str) -> str:
+    """A RoPE table's type as transformers reads it for ``arch``: rope_type, else the legacy type, renamed where
+    the family's config renames it (_LEGACY_ROPE)."""
+    kind = table.get("rope_type", table.get("type", "default"))
+    return _LEGACY_ROPE.get(arch, {}).get(kind, kind)
 
 
 def _rope_dict(v, cfg, arch):
@@ -279,16 +289,18 @@ def _rope_dict(v, cfg, arch):
         return None
     if not isinstance(v, dict):
         return "a table"
-    kind = v.get("rope_type", v.get("type", "default"))
+    kind = rope_kind(v, arch)
     if kind not in _ROPE_KEYS:
-        return "rope_type default, linear, llama3 or longrope"
+        return "rope_type default, linear, llama3 or longrope (Phi-3 also 'su' and 'yarn', read as longrope)"
+    given = v.get("rope_type", v.get("type", "default"))
+    name = repr(kind) if given == kind else f"{given!r} (which transformers' {arch} reads as {kind!r})"
     known = _ROPE_KEYS[kind] | _ROPE_OPTIONAL.get(kind, set())
     extra = sorted(set(v) - known - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if extra:
-        return f"for rope_type {kind!r} only the keys {sorted(known | {'rope_type', 'rope_theta'})} (got {extra})"
+        return f"for rope_type {name} only the keys {sorted(known | {'rope_type', 'rope_theta'})} (got {extra})"
     missing = sorted(_ROPE_KEYS[kind] - set(v))
     if missing:
-        return f"rope_type {kind!r} with {missing}"
+        return f"rope_type {name} with {missing}"
     for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
         if v.get(key) is not None and _finite_positive(v[key], cfg, arch) is not None:
             return f"{key} as a positive finite number (got {_short(v[key])})"
@@ -387,9 +399,10 @@ HF_FIELDS = {
     "original_max_position_embeddings": (lambda v, c, a: None if v is None else _positive_int(v, c, a),
                                          "LongRoPE's original length, when its table does not give it"),
     "rope_theta": (_finite_positive, "θ_base, ModelArgs.rope_theta"),
-    "rope_parameters": (_rope_params, "transformers 5: rope_theta and rope_type default, linear or llama3 (Gemma 3: "
-                                      "one such table per layer type)"),
-    "rope_scaling": (_rope_dict, "transformers 4: rope_type (or type) default, linear or llama3; null"),
+    "rope_parameters": (_rope_params, "transformers 5: rope_theta and rope_type default, linear, llama3 or longrope "
+                                      "(Gemma 3: one such table per layer type)"),
+    "rope_scaling": (_rope_dict, "transformers 4: rope_type (or type) default, linear, llama3 or longrope (Phi-3's "
+                                 "legacy su and yarn are longrope, as transformers reads them); null"),
     "sliding_window": (_sliding_window, "W, ModelArgs.sliding_window: Mistral's and Phi-3's layers (all of them), "
                                         "Gemma's by layer_types, and Qwen2's "
                                         "and Qwen3's (with use_sliding_window, by layer_types) see their W most "
@@ -428,7 +441,7 @@ HF_FIELDS = {
         "torchscript", "finetuning_task", "id2label", "label2id", "num_labels", "problem_type", "tf_legacy_loss",
         "_attn_implementation", "attn_implementation", "_attn_implementation_autoset", "is_decoder",
         "tie_encoder_decoder", "cross_attention_hidden_size", "keys_to_ignore_at_inference", "is_llama_config",
-        "transformers.js_config")},
+        "transformers.js_config", "ignore_keys_at_rope_validation")},
 }
 
 
@@ -469,7 +482,7 @@ def args_from_hf_config(cfg: dict, where: str) -> ModelArgs:
     elif arch == "gemma3":
         local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    kind = rope_kind(rope, arch)
     scaling = ()
     if kind == "longrope":
         rope.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
