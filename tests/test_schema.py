@@ -282,7 +282,7 @@ def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.cli.render import COLUMNS
     from prefill_diff.dumps import metacheck
-    from prefill_diff.engine.native import kv_cache as cache
+    from prefill_diff.engine.native import kv_cache as cache, settings
     from prefill_diff.engine.shared import precisions
     from prefill_diff.engine import registry
     from prefill_diff.engine.models import snapshot
@@ -296,7 +296,7 @@ def test_the_consumers_read_the_declaration():
     assert set(UNIT_ROUNDOFF) == set(sc.PRECISION_ORDER)  # tables keyed by the vocabulary cover all of it
     assert metacheck.ABSENTABLE is sc.ABSENTABLE and metacheck.DTYPES is sc.PRECISION_ORDER
     assert metacheck.ENGINE_DTYPES is sc.ACT_DTYPES is precisions.FLOATS is registry.FLOATS is snapshot.ACT_DTYPES
-    assert cache.CACHE_DTYPES is precisions.CACHE_DTYPES is sc.KV_DTYPES
+    assert settings.CACHE_DTYPES is precisions.CACHE_DTYPES is sc.KV_DTYPES
     assert tuple(cache.FP8) == precisions.FP8 == sc.FP8_DTYPES and sc.PRECISION_ORDER is precisions.PRECISION_ORDER
     assert all(breaks.SUBLAYER[n] == sc.TENSOR[n].sublayer for n in sc.VALUE_ORDER)
     assert [c[0] for c in COLUMNS] == [n for n in sc.VALUE_ORDER if sc.TENSOR[n].header]
