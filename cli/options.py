@@ -13,7 +13,8 @@ from ..engine.shared.errors import ConfigError
 from ..engine.shared.untrusted import check_int64
 from ..engine.models.spec import ModelSpec
 from ..engine.native.settings import MODEL_PRESETS
-from ..verify.tolerance import DTYPE_DEFAULTS, KINDS, POLICY_ALIASES
+from ..dumps.schema import TOL_KINDS
+from ..verify.tolerance import DTYPE_DEFAULTS, POLICY_ALIASES
 from .jobs import Judging, Tolerance
 from .outputs import Reports
 
@@ -137,7 +138,7 @@ def tolerance_options(f):
         click.option("--row-rtol", type=float, default=None,
                      help="Accept a whole row (one position's vector) within this relative L2 error (0: off)."),
         click.option("--tolerance", "tolerance_file", type=click.Path(dir_okay=False), default=None,
-                     help=f"TOML policy file: [residual] atol=..., rtol=..., ntol=...; kinds: {', '.join(KINDS)}."),
+                     help=f"TOML policy file: [residual] atol=..., rtol=..., ntol=...; kinds: {', '.join(TOL_KINDS)}."),
         section="Tolerance",
     )(collect)
 
@@ -166,7 +167,7 @@ def report_options(f):
         click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Write a PNG of the error per layer and sub-layer with the allowed error (needs "
                           "matplotlib)."),
-        click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line (and no progress bars)."),
+        click.option("-q", "--quiet", is_flag=True, help="Print only the verdict line (no progress on stderr)."),
         click.option("-v", "--verbose", is_flag=True,
                      help="Also print every metric per tensor (mean abs, cosine, max rel, count out of tolerance, "
                           "worst element, would-pass values) for the failing layer, and the model loaders' own "
