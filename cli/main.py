@@ -1,5 +1,5 @@
 """prefill-diff's commands: each parses its options, calls one function of ``cli/jobs.py`` (``cache``: of
-``engine/models/model_cache.py``), renders the result.
+``engine/models/cache_listing.py``), renders the result.
 
 The engine's modules import torch; they are imported only by the commands that run a side (through
 ``jobs``), so `--help`, `inspect` and `compare A.h5 B.h5` start without it.
@@ -28,7 +28,7 @@ from ..dumps import native, provenance
 from ..dumps.inspect import summarize
 from ..dumps.rank_merge import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.placement import completed_traces, n_completed, remove_partial_files
-from ..engine.models import model_cache  # light: no torch
+from ..engine.models import cache_listing  # light: no torch
 from ..engine.shared.errors import INTERRUPT, PrefillDiffError
 from ..engine.shared.untrusted import visible
 from ..verify.wording import count
@@ -572,7 +572,7 @@ def cache_list(as_json):
 
 def _print_cache(as_json: bool) -> None:
     now = time.time()
-    found = model_cache.listing(now)
+    found = cache_listing.listing(now)
     if as_json:
         click.echo(json.dumps({"cache": found.root, "models": found.models, "total": found.total,
                                "items": [cache_json_item(i) for i in found.items]}, indent=2))
@@ -613,8 +613,8 @@ def cache_prune(everything, older_than, max_size, dry_run, as_json):
     """
     if everything and (older_than is not None or max_size is not None):
         raise BadInput("--all removes every entry: drop --older-than and --max-size")
-    limit = None if max_size is None else model_cache.parse_size(max_size)
-    pruned = model_cache.prune(everything=everything, older_than=older_than, max_size=limit, dry_run=dry_run)
+    limit = None if max_size is None else cache_listing.parse_size(max_size)
+    pruned = cache_listing.prune(everything=everything, older_than=older_than, max_size=limit, dry_run=dry_run)
     if as_json or click.get_current_context().meta.get("cache_json"):
         click.echo(json.dumps({
             "cache": pruned.found.root, "dry_run": dry_run, "freed": pruned.freed, "left": pruned.left,

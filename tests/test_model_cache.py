@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine.models import cache_entries, model_cache
+from prefill_diff.engine.models import cache_entries, cache_listing, model_cache
 from prefill_diff.engine.shared.errors import ConfigError
 from prefill_diff.engine.models.digest import digest_tensors
 from prefill_diff.engine.models.snapshot import Snapshot
@@ -411,7 +411,7 @@ def test_cache_prune_refuses_bad_options_in_one_line(args, refused, cache_dir, t
 
 
 def test_parse_size_units():
-    assert [model_cache.parse_size(s) for s in ("0", "1536", "500M", "2G", "2GiB", "2GB", "1.5k", " 3 mib ")] == \
+    assert [cache_listing.parse_size(s) for s in ("0", "1536", "500M", "2G", "2GiB", "2GB", "1.5k", " 3 mib ")] == \
         [0, 1536, 500 << 20, 2 << 30, 2 << 30, 2 * 10**9, 1536, 3 << 20]
 
 
@@ -553,9 +553,9 @@ def test_cache_prune_keeps_an_entry_a_run_is_loading(cache_dir, tmp_path):
     src = tmp_path / "a.gguf"
     _entry(tmp_path, "a.gguf")
     seen = model_cache.cached(str(src), "native", lambda: 1 / 0, _save_bytes,
-                              lambda entry: model_cache.prune(everything=True))  # prune while it is loaded
+                              lambda entry: cache_listing.prune(everything=True))  # prune while it is loaded
     assert [(d.removed, d.why) for d in seen.decisions] == [(False, "is in use by a running prefill-diff")]
-    assert model_cache.prune(everything=True).freed > 0  # and once the run has loaded it, it can go
+    assert cache_listing.prune(everything=True).freed > 0  # and once the run has loaded it, it can go
 
 
 @pytest.mark.parametrize("meanwhile", ["removed", "replaced"])

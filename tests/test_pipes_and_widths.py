@@ -181,7 +181,7 @@ def test_inspect_says_the_gathered_position_and_its_token(traces):
 
 
 def test_prune_all_dry_run_says_why_in_words_that_fit_would_remove():
-    from prefill_diff.engine.models.model_cache import _why_go
+    from prefill_diff.engine.models.cache_listing import _why_go
     intact = type("Item", (), {"state": "intact", "used": 0.0})()
     why = _why_go(intact, everything=True, older_than=None, now=0.0)
     assert why is not None and "--all" in why and "is removed" not in why, why  # "would remove X: --all asks ..."
