@@ -16,13 +16,12 @@ import math
 
 import numpy as np
 
-from .schema import ABSENTABLE, ACT_DTYPES, PRECISION_ORDER, TOL_FIELDS, TOL_KINDS
+from ..engine.shared.precisions import ACT_DTYPES, PRECISION_ORDER
+from .schema import ABSENTABLE, TOL_FIELDS, TOL_KINDS
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 TEXT_LIMIT = 1 << 16  # characters of one metadata string
 LIST_LIMIT = 1 << 20  # items of one metadata list
-
-DTYPES = PRECISION_ORDER  # a tolerance policy's base precision
 
 
 class MetaError(ValueError):
@@ -166,7 +165,7 @@ ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer()
 MODEL_SPEC = obj({"source": text(), "seed": integer(), "adapter": ADAPTER_SPEC,
                   "overrides": obj(MODEL_ARGS, closed=True)})
 
-TOLERANCE = obj({"base": text(choices=DTYPES), "equal_nan": boolean(), "topk": integer(1, 1 << 20),
+TOLERANCE = obj({"base": text(choices=PRECISION_ORDER), "equal_nan": boolean(), "topk": integer(1, 1 << 20),
                  "name": text(limit=200),
                  **{k: number(0) for k in TOL_FIELDS},
                  **{k: obj({f: number(0) for f in TOL_FIELDS}, closed=True) for k in TOL_KINDS}},
@@ -271,7 +270,6 @@ def check_meta_against_file(meta, n_samples: int, lengths) -> None:
 # -- the write side: what the recorder is given ------------------------------------------------------------
 
 REQUIRED_ARGS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size")
-ENGINE_DTYPES = ACT_DTYPES
 OBJECT_KEYS = ("model", "side", "engine", "layout", "tolerance", "record", "repro", "run", "token_text",
                "provenance")
 
@@ -305,9 +303,9 @@ def required_args(meta) -> dict:
     dtype = (meta.get("engine") or {}).get("dtype")
     if dtype is None:
         raise MissingMeta("meta.engine.dtype is required: the engine's activation dtype, one of "
-                            f"{', '.join(ENGINE_DTYPES)} (it picks the tolerance policy)")
-    if dtype not in ENGINE_DTYPES:
-        raise MissingMeta(f"meta.engine.dtype must be one of {', '.join(ENGINE_DTYPES)} (got {dtype!r})")
+                            f"{', '.join(ACT_DTYPES)} (it picks the tolerance policy)")
+    if dtype not in ACT_DTYPES:
+        raise MissingMeta(f"meta.engine.dtype must be one of {', '.join(ACT_DTYPES)} (got {dtype!r})")
     if (meta.get("layout") or {}).get("key_rotation", "post") not in ("post", "pre"):
         raise MissingMeta(f"meta.layout.key_rotation must be 'post' or 'pre' "
                             f"(got {meta['layout']['key_rotation']!r})")

@@ -29,7 +29,6 @@ READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds opt
 
 LEVELS = ("full", "sampled", "stats")
 
-from ..engine.shared.precisions import CACHE_DTYPES, FLOATS, PRECISION_ORDER
 from .h5write import new_dataset
 
 
@@ -102,12 +101,6 @@ TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_value
 TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # a kind's tolerance (verify.tolerance.Tolerance's fields)
 TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND,
             "router_logits": "router"}  # a MoE layer's router scores: the noise a routing flip is judged against
-
-# Precisions (engine/shared/precisions.py, the shared leaf, declares them): of activations (an engine's dtype), of KV
-# caches (those and int8/fp8), and all of them coarsest first.
-ACT_DTYPES = FLOATS
-KV_DTYPES = CACHE_DTYPES
-FP8_DTYPES = tuple(d for d in CACHE_DTYPES if d.startswith("fp8"))
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")

@@ -32,7 +32,7 @@ import importlib.util
 from dataclasses import dataclass, field, fields
 
 from .shared.errors import ConfigError, PrefillDiffError
-from .shared.precisions import CACHE_DTYPES, FLOATS, FP8
+from .shared.precisions import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES
 
 GOLDEN = {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}
 
@@ -185,13 +185,13 @@ class EngineInfo:
 
 ENGINES = {e.name: e for e in (
     EngineInfo("native", "native.engine", "our engine: the contract's layer template, every execution path",
-               computes=Computes(FLOATS, CACHE_DTYPES, ("none", "int8")), tp=True,
+               computes=Computes(ACT_DTYPES, CACHE_DTYPES, ("none", "int8")), tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
                        "shared-gate-dropped"), replays_routing=True, prefill_steps="plan"),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
-               TransformersOptions, "transformers", Computes(FLOATS), tp=True, replays_routing=True,
+               TransformersOptions, "transformers", Computes(ACT_DTYPES), tp=True, replays_routing=True,
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan"),
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
@@ -200,7 +200,7 @@ ENGINES = {e.name: e for e in (
                needs=(("llama_cpp", "llamacpp"), ("gguf", "llamacpp"))),
     EngineInfo("vllm", "foreign.vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, kernels), "
                "run in the user's own environment and captured through hooks", VllmOptions, "vllm",
-               Computes(("float32", "bfloat16", "float16"), ("float32", "bfloat16", "float16") + FP8),
+               Computes(("float32", "bfloat16", "float16"), ("float32", "bfloat16", "float16") + FP8_DTYPES),
                no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
                unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint

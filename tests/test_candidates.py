@@ -9,12 +9,13 @@ from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS
 from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
-from prefill_diff.verify.tolerance import Policy, Tolerance, KINDS
+from prefill_diff.dumps.schema import TOL_KINDS
+from prefill_diff.verify.tolerance import Policy, Tolerance
 
 from conftest import spawning_presets  # noqa: E402
 
 NON_FAULT = [p for p in PRESETS if not p.startswith("fault:") and p != "reference" and p not in spawning_presets()]
-EXACT = Policy("exact", {k: Tolerance(0.0, 0.0) for k in KINDS})
+EXACT = Policy("exact", {k: Tolerance(0.0, 0.0) for k in TOL_KINDS})
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..dumps.schema import ACT_DTYPES
+from ..engine.shared.precisions import ACT_DTYPES
 
 # unit roundoff (half an ulp at 1) of each precision; int8 counts as 1/254 of the scale's range
 UNIT_ROUNDOFF = {"float64": 2.0 ** -53, "float32": 2.0 ** -24, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8,

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..dumps.schema import TOL_FIELDS, TOL_KINDS
 from ..engine.shared.errors import ConfigError, PrefillDiffError, did_you_mean
 from ..engine.shared.untrusted import read_small_file
-from .tolerance import KINDS, POLICY_ALIASES, TOL_FIELDS, Policy, default_policy, dtype_policy
+from .tolerance import POLICY_ALIASES, Policy, default_policy, dtype_policy
 
 try:
     import tomllib
@@ -35,13 +36,13 @@ def read_policy_file(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
     keys = ("base", "equal_nan", "topk", "name", *TOL_FIELDS)
-    for k in sorted(set(raw) - set(keys) - set(KINDS)):
+    for k in sorted(set(raw) - set(keys) - set(TOL_KINDS)):
         if isinstance(raw[k], dict):  # a table: a tensor kind's
-            raise ConfigError(f"{path}: unknown table [{k}]{did_you_mean(k, KINDS, ' (did you mean [{}]?)')} "
-                              f"(tables: {', '.join(f'[{kind}]' for kind in KINDS)})")
-        raise ConfigError(f"{path}: unknown key {k}{did_you_mean(k, keys + KINDS)} (keys: {', '.join(keys)}; "
-                          f"tables: {', '.join(f'[{kind}]' for kind in KINDS)})")
-    for k in KINDS:
+            raise ConfigError(f"{path}: unknown table [{k}]{did_you_mean(k, TOL_KINDS, ' (did you mean [{}]?)')} "
+                              f"(tables: {', '.join(f'[{kind}]' for kind in TOL_KINDS)})")
+        raise ConfigError(f"{path}: unknown key {k}{did_you_mean(k, keys + TOL_KINDS)} (keys: {', '.join(keys)}; "
+                          f"tables: {', '.join(f'[{kind}]' for kind in TOL_KINDS)})")
+    for k in TOL_KINDS:
         if k in raw:
             if not isinstance(raw[k], dict):
                 raise ConfigError(f"{path}: [{k}] must be a table with atol and/or rtol")
@@ -75,7 +76,7 @@ def spec_sources(policy: str | None = None, tolerance_file=None, **fields) -> di
     if tolerance_file:
         raw = read_policy_file(tolerance_file)
         for k in TOL_FIELDS:
-            if k in raw or any(k in raw.get(kind, {}) for kind in KINDS):
+            if k in raw or any(k in raw.get(kind, {}) for kind in TOL_KINDS):
                 out[k] = f"file {tolerance_file}"
         if "base" in raw:
             out["base"] = f"file {tolerance_file}"
@@ -124,12 +125,12 @@ def resolve_policy(spec: dict | None, ref_meta: dict | None = None, cand_meta: d
     if base:
         src = {k: f"{p.name} default" + (f", base from {given['base']}" if given.get("base") else "")
                for k in TOL_FIELDS}
-    for k in KINDS:
+    for k in TOL_KINDS:
         if k in spec and not isinstance(spec[k], dict):
             raise ConfigError(f"tolerance [{k}] must be a table with atol, rtol, ntol or row_rtol (got {spec[k]!r})")
     flags = {k for k, v in given.items() if v == "flag"}
     kinds, shown = {}, {}
-    for k in KINDS:
+    for k in TOL_KINDS:
         kinds[k], where = _kind_terms(spec, k, flags)
         if k == "residual":  # the header shows the residual kind's terms: say where each came from
             shown = where

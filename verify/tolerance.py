@@ -18,14 +18,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from ..dumps.schema import PRECISION_ORDER, TOL_FIELDS, TOL_KIND, TOL_KINDS
+from ..dumps.schema import TOL_FIELDS, TOL_KIND, TOL_KINDS
 from ..engine.shared.errors import ConfigError
-
-KINDS = TOL_KINDS
-KIND_OF = TOL_KIND  # tensor name -> tolerance kind
-
-# Coarsest first: the policy of a comparison is that of its least precise side.
-DTYPE_ORDER = PRECISION_ORDER
+from ..engine.shared.precisions import DTYPE_ALIASES, PRECISION_ORDER
 
 # (atol, rtol, ntol, row_rtol) for every kind, per dtype.
 DTYPE_DEFAULTS = {
@@ -65,7 +60,7 @@ class Policy:
     sources: dict = field(default_factory=dict)  # term (atol, rtol, ntol, row_rtol) -> where its value came from
 
     def tol(self, tensor: str, layer: int | None = None) -> Tolerance:
-        return self.kinds[KIND_OF.get(tensor, "residual")]
+        return self.kinds[TOL_KIND.get(tensor, "residual")]
 
     def as_dict(self) -> dict:
         d = {"name": self.name, "equal_nan": self.equal_nan, "topk": self.topk,
@@ -93,16 +88,16 @@ class Policy:
             kw.pop(k, None)
         new = {k: replace(t, **every) for k, t in self.kinds.items()}
         for k, v in (kinds or {}).items():
-            if k not in KINDS:
-                raise ConfigError(f"tolerance kind must be one of {', '.join(KINDS)} (got {k!r})")
+            if k not in TOL_KINDS:
+                raise ConfigError(f"tolerance kind must be one of {', '.join(TOL_KINDS)} (got {k!r})")
             new[k] = replace(new[k], **v)
         changed = bool(every or kinds) and not self.name.endswith("+overrides")
         return replace(self, kinds=new, name=self.name + "+overrides" if changed else self.name, **kw)
 
 
-# Preset names accepted as policy names (`--policy bf16` while the preset is `bf16`).
-POLICY_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64", "w8": "int8",
-                  "kv-int8": "int8"}
+# Other names a policy may be given by: a dtype's short name of letters and bits (`--policy bf16`, as the preset is
+# named; not C's words, half or double) and the int8 presets' names.
+POLICY_ALIASES = {**{a: d for a, d in DTYPE_ALIASES.items() if a[-2:].isdigit()}, "w8": "int8", "kv-int8": "int8"}
 
 
 def dtype_policy(dtype: str) -> Policy:
@@ -110,12 +105,13 @@ def dtype_policy(dtype: str) -> Policy:
     if dtype not in DTYPE_DEFAULTS:
         raise ConfigError(f"policy must be one of {', '.join(DTYPE_DEFAULTS)} or an alias "
                           f"{', '.join(POLICY_ALIASES)} (got {dtype!r})")
-    return Policy(dtype, {k: Tolerance(*DTYPE_DEFAULTS[dtype]) for k in KINDS})
+    return Policy(dtype, {k: Tolerance(*DTYPE_DEFAULTS[dtype]) for k in TOL_KINDS})
 
 
 def coarsest(*dtypes: str) -> str:
-    known = [d for d in dtypes if d in DTYPE_ORDER]
-    return min(known, key=DTYPE_ORDER.index) if known else "float32"
+    """The least precise of the known dtypes (a comparison's policy is its least precise side's); else float32."""
+    known = [d for d in dtypes if d in PRECISION_ORDER]
+    return min(known, key=PRECISION_ORDER.index) if known else "float32"
 
 
 def default_policy(ref_meta: dict, cand_meta: dict) -> Policy:
@@ -132,7 +128,7 @@ def default_policy(ref_meta: dict, cand_meta: dict) -> Policy:
         cache = act
     kinds = dict(act.kinds)
     kinds["cache_keys"], kinds["cache_values"] = cache.kinds["cache_keys"], cache.kinds["cache_values"]
-    if cache.name != act.name and DTYPE_ORDER.index(cache.name) < DTYPE_ORDER.index(act.name):
+    if cache.name != act.name and PRECISION_ORDER.index(cache.name) < PRECISION_ORDER.index(act.name):
         # attention reads the coarser cache, so everything downstream of it inherits its error
         kinds = dict(cache.kinds)
     name = act.name if cache.name == act.name else f"{act.name} (cache {cache.name})"

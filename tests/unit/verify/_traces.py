@@ -17,7 +17,8 @@ from prefill_diff.dumps.reader import Trace
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.verify.align import Alignment
 from prefill_diff.verify.context import Context
-from prefill_diff.verify.tolerance import KINDS, Policy, Tolerance
+from prefill_diff.dumps.schema import TOL_KINDS
+from prefill_diff.verify.tolerance import Policy, Tolerance
 
 DIM, N_HEADS, N_KV, HEAD_DIM, VOCAB = 8, 2, 2, 4, 16
 SAMPLES = [[3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
@@ -134,7 +135,7 @@ def record(spec: Spec, level: str = "full", edit=None, name: str = "trace", **kw
 
 def policy(tol: Tolerance = TOL, **kw) -> Policy:
     """One tolerance for every kind."""
-    return Policy("test", {k: tol for k in KINDS}, **kw)
+    return Policy("test", {k: tol for k in TOL_KINDS}, **kw)
 
 
 def context(ref: Trace, cand: Trace, pol: Policy | None = None, calib=None) -> Context:

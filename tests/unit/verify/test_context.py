@@ -14,7 +14,8 @@ from prefill_diff.verify.align import Alignment
 from prefill_diff.verify.calibrate import CalibAcc, Calibration
 from prefill_diff.verify import context as context_module
 from prefill_diff.verify.context import Context, Rows
-from prefill_diff.verify.tolerance import KINDS, Policy, Tolerance
+from prefill_diff.dumps.schema import TOL_KINDS
+from prefill_diff.verify.tolerance import Policy, Tolerance
 
 from ._traces import DIM, SAMPLES, context, make_spec, policy, record
 
@@ -45,7 +46,7 @@ def _pair():
 # -- the policy and calibration, as the comparers read them ----------------------------------------------------
 
 def test_without_calibration_values_are_judged_by_the_policys_tolerance_of_each_kind():
-    kinds = {k: Tolerance(1e-3 * (i + 1), 1e-4 * (i + 1)) for i, k in enumerate(KINDS)}
+    kinds = {k: Tolerance(1e-3 * (i + 1), 1e-4 * (i + 1)) for i, k in enumerate(TOL_KINDS)}
     ref, cand = _pair()
     ctx = context(ref, cand, Policy("p", kinds, equal_nan=True))
     assert ctx.calib is None and ctx.noise_of is None and ctx.calib_acc(2) is None
