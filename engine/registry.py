@@ -18,7 +18,7 @@ The entry declares the rest as data, so nothing else in the project asks "which 
 - ``computes``: the precisions it runs on request (verify/calibrate.py's ``precisions`` dicts: ``dtype``,
   ``weight_quant``, ``cache_dtype``). A calibrated verdict's golden (float64) and twin (the candidate's
   precisions) run on the reference's engine when it can run both, else on ours (``twin_maker``).
-- ``tp``: whether ``[run] tp > 1`` shards it over processes (engine/native/parallel.py), else why not.
+- ``tp``: whether ``[run] tp > 1`` shards it over processes (engine/parallel.py), else why not.
 - ``needs``: the packages it imports in prefill-diff's own process, each with the extra that installs it;
   ``prepared.prepare`` checks them (``missing_packages``) before a side loads its model.
 
@@ -215,10 +215,6 @@ def engine(name: str) -> EngineInfo:
     if info is None:
         raise ConfigError(f"engine must be one of {', '.join(ENGINES)} (got {name!r})")
     return info
-
-
-def by_table(table: str) -> EngineInfo | None:
-    return next((e for e in ENGINES.values() if e.table == table), None)
 
 
 def option_names(info: EngineInfo) -> set:
