@@ -18,7 +18,8 @@ from ..verify.formats.json_report import to_json
 from ..verify.formats.junit import to_junit
 from ..verify.formats.markdown import to_markdown
 from ..verify.formats.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
-from .render import COLUMNS, print_line, print_report, shown_layers, verdict_text
+from ..verify.formats.terminal import COLUMNS, print_report, shown_layers, verdict_text
+from ..verify.formats.text import print_line
 from .terminal import keep_status_if_stdout_closes, xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3

@@ -156,7 +156,7 @@ def test_progress_on_a_pipe_is_one_line_per_phase_and_q_silences_it(tmp_path):
 
 def test_a_step_of_unknown_length_shows_no_count():
     from rich.progress import Progress as RichProgress
-    from prefill_diff.cli.main import _Count
+    from prefill_diff.cli.display import _Count
     p = RichProgress(disable=True)
     p.add_task("comparing", total=None)
     p.add_task("candidate: layers", total=4, completed=2)

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from prefill_diff.verify.formats.json_report import to_json
-from prefill_diff.cli.render import BAD, layer_table, print_report, shown_layers
+from prefill_diff.verify.formats.terminal import BAD, layer_table, print_report, shown_layers
 
 ENV = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
 
@@ -125,7 +125,7 @@ def test_cache_column_shows_the_cache_length_break_in_its_row(reports):
 
 
 def test_token_text_is_one_unbreakable_word():
-    from prefill_diff.cli.render import token_repr
+    from prefill_diff.verify.formats.text import token_repr
     assert token_repr(" Paris") == "'␣Paris'" and " " not in token_repr(" a b\n")
     assert "\\n" in token_repr("\n")  # control characters visible
 
@@ -189,7 +189,7 @@ def test_compile_time_of_a_compiled_side_is_a_note(run_cli, traces, tmp_path):
 @pytest.mark.slow
 def test_top_ids_not_in_the_other_sides_top_5_are_marked_in_words(reports):
     from prefill_diff.cli.jobs import run as run_pair
-    from prefill_diff.cli.render import final_table
+    from prefill_diff.verify.formats.terminal import final_table
     rep = run_pair("reference", "fault:last-column").report
     assert any(set(r[:5]) != set(c[:5]) for _, r, c in rep.final.top)
     assert any(set(r[:5]) == set(c[:5]) for _, r, c in rep.final.top)
@@ -558,7 +558,7 @@ def folded(lines: list, first: str) -> list:
 def test_header_and_verdict_fold_between_their_fields_on_a_terminal(reports, width):
     from dataclasses import replace
     from rich.cells import cell_len
-    from prefill_diff.cli.render import header_text
+    from prefill_diff.verify.formats.terminal import header_text
     rep = reports["fault:gqa-mapping"]
     d = "/tmp/prefill-diff-traces"  # every field fits a line; the whole header does not fit 120 columns
     rep = replace(rep, ref=dict(rep.ref, file=f"{d}/ref.h5"), cand=dict(rep.cand, file=f"{d}/cand.h5"))
@@ -576,7 +576,7 @@ def test_header_and_verdict_fold_between_their_fields_on_a_terminal(reports, wid
 
 def test_fold_keeps_words_and_numbers_whole():
     from rich.text import Text
-    from prefill_diff.cli.render import fold
+    from prefill_diff.verify.formats.text import fold
     text = Text("a=1.5e-03, bb=supercalifragilistic, c=2.25e+01  d=x")
     for width in range(4, 60):
         lines = fold(text, width, ("  ", ", ")).plain.split("\n")

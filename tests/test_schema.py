@@ -280,7 +280,7 @@ def test_the_vocabulary_is_declared_once_and_every_consumer_derives_from_it():
 
 def test_the_consumers_read_the_declaration():
     from dataclasses import fields
-    from prefill_diff.cli.render import COLUMNS
+    from prefill_diff.verify.formats.terminal import COLUMNS
     from prefill_diff.dumps import metacheck
     from prefill_diff.engine.native import kv_cache as cache, settings
     from prefill_diff.engine.shared import precisions
