@@ -306,10 +306,10 @@ def ledger(config, what):
         prefill-diff ledger batched-left --model synthetic
     """
     quiet_libraries()
+    spec, inputs = what.resolve()  # a bad --model or --tokens is said before torch is imported
     from ..engine.config import Inputs, load_side  # the engine (torch): imported only by commands that run it
     from ..engine.prepared import default_token_ids, prepare
     from ..engine.models.spec import ModelSpec
-    spec, inputs = what.resolve()
     if config is None:
         spec = spec or ModelSpec("seed-2.8")
         if inputs is None and spec.source == "seed-2.8":

@@ -50,6 +50,8 @@ def test_a_config_error_is_said_without_importing_torch(tmp_path, case, command)
 
 @pytest.mark.parametrize("args, said", [
     (("run", "reference", "batched-left", "--tokens", "1,2,x"), "--tokens takes comma-separated integers"),
+    (("ledger", "--tokens", "1,2,x"), "--tokens takes comma-separated integers"),
+    (("ledger", "--model", "synthetic:qwn2"), "did you mean synthetic:qwen2?"),
     (("run", "reference", "batched-left", "--model", "synthetic:qwn2"), "did you mean synthetic:qwen2?"),
     (("run", "reference", "batched-lft"), "did you mean batched-left?"),
     (("record", "fault:gqa-maping", "-o", "{tmp}/t.h5"), "did you mean fault:gqa-mapping?"),
