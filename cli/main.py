@@ -20,7 +20,7 @@ from importlib import metadata
 
 import click
 
-from ..dumps import native, provenance
+from ..dumps import kernels, provenance
 from ..dumps.inspect import summarize
 from ..dumps.rank_merge import open_any  # a trace file, or a directory of rank traces (a tensor-parallel run)
 from ..dumps.placement import completed_traces, n_completed, remove_partial_files
@@ -137,7 +137,7 @@ def _version(ctx, param, value) -> None:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = "not installed"
-    click.echo(f"prefill-diff, version {provenance.version()}\n{native.describe()}\n"
+    click.echo(f"prefill-diff, version {provenance.version()}\n{kernels.describe()}\n"
                f"torch {torch_version}, Python {platform.python_version()}")
     ctx.exit()
 

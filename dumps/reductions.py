@@ -3,7 +3,7 @@ finite count, min, max, sum, sum of squares) and a checksum, computed slab by sl
 the final logits' top ids.
 
 A CPU tensor is reduced with numpy on a zero-copy view, or in one pass by the compiled kernels
-(dumps/native.py); a tensor on an accelerator is reduced there. Does not import torch: a tensor is used
+(dumps/kernels.py); a tensor on an accelerator is reduced there. Does not import torch: a tensor is used
 through its own methods, and torch is taken from ``sys.modules`` when one is given.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from . import native
+from . import kernels
 from .schema import STAT_COLUMNS
 
 _MASK64 = (1 << 64) - 1
@@ -52,7 +52,7 @@ def slab_stats(x) -> tuple:
     computed when sum or sumsq is not finite. The checksum is the wrapped int64 sum, row by row, of the
     data's 8-byte words (each row zero-padded to a multiple of 8 bytes), so it composes over any split into
     rows: equal data gives equal checksums. A differing checksum alone is never a failure. With the compiled
-    kernels (dumps/native.py), a float32, float64 or bfloat16 slab is reduced in one pass instead.
+    kernels (dumps/kernels.py), a float32, float64 or bfloat16 slab is reduced in one pass instead.
 
     A CPU tensor is reduced with numpy on a zero-copy view: torch's reductions fan out to its thread
     pool, and on an oversubscribed machine each of the ~40 small reductions per layer waits for a
@@ -115,12 +115,12 @@ def _row_dots(m: np.ndarray, v: np.ndarray | None = None) -> np.ndarray:
 
 def _array_stats(a: np.ndarray, n: int, bfloat16: bool = False) -> tuple:
     """slab_stats of a C-contiguous array (rows first); ``bfloat16``: ``a`` holds bfloat16 bit patterns. One pass
-    of the compiled kernel (dumps/native.py) for float32, float64 and bfloat16, else _numpy_stats; the numpy
+    of the compiled kernel (dumps/kernels.py) for float32, float64 and bfloat16, else _numpy_stats; the numpy
     code also takes over when a sum is not finite (it counts the finite values, and sums float32 values
     whose sums overflowed again in float64)."""
-    k = native.kernels()
+    k = kernels.compiled()
     rows = a.reshape(a.shape[0], -1)
-    if k is not None and (bfloat16 or a.dtype in native.FLOAT_TYPES) and rows.strides[1] == rows.itemsize \
+    if k is not None and (bfloat16 or a.dtype in kernels.FLOAT_TYPES) and rows.strides[1] == rows.itemsize \
             and (k.unaligned_ok or rows.flags.aligned):
         lo, hi, s, ss, chk = k.stats(rows, bfloat16)
         if math.isfinite(s) and math.isfinite(ss):

@@ -36,22 +36,22 @@ def _not_on_github_actions():
 
 
 def _kernel_paths(request):
-    """Set up one of the compiled kernels' paths (dumps/native.py) for a module's tests: "native", "shared" (every
+    """Set up one of the compiled kernels' paths (dumps/kernels.py) for a module's tests: "compiled", "shared" (every
     comparison slab shared with the helper thread, verify/metrics.py SHARE_BYTES) or "numpy" (the code the kernels
     replace). Without the kernels built, the first two would repeat "numpy": skipped, unless CI requires them."""
-    from prefill_diff.dumps import native
+    from prefill_diff.dumps import kernels
     from prefill_diff.verify import metrics
-    if request.param != "numpy" and native.kernels() is None and os.environ.get("PREFILL_DIFF_REQUIRE_NATIVE") != "1":
-        pytest.skip(native.describe())
+    if request.param != "numpy" and kernels.compiled() is None and os.environ.get("PREFILL_DIFF_REQUIRE_NATIVE") != "1":
+        pytest.skip(kernels.describe())
     mp = pytest.MonkeyPatch()
     if request.param == "numpy":
-        mp.setattr(native, "_MODULE", None)
+        mp.setattr(kernels, "_MODULE", None)
     if request.param == "shared":
         mp.setattr(metrics, "SHARE_BYTES", 1)
     return mp
 
 
-@pytest.fixture(scope="module", params=["native", "numpy"])
+@pytest.fixture(scope="module", params=["compiled", "numpy"])
 def both_kernels(request):
     """The module's tests with the compiled kernels and with the numpy code they replace (module-scoped:
     hypothesis refuses function-scoped fixtures)."""
@@ -60,7 +60,7 @@ def both_kernels(request):
     mp.undo()
 
 
-@pytest.fixture(scope="module", params=["native", "shared", "numpy"])
+@pytest.fixture(scope="module", params=["compiled", "shared", "numpy"])
 def metric_kernels(request):
     """both_kernels, and the comparison's slabs shared with the helper thread too."""
     mp = _kernel_paths(request)

@@ -2,7 +2,7 @@
 
 A slab is (T, W): T rows (one per aligned position) of width W. The slab is read from memory
 once: |c - r|, the signed relative error, their extremes and the per-row sums (squares of r, c
-and c - r, sum of |c - r|) come from one loop of the compiled kernel (dumps/native.py; a large
+and c - r, sum of |c - r|) come from one loop of the compiled kernel (dumps/kernels.py; a large
 slab shared with a helper thread), or, without it, from numpy calls on one block of rows at a
 time while the block is in the CPU cache, into preallocated buffers. The element-wise tolerance
 bound is only evaluated exactly on rows that a cheap screen cannot clear:
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..dumps import native
+from ..dumps import kernels
 
 _local = threading.local()
 BLOCK_BYTES = 256 * 1024  # bytes of one operand per block: the four operands of a block stay in L2
@@ -110,10 +110,10 @@ class _Rows(NamedTuple):
 
 
 def _pass(r: np.ndarray, c: np.ndarray) -> _Rows:
-    """Every sum and extreme the metrics need: one pass of the compiled kernel (dumps/native.py) over rows
+    """Every sum and extreme the metrics need: one pass of the compiled kernel (dumps/kernels.py) over rows
     with contiguous values, shared with a helper thread for a large slab (_shared_pass); else _numpy_pass."""
-    k = native.kernels()
-    if k is not None and r.dtype == c.dtype and r.dtype in native.FLOAT_TYPES and r.strides[1] == r.itemsize \
+    k = kernels.compiled()
+    if k is not None and r.dtype == c.dtype and r.dtype in kernels.FLOAT_TYPES and r.strides[1] == r.itemsize \
             and c.strides[1] == c.itemsize and r.strides[0] >= 0 and c.strides[0] >= 0 \
             and (k.unaligned_ok or (r.flags.aligned and c.flags.aligned)):
         T = r.shape[0]

@@ -1,4 +1,4 @@
-"""The compiled kernels (dumps/_native.c) against the numpy code they replace and against float64 computed
+"""The compiled kernels (dumps/_kernels.c) against the numpy code they replace and against float64 computed
 naively: the comparison's row pass (verify/metrics.py) and the recorder's statistics (dumps/recorder.py), on
 special values, odd widths, strided rows and every bfloat16 pattern. tests/test_metrics.py and
 tests/test_recorder_stats.py also run whole, once with the kernels and once without (conftest.both_kernels)."""
@@ -15,38 +15,50 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import examples
-from prefill_diff.dumps import native, reductions
+from prefill_diff.dumps import kernels, reductions
 from prefill_diff.verify import metrics
 
-K = native.kernels()
+K = kernels.compiled()
 need = pytest.mark.skipif(K is None and os.environ.get("PREFILL_DIFF_REQUIRE_NATIVE") != "1",
-                          reason=f"{native.describe()} (CI requires them: PREFILL_DIFF_REQUIRE_NATIVE=1)")
+                          reason=f"{kernels.describe()} (CI requires them: PREFILL_DIFF_REQUIRE_NATIVE=1)")
 SPECIAL = [0.0, -0.0, np.nan, np.inf, -np.inf, 3e38, -3e38, 2e20, 1e-40, -1.5e19, 1.0, -2.5]
 
 
 def test_built_where_required():
     """CI sets PREFILL_DIFF_REQUIRE_NATIVE=1: a build that failed (the extension is optional) fails here."""
     if os.environ.get("PREFILL_DIFF_REQUIRE_NATIVE") == "1":
-        assert K is not None, native.describe()
-    assert native.describe().startswith("compiled kernels: ")
+        assert K is not None, kernels.describe()
+    assert kernels.describe().startswith("compiled kernels: ")
 
 
 def test_an_in_place_build_is_not_older_than_its_source():
-    """The extension is optional: a build that fails (a compile error after an edit of _native.c) leaves the
+    """The extension is optional: a build that fails (a compile error after an edit of _kernels.c) leaves the
     previous in-place build loaded, silently. An editable install's module must be newer than its source."""
     import glob
-    src = os.path.join(os.path.dirname(native.__file__), "_native.c")
-    for built in glob.glob(os.path.join(os.path.dirname(native.__file__), "_native*.so")):
+    src = os.path.join(os.path.dirname(kernels.__file__), "_kernels.c")
+    for built in glob.glob(os.path.join(os.path.dirname(kernels.__file__), "_kernels*.so")):
         if os.path.exists(src):
             assert os.path.getmtime(built) >= os.path.getmtime(src), \
                 f"{built} is older than {src}: rebuild it (pip install -e .) and read the compiler's errors"
 
 
 def test_turned_off_by_environment():
-    code = "from prefill_diff.dumps import native; print(native.kernels() is None, native.describe())"
+    code = "from prefill_diff.dumps import kernels; print(kernels.compiled() is None, kernels.describe())"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PREFILL_DIFF_NATIVE": "0"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "True compiled kernels: turned off (PREFILL_DIFF_NATIVE=0)"
+
+
+def test_native_names_our_engine_only():
+    """'native' is our engine (engine/native/, engine = "native"); the compiled kernels are dumps/kernels.py over
+    dumps/_kernels.c, and no module of the four packages is named for 'native' (the switch users know,
+    PREFILL_DIFF_NATIVE, keeps its name)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    named = [p.relative_to(root).as_posix() for d in ("cli", "engine", "dumps", "verify") for p in (root / d).rglob("*")
+             if "native" in p.stem and p.suffix in (".py", ".c")]
+    assert not named, named
+    assert (root / "engine" / "native" / "engine.py").exists() and kernels.__name__ == "prefill_diff.dumps.kernels"
 
 
 def same(a: float, b: float) -> bool:
@@ -228,7 +240,7 @@ def test_version_says_whether_the_kernels_are_used():
 
     from prefill_diff.cli.main import cli
     out = CliRunner().invoke(cli, ["--version"])
-    assert out.exit_code == 0 and native.describe() in out.output
+    assert out.exit_code == 0 and kernels.describe() in out.output
 
 
 def shared_call(r, c, threads: int, late_helper: bool = False):

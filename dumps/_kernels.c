@@ -3,7 +3,7 @@
    numpy needs one call, and one pass over the data, per quantity (a minimum, a maximum, a sum, a sum of
    squares, a checksum; a difference, a quotient, their extremes and three sums of squares); this module
    computes each group in one pass, with the GIL released. It is optional: built when a C compiler is
-   at hand (pyproject.toml), otherwise dumps/native.py says so and the numpy code does the same work.
+   at hand (pyproject.toml), otherwise dumps/kernels.py says so and the numpy code does the same work.
 
    Semantics kept from the numpy code (dumps/reductions.py slab_stats, verify/metrics.py _pass):
    - minima and maxima are NaN when any value is NaN (numpy's min/max), an infinity counts as a value;
@@ -129,7 +129,7 @@ typedef struct {
 
 static inline uint64_t sum_words(const char *p, Py_ssize_t nbytes)
 {
-    /* nbytes from p as little-endian 8-byte words, the last zero-padded (little-endian: checked in native.py) */
+    /* nbytes from p as little-endian 8-byte words, the last zero-padded (little-endian: checked in kernels.py) */
     uint64_t s = 0;
     Py_ssize_t words = nbytes / 8, tail = nbytes % 8;
     for (Py_ssize_t i = 0; i < words; i++) {
@@ -341,10 +341,10 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native",
-                                    "One-pass reductions over rows of floats (see dumps/native.py).", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernels",
+                                     "One-pass reductions over rows of floats (see dumps/kernels.py).", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void)
+PyMODINIT_FUNC PyInit__kernels(void)
 {
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddIntConstant(m, "unaligned_ok", UNALIGNED_OK) < 0) {

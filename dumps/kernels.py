@@ -1,8 +1,8 @@
-"""The optional compiled kernels (dumps/_native.c): one pass over the data per group of reductions.
+"""The optional compiled kernels (dumps/_kernels.c): one pass over the data per group of reductions.
 
-``pip install`` compiles ``_native`` when a C compiler is at hand; without one the install goes on and
+``pip install`` compiles ``_kernels`` when a C compiler is at hand; without one the install goes on and
 every caller uses its numpy code, which computes the same quantities in several passes (slower, not
-different: tests/test_native.py compares the two). ``PREFILL_DIFF_NATIVE=0`` turns the kernels off for
+different: tests/test_kernels.py compares the two). ``PREFILL_DIFF_NATIVE=0`` turns the kernels off for
 a process. (CI sets ``PREFILL_DIFF_REQUIRE_NATIVE=1``: a test then fails if they did not build, so that
 a broken build cannot hide behind the fallback.)
 """
@@ -24,7 +24,7 @@ def _load():
     if sys.byteorder != "little":  # the checksum reads 8-byte words as little-endian
         return None, "not used on a big-endian machine"
     try:
-        from ._native import row_pass, stats, unaligned_ok
+        from ._kernels import row_pass, stats, unaligned_ok
     except ImportError as e:
         return None, f"not built ({e})"
     return SimpleNamespace(row_pass=row_pass, stats=stats, unaligned_ok=bool(unaligned_ok)), "in use"
@@ -33,8 +33,8 @@ def _load():
 _MODULE, STATE = _load()
 
 
-def kernels():
-    """The compiled kernels (``row_pass``, ``stats``: see dumps/_native.c; ``unaligned_ok``: whether they read rows
+def compiled():
+    """The compiled kernels (``row_pass``, ``stats``: see dumps/_kernels.c; ``unaligned_ok``: whether they read rows
     at any byte offset, as mapped trace rows often are), or None: the callers' numpy code is used."""
     return _MODULE
 
