@@ -13,8 +13,10 @@ import llama_cpp  # noqa: F401
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.foreign import llamacpp_engine as lce
+from prefill_diff.engine.foreign import llamacpp_library as llib
 from prefill_diff.engine.config import load_side
 from prefill_diff.engine.models.gguf_loader import smollm2_path
+from prefill_diff.engine.shared.errors import ModelLoadError
 from prefill_diff.verify.tolerance import default_policy
 
 pytestmark = pytest.mark.slow  # llama.cpp runs of the SmolLM2 GGUF
@@ -252,7 +254,7 @@ def test_policy_follows_the_weight_type_and_the_cache():
 # -- guards -----------------------------------------------------------------------------------------
 def test_models_load_without_extra_buffer_types(monkeypatch, run_cli):
     """The AMX segfault: every model is loaded with use_extra_bufts = False, CPU only."""
-    lib = lce.load_library()
+    lib = llib.load_library()
     seen = []
     real = lib.llama_model_load_from_file
 
@@ -267,25 +269,25 @@ def test_models_load_without_extra_buffer_types(monkeypatch, run_cli):
 
 def test_struct_layout_matches_this_ggml():
     """Our ctypes struct ggml_tensor against ggml's own accessors (name offset, ne), and a wrong one refused."""
-    lce.load_library()
-    t = lce.GgmlTensor()
+    llib.load_library()
+    t = llib.GgmlTensor()
     t.type, t.name = 0, b"probe-3"
     for i, n in enumerate((4, 3, 2, 1)):
         t.ne[i] = n
     buf = (ctypes.c_float * 24)()
     t.data = ctypes.addressof(buf)
-    cap = lce.Capture(1)
+    cap = llib.Capture(1)
     cap._check_layout(t, ctypes.addressof(t))
     assert cap.checked
 
     class Shifted(ctypes.Structure):  # one field short: name and ne land elsewhere
-        _fields_ = [f for f in lce.GgmlTensor._fields_ if f[0] != "buffer"]
+        _fields_ = [f for f in llib.GgmlTensor._fields_ if f[0] != "buffer"]
     s = Shifted()
     s.type, s.name, s.data = 0, b"probe-3", ctypes.addressof(buf)
     for i in range(4):
         s.ne[i] = 1
-    with pytest.raises(lce.ModelLoadError, match="lays out struct ggml_tensor differently"):
-        lce.Capture(1)._check_layout(s, ctypes.addressof(s))
+    with pytest.raises(ModelLoadError, match="lays out struct ggml_tensor differently"):
+        llib.Capture(1)._check_layout(s, ctypes.addressof(s))
 
 
 @pytest.mark.parametrize("toml, message", [
@@ -313,7 +315,7 @@ def test_bad_llamacpp_settings_are_one_line_exit_2(toml, message, run_cli, tmp_p
 def test_missing_llama_cpp_python_is_a_clear_error(monkeypatch, run_cli):
     import sys
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
-    monkeypatch.setitem(lce._STATE, "lib", None)
+    monkeypatch.setitem(llib._STATE, "lib", None)
     res = run_cli("run", "reference", "llama.cpp", "--model", "seed-2.8")
     assert res.exit_code == 2
     assert "pip install 'prefill-diff[llamacpp]'" in res.output

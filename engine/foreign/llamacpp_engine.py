@@ -20,6 +20,7 @@ KV positions are llama.cpp's own (``llama_memory_seq_pos_min/max``).
 ``batching = "unbatched"`` prefills one sequence per context (a reference); ``"packed"`` puts every
 prompt into one ``llama_batch`` as its own sequence (``seq_id``), in a unified KV cache: llama.cpp's
 own batching (a candidate). Models that are not GGUF files are converted to one (gguf_writer).
+The library and the reading of its nodes are in llamacpp_library.py, the GGUF file it loads in llamacpp_gguf.py.
 
 Guarded here, so no user meets them: the default (native) build of llama.cpp segfaults on its first
 decode on AMX machines (ggml's AMX matmul, an "extra buffer type"): models load with
@@ -28,15 +29,7 @@ decode on AMX machines (ggml's AMX matmul, an "extra buffer type"): models load 
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import importlib.metadata
-import mmap
 import os
-import shutil
-import struct
-import tempfile
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -44,80 +37,13 @@ import torch
 from ..calls import Placement, plan_calls
 from ..coords import SeqRun
 from ..shared.errors import ConfigError, ModelLoadError, PrefillDiffError
-from ..models.gguf_loader import smollm2_path
-from ..models.gguf_writer import check_convertible, write_gguf
+from ..models.gguf_writer import check_convertible
+from .llamacpp_gguf import GgufFile
+from .llamacpp_library import Capture, load_library, log_tail, version
 
-PINNED = "0.3.36"  # the ggml_tensor layout below is this version's; it is checked at run time as well
-INSTALL = "pip install 'prefill-diff[llamacpp]' (builds llama.cpp from source: 6-11 minutes on 2 cores)"
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 CACHE_DTYPE = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}  # the rest are block-quantized: "int8"
 FLASH = {True: 1, False: 0, "auto": -1}
-_F32, _F16 = 0, 1
-
-
-class GgmlTensor(ctypes.Structure):
-    """``struct ggml_tensor`` of ggml as vendored by llama-cpp-python 0.3.36 (ggml.h)."""
-    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
-                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
-                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64),
-                ("extra", ctypes.c_void_p), ("padding", ctypes.c_char * 8)]
-
-
-_STATE = {"lib": None, "log": [], "log_cb": None, "ggml": None}
-
-
-def load_library():
-    """llama_cpp, imported once, with its log routed to a buffer (errors are quoted in ours)."""
-    if _STATE["lib"] is not None:
-        return _STATE["lib"]
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when the OpenMP runtime loads
-    try:
-        import llama_cpp  # optional (a native library): imported when a llama.cpp run starts
-    except ImportError:
-        raise ModelLoadError(f"the llama.cpp engine needs llama-cpp-python=={PINNED}: {INSTALL}") from None
-    except OSError as e:
-        raise ModelLoadError(f"llama-cpp-python is installed but its library does not load ({e})") from None
-    log = _STATE["log"]
-
-    @llama_cpp.llama_log_callback
-    def on_log(level, text, user_data):  # keep warnings and errors (levels 3, 4 and their continuations)
-        if level in (3, 4) or (level == 5 and log and log[-1][0]):
-            log.append((True, (text or b"").decode("utf-8", "replace")))
-            del log[:-40]
-        elif level != 5:
-            log.append((False, ""))
-            del log[:-40]
-
-    llama_cpp.llama_log_set(on_log, ctypes.c_void_p(0))
-    _STATE["log_cb"] = on_log  # the C side holds only a pointer: keep the callback alive
-    llama_cpp.llama_backend_init()
-    try:
-        from llama_cpp._ggml import libggml
-        libggml.ggml_get_name.restype = ctypes.c_char_p
-        libggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-        libggml.ggml_nelements.restype = ctypes.c_int64
-        libggml.ggml_nelements.argtypes = [ctypes.c_void_p]
-        libggml.ggml_backend_buffer_is_host.restype = ctypes.c_bool
-        libggml.ggml_backend_buffer_is_host.argtypes = [ctypes.c_void_p]
-        _STATE["ggml"] = libggml
-    except (ImportError, OSError, AttributeError):
-        _STATE["ggml"] = None  # the layout check below then relies on names and shapes alone
-    _STATE["lib"] = llama_cpp
-    return llama_cpp
-
-
-def _log_tail() -> str:
-    text = "".join(t for keep, t in _STATE["log"] if keep).strip().replace("\n", "; ")
-    _STATE["log"].clear()
-    return text[-400:] if text else "no message from llama.cpp"
-
-
-def version() -> str | None:
-    try:
-        return importlib.metadata.version("llama-cpp-python")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def check(prep) -> None:
@@ -130,8 +56,6 @@ def check(prep) -> None:
                           "use batching = \"packed\" (several seq_ids in one llama_batch) or \"unbatched\"")
     if run.reuse is not None:
         no.append("prefix reuse")
-    if run.fault is not None:
-        no.append(f"fault {run.fault.name}")
     if run.cache.chunk_size:
         no.append("chunked prefill (use n_batch / n_ubatch)")
     if num.dtype != "float32":
@@ -152,239 +76,6 @@ def check(prep) -> None:
                           + ", ".join(no))
     if not (snap.source == "smollm2" or snap.source.startswith("gguf:")):
         check_convertible(snap)
-
-
-# -- the GGUF that llama.cpp runs ---------------------------------------------------------------------
-class GgufFile:
-    """The file llama.cpp loads: the model's own GGUF, or a conversion written for this run."""
-
-    def __init__(self, snapshot, gguf_type: str):
-        self.tmpdir = None
-        src = snapshot.source
-        if src == "smollm2" or src.startswith("gguf:"):
-            self.path = smollm2_path() if src == "smollm2" else src[5:]
-            self.converted = None
-        else:
-            check_convertible(snapshot)
-            self.tmpdir = tempfile.mkdtemp(prefix="prefill-diff-gguf-")
-            self.path = os.path.join(self.tmpdir, "model.gguf")
-            write_gguf(snapshot, self.path, gguf_type)
-            self.converted = gguf_type
-        self.describe = self._describe()
-
-    def _describe(self) -> dict:
-        """Architecture, weight types (counted over matrices) and, if quantized, a digest of those weights."""
-        try:
-            arch, tensors, data = gguf_index(self.path)
-        except (ValueError, KeyError, IndexError, OSError) as e:  # struct.error is a ValueError
-            raise ModelLoadError(f"{self.path}: not a GGUF file llama.cpp can run ({type(e).__name__}: {e})") from None
-        counts, quant = {}, []
-        float_types = {"F32", "F16", "BF16", "F64"}
-        for t in tensors:
-            if len(t["shape"]) < 2:
-                continue
-            counts[t["type"]] = counts.get(t["type"], 0) + 1
-            if t["type"] not in float_types:
-                quant.append(t)
-        digest = None
-        if quant:
-            h = hashlib.sha256()
-            with open(self.path, "rb") as f:
-                for t in sorted(quant, key=lambda t: t["name"]):
-                    h.update(f"{t['name']}|{t['type']}|{t['shape']}|".encode())
-                    f.seek(data + t["offset"])
-                    h.update(f.read(t["nbytes"]))
-            digest = "sha256:" + h.hexdigest()
-        names = set(counts)
-        wdtype = ("float16" if "F16" in names else "bfloat16" if "BF16" in names else "float32")
-        main = max((n for n in counts if n not in float_types), key=lambda n: counts[n], default=None)
-        return {"arch": arch, "weight_types": dict(sorted(counts.items())), "weight_quant": main,
-                "weights_dtype": wdtype, "quantized_weights_digest": digest}
-
-    def close(self):
-        if self.tmpdir:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.tmpdir = None
-
-
-class GgufIndex(NamedTuple):
-    """What a GGUF header says about the weights: architecture, tensor infos, offset of the data section."""
-    arch: str | None
-    tensors: list[dict]
-    data_offset: int
-
-
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-
-
-class _Header:
-    """A cursor over a GGUF header: reads strings and integers, skips values without building them."""
-
-    def __init__(self, buf, path: str):
-        self.buf, self.path, self.at = buf, path, 24
-
-    def unpack(self, fmt: str):
-        values = struct.unpack_from(fmt, self.buf, self.at)
-        self.at += struct.calcsize(fmt)
-        return values
-
-    def string(self) -> str:
-        n, = self.unpack("<Q")
-        self.at += n
-        return self.buf[self.at - n:self.at].decode("utf-8", "replace")
-
-    def skip(self, vtype: int) -> None:
-        if vtype in _SCALAR_SIZES:
-            self.at += _SCALAR_SIZES[vtype]
-        elif vtype == _STRING:
-            self.string()
-        elif vtype == _ARRAY:
-            etype, count = self.unpack("<IQ")
-            if etype in _SCALAR_SIZES:
-                self.at += _SCALAR_SIZES[etype] * count
-            else:
-                for _ in range(count):
-                    self.skip(etype)
-        else:
-            raise ModelLoadError(f"{self.path}: unknown GGUF value type {vtype}")
-
-
-def gguf_index(path: str) -> GgufIndex:
-    """Architecture, tensor infos and data offset from a GGUF header, without parsing metadata values.
-
-    gguf.GGUFReader builds every metadata field (tens of seconds for a 49k-token vocabulary on a busy
-    machine); this walks the header once, skipping the values, as the GGUF format allows.
-    """
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # gguf is optional: imported when used
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # only the header pages are read
-    if buf[:4] != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file")
-    _, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    h = _Header(buf, path)
-    arch, alignment = None, 32
-    for _ in range(n_kv):
-        key = h.string()
-        vtype, = h.unpack("<I")
-        if key == "general.architecture" and vtype == _STRING:
-            arch = h.string()
-        elif key == "general.alignment" and vtype == _UINT32:
-            alignment, = h.unpack("<I")
-        else:
-            h.skip(vtype)
-    tensors = []
-    for _ in range(n_tensors):
-        name = h.string()
-        nd, = h.unpack("<I")
-        dims = h.unpack(f"<{nd}Q")
-        ttype, offset = h.unpack("<IQ")
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
-        tensors.append({"name": name, "shape": tuple(reversed(dims)), "type": GGMLQuantizationType(ttype).name,
-                        "offset": offset, "nbytes": int(np.prod(dims)) // block * size})
-    at = h.at
-    buf.close()
-    return GgufIndex(arch=arch, tensors=tensors, data_offset=-(-at // alignment) * alignment)
-
-
-# -- capture ------------------------------------------------------------------------------------------
-def _layer_name(name: str):
-    base, sep, idx = name.rpartition("-")
-    if sep and idx.isdigit():
-        return base, int(idx)
-    return name, None
-
-
-class Capture:
-    """The cb_eval callback: which nodes to observe, and their values per micro-batch (ubatch)."""
-
-    WANT = {"ffn_inp", "l_out", "kqv_out", "Kcur", "Vcur"}
-
-    def __init__(self, n_layers: int):
-        self.n_layers = n_layers
-        self.cur: dict = {}
-        self.ubatches: list[dict] = []
-        self.error: BaseException | None = None
-        self.softmax_seen = False  # a "kq_soft_max" node: attention without flash attention
-        self.checked = False
-        self.pending: dict = {}  # node address -> key, decided when asked
-
-    def _key(self, t: GgmlTensor, addr: int):
-        name = t.name.decode("utf-8", "replace")
-        base, layer = _layer_name(name)
-        if base == "kq_soft_max":
-            self.softmax_seen = True
-        if layer is not None and base in self.WANT:
-            return (base, layer)
-        if name == "result_norm":
-            return (name, None)
-        src0 = t.src[0]
-        if src0 and not name.startswith("result"):
-            s = GgmlTensor.from_address(src0).name.decode("utf-8", "replace")
-            if s == "token_embd.weight":  # the embedding lookup ("inp_embd"/"embd"; tied output is "result_output")
-                return ("inp_embd", None)
-            # o_proj and the MLP's down projection: the matmul by the weight, then (a later node, which wins) the
-            # addition of the bias where the model has one
-            src1 = t.src[1]
-            s1 = GgmlTensor.from_address(src1).name.decode("utf-8", "replace") if src1 else ""
-            for which in (s, s1):
-                if which.startswith("blk.") and which.endswith((".ffn_down.weight", ".ffn_down.bias")):
-                    return ("ffn_down", int(which.split(".")[1]))
-                if which.startswith("blk.") and which.endswith((".attn_output.weight", ".attn_output.bias")):
-                    return ("attn_out", int(which.split(".")[1]))
-        return None
-
-    def _check_layout(self, t: GgmlTensor, addr: int) -> None:
-        """The struct read above must be this ggml's: compare with ggml's own accessors."""
-        ggml = _STATE["ggml"]
-        ok = 0 <= t.type < 64 and all(n >= 1 for n in t.ne) and t.data
-        if ok and ggml is not None:
-            ok = (ggml.ggml_get_name(addr) or b"") == t.name and ggml.ggml_nelements(addr) == int(np.prod(list(t.ne)))
-        if not ok:
-            raise ModelLoadError(f"llama-cpp-python {version()} lays out struct ggml_tensor differently from "
-                                 f"{PINNED}, the version this tool reads: pip install 'llama-cpp-python=={PINNED}'")
-        self.checked = True
-
-    def __call__(self, addr, ask, user_data):
-        try:
-            t = GgmlTensor.from_address(addr)
-            if ask:
-                key = self._key(t, addr)
-                if key is None:
-                    return False
-                self.pending[addr] = key
-                return True
-            key = self.pending.pop(addr, None)
-            if key is None:
-                return True
-            if not self.checked:
-                self._check_layout(t, addr)
-            a = read_tensor(t)  # (ne3, ne2, ne1, ne0); rows are tokens
-            # the last node of a name wins (Kcur-i after RoPE): K/V as (tokens, heads, d_h), others (tokens, width)
-            self.cur[key] = a.reshape(-1, a.shape[2], a.shape[3]) if key[0] in ("Kcur", "Vcur") else \
-                a.reshape(-1, a.shape[3])
-            if key[0] == "result_norm":
-                self.ubatches.append(self.cur)
-                self.cur = {}
-            return True
-        except BaseException as e:  # never let an exception cross into C; abort the computation instead
-            self.error = e
-            return False
-
-
-def read_tensor(t: GgmlTensor) -> np.ndarray:
-    """Copy a computed node out of host memory, honouring its strides (views included); numpy axis order."""
-    if t.type not in (_F32, _F16):
-        raise PrefillDiffError(f"llama.cpp node {t.name.decode()!r} has ggml type {t.type}, not f32 or f16")
-    ggml = _STATE["ggml"]
-    if ggml is not None and t.buffer and not ggml.ggml_backend_buffer_is_host(t.buffer):
-        raise PrefillDiffError(f"llama.cpp node {t.name.decode()!r} is not in host memory (a GPU backend?)")
-    dt = np.dtype(np.float32 if t.type == _F32 else np.float16)
-    ne, nb = list(t.ne), list(t.nb)
-    span = sum((n - 1) * s for n, s in zip(ne, nb)) + dt.itemsize
-    buf = (ctypes.c_char * span).from_address(t.data)
-    a = np.ndarray(shape=tuple(reversed(ne)), dtype=dt, buffer=buf, strides=tuple(reversed(nb)))
-    return np.array(a, dtype=np.float32)
 
 
 def _cache_round(x: np.ndarray, ggml_type: str) -> np.ndarray:
@@ -434,7 +125,7 @@ class Model:
         mp.use_extra_bufts = False  # ggml's AMX path segfaults on the first decode on AMX machines
         self.ptr = lib.llama_model_load_from_file(path.encode(), mp)
         if not self.ptr:
-            raise ModelLoadError(f"{snapshot.source}: llama.cpp cannot load {path} ({_log_tail()})")
+            raise ModelLoadError(f"{snapshot.source}: llama.cpp cannot load {path} ({log_tail()})")
         a = snapshot.args
         vocab = lib.llama_model_get_vocab(self.ptr)
         theirs = {"n_layers": lib.llama_model_n_layer(self.ptr), "dim": lib.llama_model_n_embd(self.ptr),
@@ -469,7 +160,7 @@ def _context(model: Model, cfg, n_tokens: int, n_seqs: int, threads: int, cb):
     cp.cb_eval_user_data = None
     ctx = lib.llama_init_from_model(model.ptr, cp)
     if not ctx:
-        raise ConfigError(f"llama.cpp refused the context settings ({_log_tail()})")
+        raise ConfigError(f"llama.cpp refused the context settings ({log_tail()})")
     return ctx
 
 
@@ -484,7 +175,7 @@ def _decode(lib, ctx, batch, chunk, cap: Capture) -> None:
     if cap.error is not None:
         raise cap.error
     if rc != 0:
-        raise ConfigError(f"llama_decode refused the batch (status {rc}): {_log_tail()}")
+        raise ConfigError(f"llama_decode refused the batch (status {rc}): {log_tail()}")
 
 
 def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int | None = None):

@@ -56,6 +56,8 @@ def run(smoke: bool = False) -> dict:
     from prefill_diff.cli.sides import record
     from prefill_diff.dumps.recorder import Recorder
     from prefill_diff.engine.foreign import llamacpp_engine as lce
+    from prefill_diff.engine.foreign.llamacpp_gguf import GgufFile
+    from prefill_diff.engine.foreign.llamacpp_library import load_library
     from prefill_diff.engine.config import Inputs, load_side
     from prefill_diff.engine.prepared import prepare
     from prefill_diff.engine.models.sources import load_snapshot
@@ -68,8 +70,8 @@ def run(smoke: bool = False) -> dict:
     ids = torch.randint(1, snap.args.vocab_size, (cfg_["n"],), generator=g).tolist()
     side = load_side("llama.cpp", spec, Inputs(token_ids=(tuple(ids),)))
     cfg = side.run.options
-    lib = lce.load_library()
-    gfile = lce.GgufFile(snap, cfg.gguf_type)
+    lib = load_library()
+    gfile = GgufFile(snap, cfg.gguf_type)
     model = lce.Model(gfile.path, snap)
     V = snap.args.vocab_size
     ctx = _plain_ctx(lce, model, cfg, len(ids))
