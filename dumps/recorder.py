@@ -61,38 +61,26 @@ wrong shape, naming what is expected (RecorderError). ``close`` refuses a trace 
 ``final`` was never called, or a layer without a required state or cache, and removes the file.
 
 The file is written under a temporary name beside the target and renamed only when
-complete and closed, so an interrupted run never leaves a file a reader accepts.
+complete and closed (dumps/trace_file.py), so an interrupted run never leaves a file a reader accepts.
 This module does not import torch: tensors are used through their own methods.
 """
 from __future__ import annotations
 
 import json
-import os
-import secrets
-from pathlib import Path
 
 import h5py
 import numpy as np
 
-from ..engine.shared.errors import PrefillDiffError
-from ..engine.shared.untrusted import check_name_length, partial_sibling
 from . import metacheck
 from . import schema as sc
-from .h5write import LIBVER, text_attr
+from .h5write import text_attr
 from .layer_store import LayerStore
-from .placement import TraceExistsError, check_interrupt, completed, partial, place, settled
+from .placement import check_interrupt
 from .provenance import provenance
 from .reductions import is_torch, slab_stats, slot_rows, source_dtype, to_numpy, top_ids
 from .sampling import Sampled, gather, select_channels, select_tokens
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2 ** 20:.1f} MiB"
-
-
-class RecorderError(PrefillDiffError):
-    """The recorder was called out of order or with inconsistent data."""
+from .trace_file import RecorderError, TraceFile
 
 
 def _required_args(meta) -> dict:
@@ -138,34 +126,13 @@ class Recorder:
         self.level, self.topk = level, topk
         self.compression = None if compression in (None, "none") else compression
         self.sample_tokens, self.sample_channels, self.sample_seed = sample_tokens, sample_channels, sample_seed
-        self.path = Path(path) if path is not None else None
-        self.in_memory, self.force = in_memory, force
-        if in_memory or path is None:
-            self.in_memory, self.tmp = True, None
-            self.f = h5py.File(f"mem-{secrets.token_hex(6)}.h5", "w", driver="core", backing_store=False,
-                               libver=LIBVER)
-        else:
-            try:
-                check_name_length(self.path, "the trace")
-                if self.path.exists() and not force:
-                    raise TraceExistsError(f"{self.path} exists; pass --force to overwrite it")
-                if self.path.is_dir():
-                    raise RecorderError(f"{self.path} is a directory")
-            except OSError as e:
-                raise RecorderError(f"cannot write {self.path}: {e.strerror}") from None
-            self.tmp = Path(partial_sibling(self.path))
-            partial(self.tmp)  # registered before it exists, so an interrupt at any moment can remove it
-            try:
-                self.f = h5py.File(self.tmp, "w", libver=LIBVER)
-            except OSError as e:
-                settled(self.tmp)
-                raise RecorderError(f"cannot write {self.path}: {e}") from None
+        self.file = TraceFile(path, force, in_memory)
+        self.f = self.file.f
         text_attr(self.f, "format", FORMAT_NAME)
         text_attr(self.f, "format_version", FORMAT_VERSION)
         text_attr(self.f, "level", level)
         self.f.attrs["complete"] = 0
         self.store = LayerStore(self.f)  # what the layers keep in memory until flushed
-        self._closed = False
         self.n_samples = None
         self._ds = {}
         self._seen: set = set()  # (layer, state name) and (layer, "cache") recorded
@@ -241,8 +208,8 @@ class Recorder:
             m[toks] = np.arange(len(toks))
             self._slot_of_tok.append(m)
         self._ds = {}
-        if self.tmp is not None:
-            self._check_space()
+        if self.file.tmp is not None:
+            self.file.check_space(self.size_estimate())
         if self.level == "sampled":
             P = max(len(t) for t in self._sampled_toks)
             st = np.full((S, P), -1, dtype=np.int64)
@@ -264,19 +231,6 @@ class Recorder:
         else:  # statistics and checksums; sampled rows of a few tokens and channels
             per_layer = (len(STATES) + 2) * S * (self.sample_tokens * self.sample_channels + 64)
         return int(1.1 * item * (self.args["n_layers"] * per_layer + 2 * S * self.dims["vocab"] + 8 * S * C)) + (1 << 20)
-
-    def _check_space(self) -> None:
-        """Refuse to start a trace its file system has no room for: HDF5 cannot recover from a full disk (it
-        crashes the process after the failed write), so the space is checked before the first array."""
-        where = os.path.dirname(os.path.abspath(self.tmp))
-        try:
-            st = os.statvfs(where)
-        except OSError:
-            return  # a file system that does not say: the write itself will tell
-        free, need = st.f_bavail * st.f_frsize, self.size_estimate()
-        if need > free:
-            raise RecorderError(f"not enough space for the trace {self.path}: it needs about {_mib(need)}, and its "
-                                f"file system ({where}) has {_mib(free)} free")
 
     def _write_meta(self):
         text_attr(self.f, "meta", json.dumps(self.meta, sort_keys=True, default=str))
@@ -565,7 +519,7 @@ class Recorder:
 
     def close(self) -> None:
         """Finish the file and move it into place (or, in memory, just mark it complete)."""
-        if self._closed:
+        if self.file.closed:
             return
         self._reuse = {}
         try:
@@ -578,24 +532,7 @@ class Recorder:
         self.flush()
         self._write_meta()
         self.f.attrs["complete"] = 1
-        if self.in_memory:
-            self.f.flush()
-            self._closed = True
-            return
-        self.f.close()
-        self._closed = True
-        check_interrupt()  # the interrupt may have been swallowed: never move an interrupted trace into place
-        try:
-            place(self.tmp, self.path, self.force)  # atomic: readers see the old state or the whole trace
-        except BaseException:
-            try:
-                os.unlink(self.tmp)
-            except FileNotFoundError:
-                pass
-            settled(self.tmp)
-            raise
-        completed(self.path)
-        settled(self.tmp)
+        self.file.finish()
 
     def _check_complete(self) -> None:
         """Every sample has its final output; every layer its required states and its cache."""
@@ -622,16 +559,4 @@ class Recorder:
 
     def abort(self) -> None:
         """Drop the partial file."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.f.close()
-        except Exception:
-            pass
-        if self.tmp is not None:
-            try:
-                os.unlink(self.tmp)
-            except FileNotFoundError:
-                pass
-            settled(self.tmp)
+        self.file.abort()

@@ -221,7 +221,8 @@ def _tiny_meta(**engine):
     ({**_tiny_meta(), "record": [1]}, "meta.record must be a dict"),
 ])
 def test_begin_refuses_missing_required_metadata(tmp_path, meta, words):
-    from prefill_diff.dumps.recorder import Recorder, RecorderError
+    from prefill_diff.dumps.recorder import Recorder
+    from prefill_diff.dumps.trace_file import RecorderError
     rec = Recorder(tmp_path / "t.h5")
     try:
         if words is None:
@@ -241,7 +242,8 @@ def test_begin_refuses_missing_required_metadata(tmp_path, meta, words):
 ])
 def test_the_recorder_refuses_metadata_its_reader_would_refuse(tmp_path, when, meta, words):
     """The write side checks the read side's schema: nothing is left that looks like a trace."""
-    from prefill_diff.dumps.recorder import Recorder, RecorderError
+    from prefill_diff.dumps.recorder import Recorder
+    from prefill_diff.dumps.trace_file import RecorderError
     path = tmp_path / "t.h5"
     rec = Recorder(path)
     try:
@@ -261,7 +263,8 @@ def test_the_recorder_refuses_metadata_its_reader_would_refuse(tmp_path, when, m
 
 
 def test_wrong_shapes_are_refused_naming_the_expected_shape(tmp_path):
-    from prefill_diff.dumps.recorder import Recorder, RecorderError
+    from prefill_diff.dumps.recorder import Recorder
+    from prefill_diff.dumps.trace_file import RecorderError
     rec = Recorder(tmp_path / "t.h5")
     rec.begin([[1, 2, 3]], 3, _tiny_meta())
     try:
@@ -311,7 +314,8 @@ def _tiny_trace(rec, finals=(0, 1), layers=True):
 
 
 def test_a_sample_without_final_is_refused_at_close_and_no_file_is_left(tmp_path):
-    from prefill_diff.dumps.recorder import Recorder, RecorderError
+    from prefill_diff.dumps.recorder import Recorder
+    from prefill_diff.dumps.trace_file import RecorderError
     path = tmp_path / "t.h5"
     with pytest.raises(RecorderError, match=r"final\(\) was never called for sample\(s\) \[1\]"):
         with Recorder(path) as rec:

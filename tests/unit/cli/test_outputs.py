@@ -21,7 +21,7 @@ from prefill_diff.cli import outputs
 from prefill_diff.cli.outputs import (FORMATS, STDOUT_REPORTS, Reports, check_out_dir, check_output_file,
                                       check_outputs, emit, stdout_taken, write_reports, write_text)
 from prefill_diff.cli.terminal import TextOut
-from prefill_diff.dumps.recorder import TraceExistsError
+from prefill_diff.dumps.placement import TraceExistsError
 from prefill_diff.engine.shared.errors import PrefillDiffError
 from prefill_diff.verify.report import compare_traces
 
