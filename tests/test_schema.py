@@ -12,6 +12,7 @@ import pytest
 from prefill_diff.dumps import schema as sc
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.dumps.recorder import Recorder
+from prefill_diff.engine.shared import precisions
 
 ARGS = {"dim": 8, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 2, "vocab_size": 16}
 SAMPLES = [[3, 4, 5], [6, 7]]  # right-padded into 3 columns
@@ -244,11 +245,16 @@ def test_inputs_and_final_reach_the_file_on_flush_and_close():
 # -- the vocabulary: declared once (dumps/schema.py; the precisions in the shared leaf engine/shared/precisions.py) --------
 
 ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_NAMES = ("STATES", "REQUIRED_STATES", "VALUE_ORDER", "CACHE_TENSORS", "STAT_TENSORS", "ABSENTABLE",
+                "FINAL_TENSORS", "TOL_KINDS", "TOL_FIELDS")
+PRECISION_NAMES = ("ACT_DTYPES", "CACHE_DTYPES", "FP8_DTYPES", "PRECISION_ORDER")
 DECLARED = {  # each list the vocabulary declares or derives, as a set of words
-    name: frozenset(getattr(sc, name)) for name in (
-        "STATES", "REQUIRED_STATES", "VALUE_ORDER", "CACHE_TENSORS", "STAT_TENSORS", "ABSENTABLE", "FINAL_TENSORS",
-        "TOL_KINDS", "TOL_FIELDS", "ACT_DTYPES", "KV_DTYPES", "FP8_DTYPES", "PRECISION_ORDER")}
+    **{name: frozenset(getattr(sc, name)) for name in SCHEMA_NAMES},
+    **{name: frozenset(getattr(precisions, name)) for name in PRECISION_NAMES}}
 DECLARED_IN = {"dumps/schema.py", "engine/shared/precisions.py"}
+# every name of the vocabulary (the lists, and the tables that key or map by it) and the module declaring it
+VOCABULARY = {**{n: "schema" for n in (*SCHEMA_NAMES, "TOL_KIND", "TENSOR", "LAYER_TENSORS", "FINAL_KIND")},
+              **{n: "precisions" for n in (*PRECISION_NAMES, "DTYPE_ALIASES")}}
 
 
 def _literal_lists(path: Path):
@@ -278,26 +284,65 @@ def test_the_vocabulary_is_declared_once_and_every_consumer_derives_from_it():
     assert not found, "\n".join(found)
 
 
+def _vocabulary_reads(path: Path):
+    """(line, statement, whether it reads the declared name) for each import of a name of the vocabulary (or of
+    anything from a declaring module under another name) and each module-level rebinding of one: ``from .schema
+    import TOL_KINDS`` reads it; ``from .schema import TOL_KINDS as KINDS``, ``KINDS = TOL_KINDS`` and ``from
+    .tolerance import TOL_KINDS`` (not the declaring module) do not."""
+    import ast
+    tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = (node.module or "").rsplit(".", 1)[-1]
+            for a in node.names:
+                if a.name in VOCABULARY or (source in ("schema", "precisions") and a.asname):
+                    yield node.lineno, f"from {'.' * node.level}{node.module or ''} import {a.name}" + (
+                        f" as {a.asname}" if a.asname else ""), (
+                        a.asname in (None, a.name) and source == VOCABULARY.get(a.name))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id in VOCABULARY:
+            yield node.lineno, f"{', '.join(ast.unparse(t) for t in node.targets)} = {node.value.id}", False
+
+
+def test_the_consumers_import_the_declared_names():
+    """One name per concept: every module (tests included) reads the vocabulary by its declared name, imported
+    from the module that declares it, never an alias of it. The scan must see the declared names imported, or it
+    proves nothing."""
+    found, read = [], 0
+    for d in ("cli", "verify", "dumps", "engine", "tests"):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            for line, what, ok in _vocabulary_reads(path):
+                read += ok
+                if not ok:
+                    found.append(f"{path.relative_to(ROOT).as_posix()}:{line} {what}")
+    assert read > 20, read
+    assert not found, "\n".join(found)
+
+
 def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.verify.formats.terminal import COLUMNS
     from prefill_diff.dumps import metacheck
-    from prefill_diff.engine.native import kv_cache as cache, settings
-    from prefill_diff.engine.shared import precisions
+    from prefill_diff.engine.native import settings
     from prefill_diff.engine import registry
-    from prefill_diff.engine.models import snapshot
-    from prefill_diff.verify import breaks, comparator, tolerance
+    from prefill_diff.verify import breaks, calibrate, comparator, tolerance
     from prefill_diff.verify.formats import plot
     assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
-    assert tolerance.KINDS is sc.TOL_KINDS and tolerance.DTYPE_ORDER is sc.PRECISION_ORDER
+    assert tolerance.TOL_KINDS is sc.TOL_KINDS is metacheck.TOL_KINDS and tolerance.TOL_KIND is sc.TOL_KIND
     assert tuple(f.name for f in fields(tolerance.Tolerance)) == sc.TOL_FIELDS == metacheck.TOL_FIELDS
-    assert set(tolerance.DTYPE_DEFAULTS) == set(sc.PRECISION_ORDER) == set(sc.KV_DTYPES)
-    from prefill_diff.verify.calibrate import UNIT_ROUNDOFF
-    assert set(UNIT_ROUNDOFF) == set(sc.PRECISION_ORDER)  # tables keyed by the vocabulary cover all of it
-    assert metacheck.ABSENTABLE is sc.ABSENTABLE and metacheck.DTYPES is sc.PRECISION_ORDER
-    assert metacheck.ENGINE_DTYPES is sc.ACT_DTYPES is precisions.FLOATS is registry.FLOATS is snapshot.ACT_DTYPES
-    assert settings.CACHE_DTYPES is precisions.CACHE_DTYPES is sc.KV_DTYPES
-    assert tuple(cache.FP8) == precisions.FP8 == sc.FP8_DTYPES and sc.PRECISION_ORDER is precisions.PRECISION_ORDER
+    assert tolerance.PRECISION_ORDER is metacheck.PRECISION_ORDER is precisions.PRECISION_ORDER
+    assert set(tolerance.DTYPE_DEFAULTS) == set(precisions.PRECISION_ORDER) == set(precisions.CACHE_DTYPES)
+    # tables keyed by the vocabulary cover all of it
+    assert set(calibrate.UNIT_ROUNDOFF) == set(precisions.PRECISION_ORDER)
+    assert metacheck.ABSENTABLE is sc.ABSENTABLE
+    assert (metacheck.ACT_DTYPES is calibrate.ACT_DTYPES is registry.ACT_DTYPES is settings.ACT_DTYPES
+            is precisions.ACT_DTYPES)
+    assert settings.CACHE_DTYPES is precisions.CACHE_DTYPES
+    assert precisions.FP8_DTYPES == tuple(d for d in precisions.CACHE_DTYPES if d.startswith("fp8"))
+    # a policy's other names: the dtypes' short names (derived from DTYPE_ALIASES), then the int8 presets
+    assert list(tolerance.POLICY_ALIASES.items()) == [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"),
+                                                      ("fp64", "float64"), ("w8", "int8"), ("kv-int8", "int8")]
+    assert all(precisions.DTYPE_ALIASES.get(a, d) == d for a, d in tolerance.POLICY_ALIASES.items())
     assert all(breaks.SUBLAYER[n] == sc.TENSOR[n].sublayer for n in sc.VALUE_ORDER)
     assert [c[0] for c in COLUMNS] == [n for n in sc.VALUE_ORDER if sc.TENSOR[n].header]
     assert dict(plot.SERIES)["mlp_update"] == sc.TENSOR["mlp_update"].words
