@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.engine.foreign import vllm_worker
+from prefill_diff.engine.foreign import vllm_probes, vllm_worker
 from prefill_diff.engine.foreign.vllm_engine import ENV
 
 pytestmark = pytest.mark.slow  # vLLM in its own environment and process
@@ -91,7 +91,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_the_probe_learns_the_kernels_layout_and_reads_the_cache_back(name, dtype):
     write = _kernel(LAYOUTS[name])
-    lk, lv = vllm_worker.learn_layout(write, B, H, D, dtype)
+    lk, lv = vllm_probes.learn_layout(write, B, H, D, dtype)
     assert lk.shape == (B, H, D) and sorted(lk.flatten().tolist()) == list(range(B * H * D))
     # a sequence of 13 positions over two non-adjacent blocks, read back through the block table
     g = torch.Generator().manual_seed(0)
@@ -102,8 +102,8 @@ def test_the_probe_learns_the_kernels_layout_and_reads_the_cache_back(name, dtyp
     kc, vc = cache.chunk(2, dim=2)
     slots = torch.tensor([blocks[p // B] * B + p % B for p in range(n)])
     write(keys, values, kc, vc, slots)
-    got_k = vllm_worker.read_cache(kc, blocks, n, lk, lambda x: x.to(torch.float32))
-    got_v = vllm_worker.read_cache(vc, blocks, n, lv, lambda x: x.to(torch.float32))
+    got_k = vllm_probes.read_cache(kc, blocks, n, lk, lambda x: x.to(torch.float32))
+    got_v = vllm_probes.read_cache(vc, blocks, n, lv, lambda x: x.to(torch.float32))
     np.testing.assert_array_equal(got_k, keys.permute(1, 0, 2).numpy())  # (heads, positions, dim)
     np.testing.assert_array_equal(got_v, values.permute(1, 0, 2).numpy())
 
@@ -115,7 +115,7 @@ def test_a_kernel_the_probe_does_not_understand_is_refused():
             kc[block, 0, 0, 0] = k[0, 0, 0]
             vc[block, 0, 0, 0] = v[0, 0, 0]
     with pytest.raises(RuntimeError):
-        vllm_worker.learn_layout(lossy, B, H, D, torch.float32)
+        vllm_probes.learn_layout(lossy, B, H, D, torch.float32)
 
 
 def _rotary(rounding, neox):
@@ -148,7 +148,7 @@ ROUNDINGS = {
 @pytest.mark.parametrize("rounding", sorted(ROUNDINGS))
 def test_the_probe_learns_how_a_kernel_rounds_to_bfloat16(rounding, neox):
     rotate, table = _rotary(ROUNDINGS[rounding], neox)
-    assert vllm_worker.learn_rounding(rotate, table, 48, neox) == rounding  # partial rotary: 32 of 48 dims
+    assert vllm_probes.learn_rounding(rotate, table, 48, neox) == rounding  # partial rotary: 32 of 48 dims
 
 
 def test_frames_round_trip_and_a_truncated_frame_is_refused(tmp_path):
@@ -166,13 +166,25 @@ def test_frames_round_trip_and_a_truncated_frame_is_refused(tmp_path):
         list(frames(io.BytesIO(buf.getvalue()[:-60])))
 
 
-def test_the_worker_imports_nothing_of_ours():
+@pytest.mark.parametrize("module", [vllm_worker, vllm_probes], ids=["worker", "probes"])
+def test_the_worker_imports_nothing_of_ours(module):
+    """The worker, and the file beside it that it loads by path: both run in vLLM's environment."""
     import ast
-    tree = ast.parse(open(vllm_worker.__file__, encoding="utf-8").read())
+    tree = ast.parse(open(module.__file__, encoding="utf-8").read())
     names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
         [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     assert not [m for m in names if m.startswith(("prefill_diff", "."))] and \
         not any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+
+
+def test_the_worker_loads_its_probes_by_path_outside_any_package(tmp_path):
+    """As vLLM's interpreter runs it (-I: no script directory or package on the import path), from elsewhere."""
+    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('w', sys.argv[1]); "
+            "w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w); print(w.probes.__file__)")
+    got = subprocess.run([sys.executable, "-I", "-c", code, vllm_worker.__file__], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.strip() == os.path.abspath(vllm_probes.__file__)
 
 
 # -- finding vLLM, and refusals before anything runs (no vLLM needed) --------------------------------------

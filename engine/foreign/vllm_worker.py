@@ -1,9 +1,10 @@
 """prefill-diff's vLLM worker: runs vLLM in the user's own Python environment and hands its prefill over.
 
 This file is run as a script by the interpreter of the environment vLLM is installed in (``[run.vllm]
-python`` or ``PREFILL_DIFF_VLLM_PYTHON``): it imports vLLM, torch and numpy and nothing of prefill-diff, so
-that environment needs nothing of ours installed. prefill-diff's process (engine/foreign/vllm_engine.py) keeps the
-recorder and the trace; the two talk in plain arrays:
+python`` or ``PREFILL_DIFF_VLLM_PYTHON``): it imports vLLM, torch and numpy and nothing of prefill-diff (the
+probes it loads from the file beside it import the same), so that environment needs nothing of ours installed.
+prefill-diff's process (engine/foreign/vllm_engine.py) keeps the recorder and the trace; the two talk in plain
+arrays:
 
 - the request arrives as one JSON document on stdin: the model directory, the prompts (token ids), the
   engine arguments, how to schedule them (all in one engine, or one at a time), which leading blocks to
@@ -25,17 +26,14 @@ Capture is through forward hooks on the real model object (the engine core runs 
 post-attention norm returns the stream after attention (the contract's U) as its second output. vLLM
 reuses its buffers: every hook copies.
 
-The paged cache's layout inside a block is the kernel's business and differs by dtype and instruction set
-(the float32 path stores keys transposed, bfloat16 on AMX is packed). ``learn_layout`` lets the kernel
-teach it: it writes index-coded keys and values into a scratch block, one bit of each index per pass, and
-reads back where each (slot, head, dim) landed. The same probe serves any kernel with the signature of
-``cpu_attn_reshape_and_cache``.
+The paged cache's layout inside a block is the kernel's business and differs by dtype and instruction set;
+the kernel teaches it, as the rotary kernel teaches how the kernels round to bfloat16: the probes are in
+vllm_probes.py, beside this file, loaded by its path (run as a script, the worker belongs to no package).
 """
 from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
 import struct
@@ -56,6 +54,20 @@ OWN_ARGS = ("model", "tokenizer", "trust_remote_code", "dtype", "kv_cache_dtype"
 
 class InputError(Exception):
     """vLLM refused what it was asked to run: said to the user in one line (exit status 2)."""
+
+
+def _beside(name: str):
+    """The module in the file ``name``.py beside this one, loaded by its path: the worker runs as a script with
+    ``python -I``, so its directory is on no import path, and it imports nothing of prefill-diff by name."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"prefill_diff_worker_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+probes = _beside("vllm_probes")  # the cache layout and the bfloat16 rounding, taught by vLLM's kernels
 
 
 # -- the vLLM release ------------------------------------------------------------------------------------
@@ -108,112 +120,7 @@ class Channel:
         self.stream.flush()
 
 
-# -- the cache layout, taught by the kernel --------------------------------------------------------------
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The elements' bit patterns, as integers (any 1-, 2- or 4-byte dtype)."""
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-
-
-def learn_layout(write, block_size: int, n_heads: int, head_dim: int, dtype: torch.dtype):
-    """Where the kernel ``write(keys, values, key_cache, value_cache, slots)`` puts each (slot, head, dim) of a
-    block: two maps (keys, values) of shape (block_size, n_heads, head_dim) holding indices into one block's
-    key (value) region viewed as a flat (n_heads * block_size * head_dim) vector.
-
-    The region views are those vLLM's CPU backend hands the kernel: a [blocks, heads, 2 * block_size, dim]
-    view of the cache, split in two along dim 2. Each pass writes 1.0 or 2.0 (exact in every float format)
-    by one bit of every element's index into block 1 (so that slot numbers count from the block's start);
-    the map must be a bijection, else the kernel is not one this probe understands."""
-    n = block_size * n_heads * head_dim
-    code = torch.arange(n, dtype=torch.int64).reshape(block_size, n_heads, head_dim)
-    slots = torch.arange(block_size, dtype=torch.int64) + block_size
-    one, two = _patterns(write, block_size, n_heads, head_dim, dtype)
-    seen = {w: torch.zeros(n, dtype=torch.int64) for w in ("k", "v")}
-    written = {w: torch.ones(n, dtype=torch.bool) for w in ("k", "v")}
-    for j in range(max(1, math.ceil(math.log2(n)))):
-        cache = torch.zeros((2, n_heads, 2 * block_size, head_dim), dtype=dtype)
-        kc, vc = cache.chunk(2, dim=2)
-        x = (1.0 + ((code >> j) & 1)).to(torch.float32)
-        write(x, x, kc, vc, slots)
-        for which, region in (("k", kc[1]), ("v", vc[1])):
-            raw = _bits(region.reshape(-1).clone())
-            written[which] &= (raw == one) | (raw == two)
-            seen[which] |= ((raw == two).to(torch.int64) << j)
-    maps = {}
-    for which in ("k", "v"):
-        where = torch.nonzero(written[which]).flatten()
-        if where.numel() != n:
-            raise RuntimeError(f"the cache kernel wrote {where.numel()} elements of a block for {n}")
-        inv = torch.full((n,), -1, dtype=torch.int64)
-        inv[seen[which][where]] = where
-        if (inv < 0).any():
-            raise RuntimeError("the cache kernel's layout is not a bijection of (slot, head, dim)")
-        maps[which] = inv.reshape(block_size, n_heads, head_dim)
-    return maps["k"], maps["v"]
-
-
-def _patterns(write, block_size, n_heads, head_dim, dtype):
-    """The stored bit patterns of 1.0 and 2.0: one block written all 1.0, then all 2.0."""
-    out = []
-    for value in (1.0, 2.0):
-        cache = torch.zeros((2, n_heads, 2 * block_size, head_dim), dtype=dtype)
-        kc, vc = cache.chunk(2, dim=2)
-        x = torch.full((block_size, n_heads, head_dim), value)
-        write(x, x, kc, vc, torch.arange(block_size, dtype=torch.int64) + block_size)
-        vals = torch.unique(_bits(kc[1].reshape(-1).clone()))
-        vals = [int(v) for v in vals if int(v) != 0]
-        if len(vals) != 1:
-            raise RuntimeError(f"the cache kernel stored {value} as {len(vals)} different patterns")
-        out.append(vals[0])
-    return out
-
-
-def read_cache(region: torch.Tensor, blocks, n: int, layout, as_float) -> np.ndarray:
-    """Positions 0..n-1 of one sequence from a cache region view [blocks, heads, block_size, dim], through its
-    block table row ``blocks`` and the learned ``layout``: (heads, n, dim) float32."""
-    block_size, n_heads, head_dim = layout.shape
-    need = -(-n // block_size)
-    flat = region[torch.as_tensor(list(blocks[:need]), dtype=torch.int64)].reshape(need, -1)
-    got = flat[:, layout.reshape(-1)].reshape(need * block_size, n_heads, head_dim)[:n]
-    return as_float(got).permute(1, 0, 2).contiguous().numpy()
-
-
-# -- how the kernels round to bfloat16, taught by the rotary embedding ---------------------------------
-
-def _truncate(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> bfloat16 toward zero: the upper 16 bits."""
-    return (x.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-
-
-def learn_rounding(rotate, cos_sin: torch.Tensor, head_size: int, neox: bool) -> str:
-    """How the kernel ``rotate(positions, query, key) -> (query, key)`` rounds its float32 result to bfloat16:
-    ``nearest`` (to nearest even, as torch does), ``truncate`` (toward zero: the upper 16 bits, as vLLM's x86
-    CPU kernels do where AVX512-BF16 is missing), ``other``, or ``unknown`` (too few elements told them apart).
-
-    ``cos_sin`` is the kernel's table [positions, rotary_dim] (cos half, then sin half), which vLLM's kernels
-    read in the query's dtype. The float32 result is recomputed from those bfloat16 inputs: a product of two
-    bfloat16 values is exact in float32, so the two ways of rounding differ only in the final conversion."""
-    g = torch.Generator().manual_seed(0)
-    n, r = 256, cos_sin.shape[-1]
-    pos = torch.randint(1, cos_sin.shape[0], (n,), generator=g)
-    q = torch.randn(n, head_size, generator=g).to(torch.bfloat16)
-    dev = cos_sin.device
-    got, _ = rotate(pos.to(dev), q.clone().to(dev), q.clone().to(dev))
-    got = got.reshape(n, head_size)[:, :r].cpu()
-    cos, sin = cos_sin[pos.to(dev)].cpu().to(torch.bfloat16).float().chunk(2, dim=-1)
-    x = q[:, :r].float()
-    x1, x2 = (x[:, :r // 2], x[:, r // 2:]) if neox else (x[:, 0::2], x[:, 1::2])
-    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-    exact = torch.cat((o1, o2), dim=-1) if neox else torch.stack((o1, o2), dim=-1).flatten(-2)
-    near, down = exact.to(torch.bfloat16), _truncate(exact)
-    tells = near != down
-    if int(tells.sum()) < 32:
-        return "unknown"
-    for name, want in (("nearest", near), ("truncate", down)):
-        if float((got[tells] == want[tells]).float().mean()) >= 0.95:
-            return name
-    return "other"
-
+# -- the model's bfloat16 rounding ---------------------------------------------------------------------
 
 def _rounding(model, dtype) -> str | None:
     """The bfloat16 rounding of the model's own rotary kernel; None when the model does not compute in
@@ -222,7 +129,7 @@ def _rounding(model, dtype) -> str | None:
         return None
     try:
         rope = model.model.layers[0].self_attn.rotary_emb
-        return learn_rounding(rope, rope.cos_sin_cache, int(rope.head_size), bool(rope.is_neox_style))
+        return probes.learn_rounding(rope, rope.cos_sin_cache, int(rope.head_size), bool(rope.is_neox_style))
     except Exception:  # a model whose rotary embedding differs: the trace says so instead of guessing
         return "unknown"
 
@@ -468,8 +375,8 @@ class Capture:
                 self.layout = self._learn(attn, kv, bs, h, two_d // 2)
             lk, lv, dq = self.layout
             blocks = block_row.tolist()
-            keys.append(read_cache(kc, blocks, n, lk, lambda x: dq(x, attn._k_scale_float)))
-            values.append(read_cache(vc, blocks, n, lv, lambda x: dq(x, attn._v_scale_float)))
+            keys.append(probes.read_cache(kc, blocks, n, lk, lambda x: dq(x, attn._k_scale_float)))
+            values.append(probes.read_cache(vc, blocks, n, lv, lambda x: dq(x, attn._v_scale_float)))
         return {"keys": np.stack(keys), "values": np.stack(values)}
 
     def _learn(self, attn, kv, block_size, n_heads, head_dim):
@@ -483,7 +390,7 @@ class Capture:
             ops.cpu_attn_reshape_and_cache(k.to(src), v.to(src), kc, vc, slots, attn.isa, 1.0, 1.0, kv_dtype)
         f = FP8.get(kv_dtype)
         dq = (lambda x, scale: x.view(f).to(torch.float32) * scale) if f else (lambda x, scale: x.to(torch.float32))
-        lk, lv = learn_layout(write, block_size, n_heads, head_dim, kv.dtype)
+        lk, lv = probes.learn_layout(write, block_size, n_heads, head_dim, kv.dtype)
         return lk, lv, dq
 
     model_dtype = torch.float32
