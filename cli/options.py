@@ -12,7 +12,7 @@ from ..engine.models import budget
 from ..engine.shared.errors import ConfigError
 from ..engine.shared.untrusted import check_int64
 from ..engine.models.spec import ModelSpec
-from ..engine.native.settings import MODEL_PRESETS
+from ..engine.models.args import MODEL_PRESETS
 from ..dumps.schema import TOL_KINDS
 from ..verify.tolerance import DTYPE_DEFAULTS, POLICY_ALIASES
 from .jobs import Judging, Tolerance

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from ..dumps.rank_merge import annotate, rank_dir
 from ..dumps.placement import TraceExistsError
 from ..dumps.recorder import Recorder
-from ..engine.native import parallel
+from ..engine import parallel
 from ..engine.config import Inputs, Side, at_precision, in_float64, load_side, on_engine, precision_of, run_from_dict
 from ..engine.engines import execute, token_texts, trace_meta
 from ..engine.shared.errors import ConfigError, PrefillDiffError

@@ -135,7 +135,7 @@ def either(*checks, rule: str):
 
 # -- the schema ----------------------------------------------------------------------------------------------
 
-# engine.native.model.ModelArgs, field by field (a test checks that the names agree). Upper bounds are far beyond any
+# engine.models.args.ModelArgs, field by field (a test checks that the names agree). Upper bounds are far beyond any
 # real model; memory is checked separately, before anything is allocated.
 MODEL_ARGS = {
     "dim": integer(1, 1 << 20), "n_layers": integer(1, 10_000), "n_heads": integer(1, 1 << 12),

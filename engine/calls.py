@@ -8,11 +8,11 @@ takes the call's coordinates and hands the trace recorder the samples'.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .coords import TraceRun
-from .native.faults import Faults
 from .shared.trace_recorder import TraceRecorder
 
 
@@ -67,6 +67,26 @@ def forced_list(forced: dict) -> list:
     """The forced cells as a trace's record lists them."""
     return [{"layer": layer, "sample": s, "token": t, "experts": list(ids)}
             for layer, cells in sorted(forced.items()) for (s, t), ids in sorted(cells.items())]
+
+
+class SkippedKV(NamedTuple):
+    """Fault row 2: layer ``layer`` does not write token ``token`` of the call's sequence ``seq``."""
+    layer: int
+    seq: int
+    token: int
+
+
+@dataclass(frozen=True)
+class Faults:
+    """A call's deliberate §2.11 faults; each changes execution, never the model (our engine applies them:
+    engine/native/faults.py)."""
+    unmasked_padding: bool = False  # row 5: padding keys visible
+    masked_row_softmax: bool = False  # row 7: no sentinel, a fully masked padding row enters softmax
+    last_column: bool = False  # row 1: gather the rectangle's last column
+    head_map: tuple | None = None  # row 4: query head -> KV head map other than ⌊h·H_kv/H_q⌋
+    skip_kv: SkippedKV | None = None  # row 2: one cache entry not written
+    window_shift: int = 0  # sliding-window layers see this many more keys (1: the window applied off by one)
+    router: str | None = None  # a mixture of experts' router or shared expert computed wrongly (config ROUTER_FAULTS)
 
 
 @dataclass

@@ -37,9 +37,9 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     [fault]                          # one §2.11 fault
     name = "gqa-mapping"
 
-This module imports no torch (its dataclasses are engine/native/settings.py's, the engines' table is
-engine/registry.py): a config is read and checked, and a typo or a bad value said with the file and the
-section, before any engine loads.
+This module imports no torch (its dataclasses are engine/models/args.py's and engine/native/settings.py's, the
+engines' table is engine/registry.py): a config is read and checked, and a typo or a bad value said with the file
+and the section, before any engine loads.
 """
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from . import registry
 from .shared.errors import ConfigError, PrefillDiffError, did_you_mean
 from .shared.untrusted import check_int64, check_prompt_text, read_small_file
-from .native.settings import MODEL_PRESETS, CacheConfig, CacheLayout, ModelArgs, NumericalConfig  # no torch
+from .models.args import MODEL_PRESETS, ModelArgs  # no torch
 from .models.spec import ModelSpec
+from .native.settings import CacheConfig, CacheLayout, NumericalConfig  # no torch
 
 try:
     import tomllib
@@ -129,7 +130,7 @@ class RunConfig:
     cache: CacheConfig = CacheConfig()
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
-    tp: int = 1  # tensor-parallel ranks, one process each (engine/native/parallel.py)
+    tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
     options: object | None = None
 
     def __post_init__(self):

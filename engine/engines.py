@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from .config import describe
-from .native.model import longrope_switch, rope_attention_factor, rope_inv_freq
+from .models.rope import longrope_switch, rope_attention_factor, rope_inv_freq
 from .shared.trace_recorder import TraceRecorder
 from .prepared import Prepared
 

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import contract, parallel
 from .models import budget
-from .native import contract, parallel
 from .calls import plan_calls
 from .config import Inputs, RunConfig, Side
 from .shared.errors import ConfigError, PreconditionError, UnsupportedModel
-from .native.prefill import Engine
 from .registry import missing_packages
 from .models.snapshot import Snapshot
 from .models.sources import load_snapshot
@@ -143,7 +142,7 @@ class Prepared:
     snapshot: Snapshot
     tokens: tuple
     texts: tuple | None
-    engine: Engine | None = None
+    engine: object | None = None  # what the engine's plan built, if it keeps one (ours: prefill.Engine)
     calls: list = field(default_factory=list)
     record: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # what an engine's plan resolved for its execute (never recorded)

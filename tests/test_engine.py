@@ -8,7 +8,7 @@ import torch
 
 from conftest import Capture, padded
 from prefill_diff.engine.shared.errors import MaskError, PreconditionError
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.native.prefill import CacheConfig, Engine, Faults, NumericalConfig, prefill
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.sources import load_snapshot

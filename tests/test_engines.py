@@ -6,7 +6,7 @@ import torch
 
 from prefill_diff.engine import engines
 from prefill_diff.engine.config import load_side
-from prefill_diff.engine.native.model import rope_inv_freq
+from prefill_diff.engine.models.rope import rope_inv_freq
 from prefill_diff.engine.prepared import prepare
 
 

@@ -14,7 +14,7 @@ from prefill_diff.dumps.reader import Trace
 from prefill_diff.dumps.schema import layer_group
 from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError
 from prefill_diff.engine.models.hub import args_from_hf_config
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.config import Inputs
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.verify.report import compare_traces

@@ -15,6 +15,7 @@ from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine.shared.errors import UnsupportedModel
 from prefill_diff.engine.models.sources import load_source
 from prefill_diff.engine.models.spec import ModelSpec
+from prefill_diff.engine.native.skeleton import build
 from prefill_diff.verify.report import compare_traces
 
 SIZES = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -130,4 +131,4 @@ def test_a_model_only_transformers_runs_is_described_not_loaded(glm4):
     assert snap.state == {} and "Glm4ForCausalLM" in snap.foreign
     assert (snap.args.dim, snap.args.n_layers, snap.args.n_kv_heads, snap.args.head_dim) == (128, 3, 2, 32)
     with pytest.raises(UnsupportedModel):
-        snap.build()
+        build(snap)

@@ -276,11 +276,11 @@ def test_schema_agrees_with_the_code_it_mirrors():
     """The reader cannot import the engine (torch) or verify/: its copies of their names must stay equal."""
     from dataclasses import fields
     from prefill_diff.dumps import metacheck
-    from prefill_diff.engine.native.model import ModelArgs
+    from prefill_diff.engine.models.args import ModelArgs
     from prefill_diff.verify import tolerance
     assert set(metacheck.MODEL_ARGS) == {f.name for f in fields(ModelArgs)}
-    assert set(metacheck.DTYPES) == set(tolerance.DTYPE_DEFAULTS)
-    assert metacheck.TOL_FIELDS == tolerance.TOL_FIELDS and metacheck.TOL_KINDS == tolerance.KINDS
+    assert set(metacheck.PRECISION_ORDER) == set(tolerance.DTYPE_DEFAULTS)
+    assert metacheck.TOL_FIELDS == tolerance.TOL_FIELDS and metacheck.TOL_KINDS == tolerance.TOL_KINDS
 
 
 # -- property test: every metadata field mutated by type and range ---------------------------------------
@@ -455,7 +455,8 @@ def test_memory_estimate_uses_the_machine_and_can_be_overridden(run_cli, tmp_pat
 
 def test_estimated_parameters_equal_the_model_built():
     from prefill_diff.engine.models import budget
-    from prefill_diff.engine.native.model import MODEL_PRESETS, Transformer
+    from prefill_diff.engine.models.args import MODEL_PRESETS
+    from prefill_diff.engine.native.model import Transformer
     import torch
     for name, args in MODEL_PRESETS.items():
         for a in (args, args.replace(tie_embeddings=True, qkv_bias=True, lm_head_bias=True),

@@ -212,7 +212,7 @@ def test_every_model_field_is_an_identity_key_or_says_why_not():
     """A field that changes what a prefill computes joins the model identity: a new ModelArgs field must be
     listed in one of the two tables, or this fails."""
     from dataclasses import fields
-    from prefill_diff.engine.native.model import ModelArgs
+    from prefill_diff.engine.models.args import ModelArgs
     from prefill_diff.verify.identity import IDENTITY_KEYS, NOT_IDENTITY
     names = {f.name for f in fields(ModelArgs)}
     assert names == set(IDENTITY_KEYS) | NOT_IDENTITY and not set(IDENTITY_KEYS) & NOT_IDENTITY

@@ -22,6 +22,14 @@ LEAVES = (SHARED, "engine.shared.errors", "engine.shared.untrusted", "engine.sha
           "engine.shared.trace_recorder")
 THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf", "vllm")  # never imported by dumps or verify
 VLLM_WORKER = "engine.foreign.vllm_worker"  # runs in vLLM's own environment, as a script: the one module that imports vllm
+# our engine is one engine among the others: the registry loads it by its module's name (engine/registry.py), as it
+# loads every engine, and no other module imports it
+NATIVE = "engine.native"
+# the edges into our engine that remain: RunConfig is made of our engine's numerics and cache settings (plain data)
+INTO_NATIVE = {("engine.config", "engine.native.settings")}
+# the engine's vocabulary and its leaf, beneath every engine: they import no engine
+BENEATH_ENGINES = ("engine.models", SHARED)
+ENGINES = (NATIVE, "engine.foreign")
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +76,7 @@ def imports() -> dict[str, dict[str, int]]:
                 continue
             for target in found:
                 if (ROOT / (target.replace(".", "/") + ".c")).exists():
-                    continue  # a compiled module of ours (dumps/_native.c): it imports nothing
+                    continue  # a compiled module of ours (dumps/_kernels.c): it imports nothing
                 if target in mods or target.split(".")[0] not in ORDER:
                     graph[mod].setdefault(target, node.lineno)
                 elif target.rsplit(".", 1)[0] in mods:  # `from .x import name`: the module x
@@ -126,6 +134,29 @@ def test_the_shared_leaf_imports_nothing_of_ours_but_itself(leaf):
 
 def test_every_module_of_the_shared_leaf_is_listed():
     assert sorted(m for m in modules() if m.startswith(SHARED)) == sorted(LEAVES)
+
+
+def _within(mod: str, packages) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in ((packages,) if isinstance(packages, str) else packages))
+
+
+def test_nothing_outside_our_engine_imports_it():
+    bad = [f"{m} (line {ln}) imports {t}" for m, deps in project_edges().items() if not _within(m, NATIVE)
+           for t, ln in deps.items() if _within(t, NATIVE) and (m, t) not in INTO_NATIVE]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_registry_loads_our_engine_by_its_module_name():
+    from prefill_diff.engine.registry import ENGINES as REGISTERED
+    assert "engine." + REGISTERED["native"].module in modules()
+    assert not any(_within(t, NATIVE) for t in project_edges()["engine.registry"])
+
+
+def test_the_models_and_the_shared_leaf_import_no_engine():
+    """No arrow back up inside engine/: the model vocabulary and the leaf lie beneath every engine."""
+    bad = [f"{m} (line {ln}) imports {t}" for m, deps in project_edges().items() if _within(m, BENEATH_ENGINES)
+           for t, ln in deps.items() if _within(t, ENGINES)]
+    assert not bad, "\n".join(bad)
 
 
 def _cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:

@@ -6,8 +6,9 @@ import math
 import torch
 
 from conftest import Capture
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.native.skeleton import build
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
 
@@ -84,7 +85,7 @@ class NaiveStep:
 def model_and_state():
     args = MODEL_PRESETS["synthetic"]
     state = synthetic_state(args, 0)
-    model, _ = Snapshot("synthetic", args, state).build("float64")
+    model, _ = build(Snapshot("synthetic", args, state), "float64")
     return args, state, model
 
 

@@ -497,7 +497,7 @@ def test_a_cache_entry_others_may_write_is_never_used(tmp_path, run_cli, monkeyp
 def test_a_taken_rendezvous_port_is_one_line(tmp_path, run_cli, monkeypatch):
     import socket
 
-    from prefill_diff.engine.native import parallel
+    from prefill_diff.engine import parallel
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -14,7 +14,9 @@ from prefill_diff.cli.jobs import run, run_lockstep
 from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError
-from prefill_diff.engine.native.model import MODEL_PRESETS, MoE
+from prefill_diff.engine.models.args import MODEL_PRESETS
+from prefill_diff.engine.native.model import MoE
+from prefill_diff.engine.native.skeleton import build
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.verify.report import compare_traces
 
@@ -295,7 +297,7 @@ def test_moe_config_fields_are_checked(field, value, words, tmp_path):
     snap = load_snapshot(ModelSpec(f"hf:{d}"))
     assert snap.foreign is not None and words in snap.foreign, snap.foreign
     with pytest.raises(ModelLoadError, match="supported"):
-        snap.build()
+        build(snap)
 
 
 def test_an_unreplayed_flip_fails_the_junit_gate_and_says_why(near_tie, tmp_path, run_cli):

@@ -17,9 +17,9 @@ import pytest
 
 from prefill_diff.dumps.rank_merge import RankTrace, merge_stats, open_any
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.engine.native import parallel
+from prefill_diff.engine import parallel
 from prefill_diff.engine.shared.errors import ConfigError
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.cli.jobs import compare_files
 from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces

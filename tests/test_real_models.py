@@ -12,6 +12,7 @@ from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS, Inputs
 from prefill_diff.engine.models.sources import load_snapshot
 from prefill_diff.engine.models.spec import ModelSpec
+from prefill_diff.engine.native.skeleton import build
 from prefill_diff.cli.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
@@ -334,7 +335,7 @@ def test_every_unsupported_config_field_is_refused(llama_dir, tmp_path, field, v
     snap = load_snapshot(ModelSpec(f"hf:{d}"))
     assert snap.foreign is not None and not snap.state, "described, no weight read"
     with pytest.raises(UnsupportedModel, match="supported") as e:
-        snap.build()
+        build(snap)
     assert words in str(e.value) and str(d) in str(e.value), str(e.value)
 
 

@@ -1,4 +1,5 @@
-"""The model skeleton: the shapes of the real module tree, and no torch._dynamo import at start-up."""
+"""The model skeleton: the declared weights (engine/models/weights.py) are the real module tree's, and no torch._dynamo
+import at start-up."""
 from __future__ import annotations
 
 import subprocess
@@ -7,13 +8,19 @@ import sys
 import pytest
 import torch
 
-from prefill_diff.engine.native.model import MODEL_PRESETS, Transformer
-from prefill_diff.engine.native.skeleton import skeleton, state_shapes
+from prefill_diff.engine.models.args import MODEL_PRESETS
+from prefill_diff.engine.models.weights import state_shapes
+from prefill_diff.engine.native.model import Transformer
+from prefill_diff.engine.native.skeleton import build, skeleton
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
 
 ARGS = [MODEL_PRESETS["synthetic"], MODEL_PRESETS["seed-2.8"],
         MODEL_PRESETS["synthetic"].replace(qkv_bias=True, lm_head_bias=True, tie_embeddings=True)]
+# every built-in model, and the variants none of them has: every bias, a shared expert beside a dense layer
+VARIANTS = {**MODEL_PRESETS, "every-bias": MODEL_PRESETS["synthetic"].replace(
+    qkv_bias=True, o_bias=True, mlp_bias=True, lm_head_bias=True, qk_norm="proj", norm_placement="sandwich"),
+    "shared-expert-dense-layer": MODEL_PRESETS["synthetic:qwen2-moe"].replace(dense_layers=(1,), qk_norm="head")}
 
 
 @pytest.mark.parametrize("args", ARGS, ids=["synthetic", "seed-2.8", "biases-tied"])
@@ -22,6 +29,12 @@ def test_state_shapes_are_those_of_an_initialised_model(args):
     assert list(state_shapes(args).items()) == [(k, tuple(v.shape)) for k, v in real.state_dict().items()]
     assert all(p.is_meta for p in skeleton(args).parameters())
     assert torch.nn.init.normal_(torch.zeros(4)).abs().sum() > 0  # the initialisers are restored afterwards
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_the_declared_weights_are_those_our_model_registers(name):
+    args = VARIANTS[name]
+    assert list(state_shapes(args).items()) == [(k, tuple(v.shape)) for k, v in skeleton(args).state_dict().items()]
 
 
 @pytest.mark.parametrize("args", ARGS, ids=["synthetic", "seed-2.8", "biases-tied"])
@@ -44,7 +57,7 @@ def test_synthetic_weights_are_drawn_in_the_model_state_order(args):
 def test_built_model_runs_the_snapshot_weights():
     args = MODEL_PRESETS["seed-2.8"]
     state = synthetic_state(args, 1)
-    model, qdigest = Snapshot("seed-2.8", args, state).build()
+    model, qdigest = build(Snapshot("seed-2.8", args, state))
     assert qdigest is None
     for name, t in model.state_dict().items():
         assert torch.equal(t, state[name]), name

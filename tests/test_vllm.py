@@ -350,7 +350,7 @@ def test_vllm_runs_the_mixtures_of_experts_and_records_its_routing(family, vllm_
     rep = _json(res := run_cli("run", "reference", "vllm", "--model", family, "--json", "-", "--out", tmp_path))
     assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
     from prefill_diff.dumps.reader import Trace
-    from prefill_diff.engine.native.model import MODEL_PRESETS
+    from prefill_diff.engine.models.args import MODEL_PRESETS
     args = MODEL_PRESETS[family]
     moe = [i for i in range(args.n_layers) if args.moe(i)]
     n_tokens = 0

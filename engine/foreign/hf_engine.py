@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 
 from ..models import cache_entries, model_cache
-from ..native.kv_cache import torch_dtype
+from ..models.dtypes import torch_dtype
 from ..shared.errors import ConfigError, ModelLoadError
 from ..models.gguf_loader import smollm2_path
 from ..models.hub import hf_state_dict
-from ..native.model import router_margin
-from ..native.parallel import current
+from ..models.routing import router_margin
+from ..parallel import current
 from ..calls import Placement, call_routing, forced_list, plan_calls
 
 

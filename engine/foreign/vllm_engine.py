@@ -353,8 +353,8 @@ def _routing(recorder, prep, layer: int, head: dict, a: dict) -> None:
     if layer not in moe:
         raise WorkerFailed(f"vLLM ran layer {layer} without the capture seeing its router (it has experts in "
                            f"{args.arch}); the worker does not know this MoE layer")
-    import torch  # deferred: the margin is computed as our engine's
-    from ..native.model import router_margin
+    import torch  # deferred: the margin is computed as every engine's
+    from ..models.routing import router_margin
     j = moe.index(layer)
     logits = torch.from_numpy(a["router_logits"][j])
     margin, scale = router_margin(logits, args.n_active_experts)

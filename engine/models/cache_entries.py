@@ -11,6 +11,7 @@ import json
 import os
 from typing import Callable
 
+from .args import ModelArgs
 from .model_cache import Entry
 
 
@@ -37,7 +38,6 @@ def load_snapshot(entry: Entry, source: str, wrap_tokenizer: Callable):
     """The snapshot ``save_snapshot`` wrote, named ``source`` (the trace's model identity is unchanged)."""
     from safetensors.torch import load_file  # deferred: torch
 
-    from ..native.model import ModelArgs
     from .snapshot import Snapshot  # deferred: torch
     meta = entry.meta
     state = load_file(os.path.join(entry.dir, WEIGHTS))

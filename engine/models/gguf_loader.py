@@ -16,7 +16,7 @@ from . import budget
 from ..shared.errors import ConfigError, ModelLoadError
 from ..shared.untrusted import visible
 from .hub import Tokenizer, check_state
-from ..native.model import ModelArgs
+from .args import ModelArgs
 from .snapshot import Snapshot
 
 _NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",

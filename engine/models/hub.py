@@ -16,9 +16,9 @@ import torch
 from . import budget, safetensors_check
 from ..shared.errors import ConfigError, ModelLoadError, UnsupportedModel
 from ..shared.untrusted import read_small_file, strict_json
-from ..native.model import ModelArgs
-from ..native.skeleton import state_shapes
+from .args import ModelArgs
 from .snapshot import Snapshot
+from .weights import state_shapes
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",

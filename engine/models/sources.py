@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 
 from . import budget, cache_entries, model_cache
-from ..native.lora import seeded_adapter
+from .adapter import seeded_adapter
+from .args import MODEL_PRESETS
 from ..shared.errors import ConfigError, ModelLoadError, UnsupportedModel
 from .gguf_loader import load_gguf, smollm2_path
 from .hub import Tokenizer, describe_hf_dir, load_hf_dir
-from ..native.model import MODEL_PRESETS
 from .snapshot import Snapshot
 from .spec import ModelSpec
 from .synthetic import synthetic_state

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..native.model import ModelArgs
-from ..native.skeleton import state_shapes
+from .args import ModelArgs
+from .weights import state_shapes
 
 
 def synthetic_state(args: ModelArgs, seed: int) -> dict[str, torch.Tensor]:

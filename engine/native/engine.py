@@ -4,7 +4,8 @@
 prefix cache filled by earlier requests (contract §2.9), and plans the calls with their §2.11 faults;
 ``execute`` runs the calls in lockstep, layer by layer, and yields each layer index once every call has
 finished it; the generator's return value is the run's record (reuse outcomes, invariant violations, fault
-observability, compile time).
+observability, compile time). ``ledger`` measures the shapes of contract §2.8 on a side it planned (the
+``ledger`` command).
 """
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import time
 
 import torch
 
-from .lora import seeded_adapter
 from .attention import standard_head_map
 from .kv_cache import PrefixKV
-from ..calls import Call, Placement, call_routing, forced_list, plan_calls
+from ..calls import Call, Faults, Placement, SkippedKV, call_routing, forced_list, plan_calls
 from .compiled import warm_up
 from ..config import ROUTER_FAULTS, RunConfig
 from ..shared.errors import ConfigError
-from .faults import Faults, SkippedKV
+from .ledger import ledger  # the shape ledger of contract §2.8 of a side this engine planned (`prefill-diff ledger`)
+from ..models.adapter import seeded_adapter
 from .prefill import Engine
 from .reuse import PrefixCache
 from ..models.snapshot import Snapshot

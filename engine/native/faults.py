@@ -1,36 +1,15 @@
 """Deliberate faults (contract §2.11): each changes execution, never the model.
 
 The engine applies them around the model (prefill.py): the mask, the cache writes, the head map
-and the gather. ``native_engine.faults_for`` turns a run's [fault] into one call's ``Faults``.
+and the gather. ``native_engine.faults_for`` turns a run's [fault] into one call's ``Faults`` (engine/calls.py).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
 from .attention import AttentionMask
+from ..calls import Faults, SkippedKV
 from ..coords import CacheWrite, Cell
-
-
-class SkippedKV(NamedTuple):
-    """Fault row 2: layer ``layer`` does not write token ``token`` of the call's sequence ``seq``."""
-    layer: int
-    seq: int
-    token: int
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Deliberate §2.11 faults; each changes execution, never the model."""
-    unmasked_padding: bool = False  # row 5: padding keys visible
-    masked_row_softmax: bool = False  # row 7: no sentinel, a fully masked padding row enters softmax
-    last_column: bool = False  # row 1: gather the rectangle's last column
-    head_map: tuple | None = None  # row 4: query head -> KV head map other than ⌊h·H_kv/H_q⌋
-    skip_kv: SkippedKV | None = None  # row 2: one cache entry not written
-    window_shift: int = 0  # sliding-window layers see this many more keys (1: the window applied off by one)
-    router: str | None = None  # a mixture of experts' router or shared expert computed wrongly (config ROUTER_FAULTS)
 
 
 # -- applied by the engine, around the model (prefill.ForwardStep and Engine._finish)

@@ -14,19 +14,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..shared.precisions import FLOATS
-from ..shared.precisions import FP8 as FP8_NAMES
+# storage dtypes of a KV cache (FP8_TORCH, torch_dtype); fp8 as vLLM stores it: the value divided by the layer's
+# scale (1.0 unless calibrated), cast to the fp8 format, read back times the scale
+from ..models.dtypes import FP8_TORCH, torch_dtype
 from .settings import CacheLayout  # plain data (no torch)
-
-# storage dtypes of a KV cache; fp8 as vLLM stores it: the value divided by the layer's scale (1.0 unless
-# calibrated), cast to the fp8 format, read back times the scale
-FP8 = dict(zip(FP8_NAMES, (torch.float8_e4m3fn, torch.float8_e5m2)))
-_TORCH = {**dict(zip(FLOATS, (torch.float64, torch.float32, torch.bfloat16, torch.float16))), "int8": torch.int8,
-          **FP8}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _TORCH[name]
 
 
 @dataclass
@@ -53,7 +44,7 @@ class _Codec:
     def encode(self, x: torch.Tensor):
         """(H, T, d) -> (data, scale (H, T) or None)."""
         if not self.int8:
-            return (x.to(torch.float32) if self.store_dtype in FP8.values() else x).to(self.store_dtype), None
+            return (x.to(torch.float32) if self.store_dtype in FP8_TORCH.values() else x).to(self.store_dtype), None
         xf = x.float()
         amax = xf.abs().amax(dim=(1, 2) if self.per_head else 2)  # (H,) or (H, T)
         scale = (amax.clamp_min(1e-12) / 127.0)
@@ -63,7 +54,8 @@ class _Codec:
 
     def decode(self, data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         if scale is None:
-            return data.to(torch.float32).to(self.act_dtype) if data.dtype in FP8.values() else data.to(self.act_dtype)
+            fp8 = data.dtype in FP8_TORCH.values()
+            return data.to(torch.float32).to(self.act_dtype) if fp8 else data.to(self.act_dtype)
         return (data.float() * scale[..., None]).to(self.act_dtype)
 
 

@@ -19,15 +19,20 @@ from typing import NamedTuple
 
 import torch
 
-from . import contract
+from .. import contract
 from .attention import AttentionMask, get_kernel, standard_head_map
-from .kv_cache import CacheLayout, KVCache, check_invariants, torch_dtype
+from .kv_cache import CacheLayout, KVCache, check_invariants
 from .compiled import compile_layers
+from ..calls import Faults
 from ..coords import CacheWrite, Cell, SeqRun
 from ..shared.errors import CacheInvariantError, ConfigError
-from .faults import Faults, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
-from .model import apply_rope, longrope_switch, rope_attention_factor, rope_cos_sin, rope_inv_freq
+from .faults import gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
+from .model import apply_rope, rope_cos_sin
 from .settings import CacheConfig, NumericalConfig  # plain data (no torch)
+from .sharding import kv_for_attention, shard
+from .skeleton import build
+from ..models.dtypes import torch_dtype
+from ..models.rope import longrope_switch, rope_attention_factor, rope_inv_freq
 from ..models.snapshot import Snapshot
 
 
@@ -91,7 +96,7 @@ class ForwardStep:
     """Plumbing for one forward over columns [c0, c1): what the model's attention and blocks call.
 
     The model calls ``rope``, ``attend`` (write K̃ and V to the cache, read what attention sees, run
-    the kernel) and ``record``; faults (faults.py), tensor parallelism (parallel.py) and shape probes
+    the kernel) and ``record``; faults (faults.py), tensor parallelism (sharding.py) and shape probes
     (ledger) are applied here, around the kernel, never inside the model.
     """
 
@@ -120,8 +125,8 @@ class ForwardStep:
         """O for every query head: (B, n_heads, S, head_dim)."""
         self._write(layer, k_rot, v, k_pre)
         keys, values, mask = self._visible(layer, k_rot, v)
-        if self.engine.tp is not None:  # tensor parallel: this rank's KV heads (engine/native/parallel.py)
-            keys, values = self.engine.tp.kv_for_attention(layer, keys, values)
+        if self.engine.tp is not None:  # tensor parallel: this rank's KV heads (engine/native/sharding.py)
+            keys, values = kv_for_attention(self.engine.tp, layer, keys, values)
         return self._kernel(layer, q_rot, keys, values, mask)
 
     def _write(self, layer: int, k_rot, v, k_pre) -> None:
@@ -200,10 +205,10 @@ class Engine:
 
     def __init__(self, snapshot: Snapshot, numerical: NumericalConfig = NumericalConfig(), tp=None):
         self.snapshot, self.numerical, self.args = snapshot, numerical, snapshot.args
-        self.model, self.quantized_digest = snapshot.build(numerical.dtype, numerical.weight_quant, numerical.training)
+        self.model, self.quantized_digest = build(snapshot, numerical.dtype, numerical.weight_quant, numerical.training)
         self.tp = tp  # a parallel.TPContext: this process is one rank of a tensor-parallel group
         if tp is not None:
-            tp.shard(self.model)
+            shard(tp, self.model)
             self.args = tp.local_args(self.args)  # this rank's heads and MLP rows
         if numerical.compile:
             compile_layers(self.model)

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from prefill_diff.engine.native.model import ModelArgs
+from prefill_diff.engine.models.args import ModelArgs
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state

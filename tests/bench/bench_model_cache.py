@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from prefill_diff.engine.native.model import ModelArgs
+from prefill_diff.engine.models.args import ModelArgs
 
 PROMPT = "The capital of France is"
 FULL = dict(model="smollm2", rounds=3, off=True)

@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
-from prefill_diff.dumps import native
+from prefill_diff.dumps import kernels
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.dumps.reductions import slab_stats, slot_rows
-from prefill_diff.engine.native.model import ModelArgs
+from prefill_diff.engine.models.args import ModelArgs
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.calls import Placement
 from prefill_diff.engine.models.snapshot import Snapshot
@@ -142,7 +142,7 @@ def _levels(engine, args, B: int, n: int, repeats: int, out_dir: str, kernel: st
     return {"config": f"d={args.dim} L={args.n_layers} H_q={args.n_heads} H_kv={args.n_kv_heads} B={B} n={n} "
                       f"float32 kernel={kernel}, traces in {out_dir}",
             "load average (1 min) during the rounds, min-max": [min(load), max(load)],
-            "cpus": os.cpu_count(), "kernels": native.describe(),
+            "cpus": os.cpu_count(), "kernels": kernels.describe(),
             "no recorder (s, best)": min(times[None]),
             **{f"{lv} trace / none (median of rounds)": float(np.median(rounds[lv])) for lv in levels[1:]},
             **{f"{lv} trace / none (best of {repeats} rounds each)": min(times[lv]) / min(times[None])

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from conftest import examples
 from prefill_diff.engine.calls import Placement, call_routing, forced_list, plan_calls
 from prefill_diff.engine.coords import TraceRun
-from prefill_diff.engine.native import contract
-from prefill_diff.engine.native.faults import Faults
+from prefill_diff.engine import contract
+from prefill_diff.engine.calls import Faults
 from prefill_diff.engine.shared.errors import PreconditionError
 
 PAD = 0

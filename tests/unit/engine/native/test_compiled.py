@@ -14,9 +14,10 @@ from prefill_diff.engine.calls import plan_calls
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
 from prefill_diff.engine.native.compiled import compile_layers, warm_up
-from prefill_diff.engine.native.faults import Faults
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.calls import Faults
+from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.native.prefill import CacheConfig, Engine, NumericalConfig
+from prefill_diff.engine.native import skeleton
 from prefill_diff.engine.shared.errors import ConfigError, PreconditionError
 
 # where each family places its norms (docs/contract.md's table), written out here rather than read from the model
@@ -26,7 +27,7 @@ NORMS = {"pre": {"attention_norm", "ffn_norm"}, "post": {"attention_post_norm", 
 
 def build(preset):
     args = MODEL_PRESETS[preset]
-    model, _ = Snapshot(preset, args, synthetic_state(args, 0)).build()
+    model, _ = skeleton.build(Snapshot(preset, args, synthetic_state(args, 0)))
     return args, model
 
 

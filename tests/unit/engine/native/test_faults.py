@@ -13,8 +13,8 @@ from prefill_diff.engine.coords import CacheWrite, Cell
 from prefill_diff.engine.models.sources import load_snapshot
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.engine.native.attention import AttentionMask, get_kernel
-from prefill_diff.engine.native.faults import (Faults, SkippedKV, gathered_cell, padding_visible_mask,
-                                               rewire_heads, skipped_kv_keep)
+from prefill_diff.engine.calls import Faults, SkippedKV
+from prefill_diff.engine.native.faults import gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
 from prefill_diff.engine.native.prefill import CacheConfig, Engine, NumericalConfig
 from prefill_diff.engine.shared.errors import CacheInvariantError
 

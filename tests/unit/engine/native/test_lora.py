@@ -10,9 +10,11 @@ from conftest import Capture
 from prefill_diff.engine.models.digest import digest_tensors
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
-from prefill_diff.engine.native.lora import ATTN_PROJ, Adapter, LoRALinear, apply_adapter, seeded_adapter
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.models.adapter import Adapter, seeded_adapter
+from prefill_diff.engine.models.args import MODEL_PRESETS
+from prefill_diff.engine.native.lora import ATTN_PROJ, LoRALinear, apply_adapter
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.native.skeleton import build
 
 ARGS = MODEL_PRESETS["synthetic"]
 
@@ -72,7 +74,7 @@ def test_apply_adapter_wraps_the_attention_projections_only():
     """Every layer's wq, wk, wv, wo becomes a LoRALinear around the original module with that layer's A and B in
     the model's dtype; nothing else in the model changes."""
     ad = seeded_adapter(ARGS, "x", rank=2)
-    model, _ = Snapshot("synthetic", ARGS, synthetic_state(ARGS, 0)).build("float64")
+    model, _ = build(Snapshot("synthetic", ARGS, synthetic_state(ARGS, 0)), "float64")
     before = {name: m for name, m in model.named_modules()}
     apply_adapter(model, ad, torch.float64)
     after = dict(model.named_modules())
@@ -122,6 +124,6 @@ def test_an_adapter_for_another_model_is_refused_when_applied():
     """An adapter drawn for a model with fewer layers lacks this model's later layers: applying it fails on the
     first missing tensor instead of leaving those layers unadapted."""
     small = seeded_adapter(ARGS.replace(n_layers=2), "x")
-    model, _ = Snapshot("synthetic", ARGS, synthetic_state(ARGS, 0)).build()
+    model, _ = build(Snapshot("synthetic", ARGS, synthetic_state(ARGS, 0)))
     with pytest.raises(KeyError, match="layers.2.wq.A"):
         apply_adapter(model, small, torch.float32)

@@ -10,7 +10,8 @@ from torch import nn
 from prefill_diff.engine.models.digest import digest_tensors
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine.models.args import MODEL_PRESETS
+from prefill_diff.engine.native import skeleton
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.native.quantize import WeightOnlyInt8Linear, quantize_int8
 from prefill_diff.engine.shared.errors import ConfigError
@@ -80,7 +81,7 @@ def test_an_all_zero_row_quantises_to_zeros_without_nan():
 def build(preset, dtype="float32"):
     args = MODEL_PRESETS[preset]
     snap = Snapshot(preset, args, synthetic_state(args, 0))
-    model, _ = snap.build(dtype)
+    model, _ = skeleton.build(snap, dtype)
     return snap, model
 
 
@@ -157,4 +158,4 @@ def test_an_unknown_weight_quantisation_is_refused():
     """A weight_quant other than none or int8 is refused when the model is built."""
     snap, _ = build("seed-2.8")
     with pytest.raises(ConfigError, match="weight_quant must be 'none' or 'int8' \\(got 'int4'\\)"):
-        snap.build("float32", "int4")
+        skeleton.build(snap, "float32", "int4")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.errors import PreconditionError
+from .shared.errors import PreconditionError
 
 
 def _integers(x: torch.Tensor, rule: str, what: str) -> None:

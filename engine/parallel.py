@@ -1,12 +1,8 @@
-"""Tensor parallelism on torch.distributed: N processes of one group, the model sharded Megatron-style.
+"""Tensor parallelism on torch.distributed: N processes of one group, each a rank holding its share of the heads.
 
-    column-parallel (ColwiseParallel): wq, wk, wv by whole query / KV heads; w1 (gate), w3 (up) by rows
-    row-parallel (RowwiseParallel):    wo, w2 — each rank's partial product, then all_reduce(SUM)
-
-Rank r of N holds query heads [r·H_q/N, (r+1)·H_q/N) and KV heads [r·H_kv/N, (r+1)·H_kv/N):
-because g(h) = ⌊h·H_kv/H_q⌋ maps contiguous runs of query heads onto one KV head, every query
-head's KV head lives on its own rank, and the local map ⌊l·(H_kv/N)/(H_q/N)⌋ is the global one
-shifted. Embeddings, norms and the output projection are replicated.
+Rank r of N holds query heads [r·H_q/N, (r+1)·H_q/N) and KV heads [r·H_kv/N, (r+1)·H_kv/N) (and its share of the
+MLP's rows): because g(h) = ⌊h·H_kv/H_q⌋ maps contiguous runs of query heads onto one KV head, every query head's
+KV head lives on its own rank. How a model is sharded is its engine's own (ours: engine/native/sharding.py).
 
 The tool starts the group itself (``launch``): torch.multiprocessing.spawn, gloo, a free port on
 127.0.0.1, one torch thread per rank. Under ``torchrun`` (across machines) ``init_group`` reads the
@@ -23,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from ..shared.errors import ConfigError
+from .shared.errors import ConfigError
 
 TP_FAULTS = ("tp-missing-allreduce", "tp-kv-shard")
 
@@ -85,38 +81,6 @@ class TPContext:
         """The model arguments as this rank's modules see them: its share of the heads and MLP rows."""
         return args.replace(n_heads=args.n_heads // self.world, n_kv_heads=args.n_kv_heads // self.world,
                             hidden_dim=args.hidden_dim // self.world)
-
-    def shard(self, model) -> None:
-        """Megatron-style sharding of our Transformer with DTensor's parallelize_module (in place)."""
-        from torch.distributed.tensor import Partial  # DTensor: imported only by tensor-parallel runs
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        plan = {}
-        for i, block in enumerate(model.layers):
-            p = f"layers.{i}"
-            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
-                plan[f"{p}.{name}"] = ColwiseParallel()
-            unreduced = self.fault == "tp-missing-allreduce" and i == 0
-            # the fault: layer 0's output projection returns each rank's partial sum, never all-reduced
-            plan[f"{p}.attention.wo"] = RowwiseParallel(output_layouts=Partial()) if unreduced else RowwiseParallel()
-            plan[f"{p}.feed_forward.w2"] = RowwiseParallel()
-        parallelize_module(model, self.mesh, plan)
-        local = self.local_args(model.args)
-        for block in model.layers:
-            block.attention.n_heads, block.attention.n_kv_heads = local.n_heads, local.n_kv_heads
-
-    def kv_for_attention(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        """What this rank's query heads attend over. Under fault tp-kv-shard the last rank reads, at layer 0,
-        the KV heads of the rank before it (every rank takes part in the exchange, as a real one would)."""
-        if self.fault != "tp-kv-shard" or layer != 0:
-            return keys, values
-        import torch.distributed as dist
-        ks = [torch.empty_like(keys) for _ in range(self.world)]
-        vs = [torch.empty_like(values) for _ in range(self.world)]
-        dist.all_gather(ks, keys.contiguous())
-        dist.all_gather(vs, values.contiguous())
-        if self.rank == self.world - 1:
-            return ks[self.rank - 1], vs[self.rank - 1]
-        return keys, values
 
     def describe(self, args) -> dict:
         """What the trace's ``parallel`` metadata declares about this rank."""

@@ -1,4 +1,4 @@
-"""engine/native/contract.py: each §2.1 precondition is refused with its rule name, naming a genuine offending
+"""engine/contract.py: each §2.1 precondition is refused with its rule name, naming a genuine offending
 cell, exactly when a naive cell-by-cell check finds a violation, and accepted otherwise."""
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from torch import nn
 from conftest import Capture, examples
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
-from prefill_diff.engine.native import contract
-from prefill_diff.engine.native.model import MODEL_PRESETS
+from prefill_diff.engine import contract
+from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.native.skeleton import build
 from prefill_diff.engine.shared.errors import PreconditionError
 
 ARGS = MODEL_PRESETS["seed-2.8"]  # vocab_size 20: small enough to draw ids on both sides of it
@@ -189,7 +190,7 @@ def test_positions_of_another_dtype_or_shape_are_refused(pos, words):
 # -- (4) vocabulary sizes, (5) inference mode -----------------------------------------------------------------
 
 def built(args=ARGS):
-    model, _ = Snapshot("seed-2.8", args, synthetic_state(args, 0)).build()
+    model, _ = build(Snapshot("seed-2.8", args, synthetic_state(args, 0)))
     return model
 
 
