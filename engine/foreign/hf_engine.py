@@ -100,8 +100,6 @@ def check(prep) -> None:
         unsupported.append(f"batching={run.batching}")
     if run.reuse is not None:
         unsupported.append("prefix reuse")
-    if run.fault is not None:
-        unsupported.append(f"fault {run.fault.name}")
     if run.cache.chunk_size:
         unsupported.append("chunked prefill")
     if run.numerical.weight_quant != "none":

