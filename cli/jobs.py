@@ -174,7 +174,7 @@ class CalibPlan:
 
     def calibration(self, golden: Trace, twin: Trace | None) -> Calibration:
         return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label,
-                           self.maker if self.by_other else None)
+                           self.maker if self.by_other else None, ENGINES[self.maker].words)
 
 
 def check_calibration(judging: Judging, *, explicit: bool, level: str) -> None:

@@ -310,11 +310,15 @@ def ledger(config, what):
     from ..engine.config import Inputs, load_side  # the engine (torch): imported only by commands that run it
     from ..engine.prepared import default_token_ids, prepare
     from ..engine.models.spec import ModelSpec
+    from ..engine.registry import having
     if config is None:
         spec = spec or ModelSpec("seed-2.8")
         if inputs is None and spec.source == "seed-2.8":
             inputs = Inputs(token_ids=default_token_ids(20, (12,)))
     side = load_side(config or "reference", spec, inputs)
+    if not side.run.info.ledger:
+        raise BadInput(f"{config}: the shape ledger is measured by {having('ledger')}, and {config} runs "
+                       f"{side.run.info.words}: give a preset or config of {having('ledger')}")
     prep = prepare(side)
     ledgers = prep.side.run.info.load().ledger(prep)  # measured by the side's engine (ours: engine/native/ledger.py)
     console().print(ledger_renderable(ledgers, prep.snapshot.source, prep.side.run.cache.chunk_size))

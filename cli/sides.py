@@ -24,6 +24,7 @@ from ..engine.engines import execute, token_texts, trace_meta
 from ..engine.shared.errors import ConfigError, PrefillDiffError
 from ..engine.shared.untrusted import check_name_length, partial_sibling
 from ..engine.prepared import Prepared, prepare
+from ..engine.registry import OURS
 from ..engine.models.spec import ModelSpec
 from ..verify.calibrate import parse_precision_key
 
@@ -106,7 +107,7 @@ class CalibrationSides:
 
 
 def calibration_sides(ref_side: Side, cand_prec: dict, twin_is_ref: bool, label: str,
-                      maker: str = "native") -> CalibrationSides:
+                      maker: str = OURS) -> CalibrationSides:
     """The golden and twin of a calibrated comparison: the reference's own execution path, run by ``maker``
     (the reference's engine, or ours when the reference's cannot run float64 or the candidate's precisions)."""
     run = ref_side.run if maker == ref_side.run.engine else on_engine(ref_side.run, maker)
@@ -135,7 +136,7 @@ def precisions_of(source: str, model: ModelSpec | None = None, inputs: Inputs | 
     if prec is not None:
         return prec
     run = load_side(source, model, inputs).run
-    if run.engine not in ("native", "transformers"):
+    if not run.info.precisions_from_config:
         raise ConfigError(f"--twin-of {source}: the {run.engine} engine's precisions are known only once it has run "
                           "(its model file's weight types, its kernels); give them as a precision instead, e.g. "
                           "float16 (llama.cpp with flash attention or F16 weights) or float32-kvfloat16 (an f16 "

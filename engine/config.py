@@ -200,8 +200,9 @@ def run_from_dict(d: dict, where: str) -> RunConfig:
     info = registry.ENGINES.get(run.get("engine", "native"))
     if info is not None and info.table:  # the engine's options, recorded under its table's name
         table = {k: v for k, v in dict(d.get(info.table) or {}).items() if k not in info.unrecorded}
-        if info.table == "transformers" and "attn_implementation" in d:  # traces written before the tables
-            table.setdefault("attn_implementation", d["attn_implementation"])
+        for key in info.legacy_keys:  # traces written before the tables
+            if key in d:
+                table.setdefault(key, d[key])
         if table:
             run[info.table] = table
     for k in ("chunk_size", "invariants"):

@@ -18,7 +18,7 @@ from .models import budget
 from .calls import plan_calls
 from .config import Inputs, RunConfig, Side
 from .shared.errors import ConfigError, PreconditionError, UnsupportedModel
-from .registry import missing_packages
+from .registry import having, missing_packages
 from .models.snapshot import Snapshot
 from .models.sources import load_snapshot
 
@@ -160,9 +160,9 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     run = side.run
     missing_packages(run.info)  # an engine's missing package is said before any model loads
     snapshot = snapshot or load_snapshot(side.model)
-    if snapshot.foreign is not None and run.engine != "transformers":
-        raise UnsupportedModel(f"{snapshot.foreign} (only the transformers engine runs a model our engine does not "
-                               "implement)")
+    if snapshot.foreign is not None and not run.info.any_architecture:
+        raise UnsupportedModel(f"{snapshot.foreign} (only {having('any_architecture')} runs a model our engine does "
+                               "not implement)")
     side = replace(side, inputs=apply_mask(side.inputs))
     tokens, texts = resolve_tokens(side.inputs, snapshot)
     prep = Prepared(side, snapshot, tokens, texts)

@@ -174,6 +174,15 @@ class EngineInfo:
     # calls are its forward steps (prepared.planned_prefill), "run" when the engine records what its scheduler
     # did, "" when it records none
     prefill_steps: str = ""
+    any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
+    precisions_from_config: bool = False  # its configuration alone sets its precisions (record --twin-of PRESET)
+    ledger: bool = False  # its module draws contract §2.8's shape ledger (`prefill-diff ledger`)
+    legacy_keys: tuple = ()  # its options that traces written before the [run.<table>] tables kept in [run]
+
+    @property
+    def words(self) -> str:
+        """The engine as the reports name it: 'our engine', 'the vllm engine'."""
+        return "our engine" if self.name == OURS else f"the {self.name} engine"
 
     def load(self):
         """The engine's module (check, plan, execute)."""
@@ -189,10 +198,12 @@ ENGINES = {e.name: e for e in (
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
-                       "shared-gate-dropped"), replays_routing=True, prefill_steps="plan"),
+                       "shared-gate-dropped"), replays_routing=True, prefill_steps="plan",
+               precisions_from_config=True, ledger=True),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                TransformersOptions, "transformers", Computes(ACT_DTYPES), tp=True, replays_routing=True,
-               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan"),
+               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan", any_architecture=True,
+               precisions_from_config=True, legacy_keys=("attn_implementation",)),
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                LlamaCppOptions, "llamacpp", Computes(),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
@@ -207,6 +218,13 @@ ENGINES = {e.name: e for e in (
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run"),
 )}
 OURS = "native"
+
+
+def having(capability: str) -> str:
+    """The engines that declare ``capability``, in words: 'the transformers engine', 'our engine or the vllm
+    engine'."""
+    names = [e.words for e in ENGINES.values() if getattr(e, capability)]
+    return " or ".join(names) if names else "no engine"
 
 
 def engine(name: str) -> EngineInfo:

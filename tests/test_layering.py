@@ -219,3 +219,48 @@ if __name__ == "__main__":
         files = sorted((ROOT / pkg).rglob("*.py"))
         lines = sum(len(f.read_text(encoding="utf-8").splitlines()) for f in files)
         print(f"{pkg:>7}: {len(files)} files, {lines} lines")
+
+
+# -- engine names are the registry's ------------------------------------------------------------------------
+
+def _engine_modules() -> dict[str, str]:
+    """Engine name -> the dotted prefix of its own modules (ours: the whole engine/native package)."""
+    from prefill_diff.engine.registry import ENGINES
+    return {name: "engine." + info.module.rsplit(".", 1)[0] if info.module.startswith("native.")
+            else "engine." + info.module for name, info in ENGINES.items()}
+
+
+def engine_name_comparisons(source: str, names) -> list[tuple[int, str]]:
+    """(line, name) of each comparison (==, !=, in, not in) with an engine's name as a string constant, or a
+    tuple/list/set of them."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        if any(isinstance(c, ast.Attribute) and c.attr == "modules" for c in node.comparators):
+            continue  # `"transformers" in sys.modules`: a package, not an engine
+        for side in (node.left, *node.comparators):
+            consts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            found += [(node.lineno, c.value) for c in consts
+                      if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value in names]
+    return found
+
+
+def test_no_engine_name_is_compared_outside_the_registry_and_its_own_module():
+    """What an engine can do is a capability in its registry entry; code elsewhere asks the entry, never the
+    name (a new engine then touches the registry and its own module only)."""
+    own = _engine_modules()
+    bad = []
+    for mod, path in modules().items():
+        if mod == "engine.registry":
+            continue
+        hits = engine_name_comparisons(path.read_text(encoding="utf-8"), set(own))
+        bad += [f"{mod}:{line} compares {name!r}" for line, name in hits if not mod.startswith(own[name])]
+    assert not bad, bad
+
+
+def test_the_engine_name_check_finds_a_comparison():
+    src = ('if run.engine not in ("native", "transformers"):\n    pass\nx = engine == "vllm"\ny = a == "other"\n'
+           'z = "transformers" in sys.modules\n')
+    assert engine_name_comparisons(src, {"native", "transformers", "vllm"}) == \
+        [(1, "native"), (1, "transformers"), (3, "vllm")]

@@ -134,6 +134,7 @@ class Calibration:
     floor: float = UNIT_ROUNDOFF["float32"]
     label: str = "float32"  # the twin's precisions, in words
     maker: str | None = None  # the engine that ran the golden and twin when it is not the reference's own
+    maker_words: str = ""  # that engine as the reports name it ("our engine", "the vllm engine")
 
     def describe(self) -> dict:
         return {"factor": self.factor, "floor": self.floor, "golden": "float64", "maker": self.maker,

@@ -290,8 +290,7 @@ def stats_cover_other_cells(name: str) -> str:
 # -- the report's header, notes and verdict ---------------------------------------------------------
 
 def calibrated_rule(calib, policy_name: str) -> str:
-    by = "" if not calib.maker else " (run by our engine)" if calib.maker == "native" else \
-        f" (run by the {calib.maker} engine)"
+    by = f" (run by {calib.maker_words})" if calib.maker else ""
     twin = "the reference itself" if calib.twin is None else f"the reference's path in {calib.label}{by}"
     golden = "a float64 golden" + (by if calib.twin is None else "")
     return (f"calibrated: each row within {calib.factor:g}x the noise of {twin} against {golden} "
