@@ -297,7 +297,7 @@ def test_longrope_rotates_a_batch_by_its_longest_prompt_and_the_tool_sees_it(tmp
 
 
 def test_phi3_fused_projections_split_and_fuse_back(tmp_path):
-    from prefill_diff.engine.models.hub import hf_state_dict, unfused
+    from prefill_diff.engine.models.hf_names import hf_state_dict, unfused
     from prefill_diff.engine.models.sources import load_source
     d = _save(_configs()["phi3 longrope"], tmp_path / "m")
     snap = load_source(ModelSpec(f"hf:{d}"))

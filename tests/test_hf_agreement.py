@@ -7,7 +7,7 @@ import transformers  # installed by the README's test line: a missing one fails,
 
 from conftest import Capture, padded
 from prefill_diff.engine.foreign.hf_engine import returned_cache
-from prefill_diff.engine.models.hub import hf_state_dict
+from prefill_diff.engine.models.hf_names import hf_state_dict
 from prefill_diff.engine.models.args import ModelArgs
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.models.snapshot import Snapshot

@@ -26,7 +26,7 @@ from ..models import cache_entries, model_cache
 from ..models.dtypes import torch_dtype
 from ..shared.errors import ConfigError, ModelLoadError
 from ..models.gguf_loader import smollm2_path
-from ..models.hub import hf_state_dict
+from ..models.hf_names import hf_state_dict
 from ..models.routing import router_margin
 from ..parallel import current
 from ..calls import Placement, call_routing, forced_list, plan_calls

@@ -198,7 +198,8 @@ def model_directory(snapshot, tmp: str) -> str:
     from safetensors.torch import save_file  # deferred: torch
 
     from .hf_engine import hf_config
-    from ..models.hub import SUPPORTED_ARCHS, hf_state_dict
+    from ..models.hf_names import hf_state_dict
+    from ..models.hub import SUPPORTED_ARCHS
     d = os.path.join(tmp, "model")
     os.makedirs(d)
     cfg = hf_config(snapshot.args)

@@ -15,9 +15,10 @@ import torch
 from . import budget
 from ..shared.errors import ConfigError, ModelLoadError
 from ..shared.untrusted import visible
-from .hub import Tokenizer, check_state
 from .args import ModelArgs
 from .snapshot import Snapshot
+from .tokenizer import Tokenizer
+from .weights import check_state
 
 _NAMES = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
           "output.weight": "output.weight"}

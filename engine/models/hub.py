@@ -1,7 +1,7 @@
 """Real checkpoints: local Hugging Face directories and llama.cpp GGUF files.
 
 Only local files are read; nothing is downloaded. Weights are loaded with
-safetensors (never pickle) or the gguf package, and mapped to our module names.
+safetensors (never pickle) or the gguf package, and mapped to our module names (hf_names.py).
 """
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ import hashlib
 import json
 import math
 import os
-import re
-
-import torch
 
 from . import budget, safetensors_check
 from ..shared.errors import ConfigError, ModelLoadError, UnsupportedModel
 from ..shared.untrusted import read_small_file, strict_json
 from .args import ModelArgs
+from .hf_names import MOE_STYLE, hf_to_ours, unfused
 from .snapshot import Snapshot
-from .weights import state_shapes
+from .tokenizer import hf_tokenizer
+from .weights import check_state
 
 SUPPORTED_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                    "Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
@@ -30,144 +29,6 @@ _GEMMA = ("gemma2", "gemma3")
 _MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 _QWEN_MOE = ("qwen2_moe", "qwen3_moe")
 _MODEL_TYPES = {"gemma3": ("gemma3_text",)}  # model_type values naming the class, where not the arch
-
-# our name <- Hugging Face name (per layer with {i})
-_LAYER_MAP = {
-    "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.bias": "self_attn.v_proj.bias", "attention.wo.bias": "self_attn.o_proj.bias",
-    "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight", "feed_forward.w1.bias": "mlp.gate_proj.bias",
-    "feed_forward.w3.bias": "mlp.up_proj.bias", "feed_forward.w2.bias": "mlp.down_proj.bias",
-}
-# the norms' names depend on where the family puts them: Llama's "post_attention_layernorm" is the norm before
-# the MLP, OLMo 2's and Gemma's the norm on the attention's output
-_NORMS = {
-    "pre": {"attention_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"},
-    "post": {"attention_post_norm.weight": "post_attention_layernorm.weight",
-             "ffn_post_norm.weight": "post_feedforward_layernorm.weight"},
-    "sandwich": {"attention_norm.weight": "input_layernorm.weight",
-                 "attention_post_norm.weight": "post_attention_layernorm.weight",
-                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                 "ffn_post_norm.weight": "post_feedforward_layernorm.weight"},
-}
-_TOP_MAP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight", "output.bias": "lm_head.bias"}
-
-
-# a mixture of experts' tensors in checkpoints (one tensor per expert): the block's name and each expert's
-# projections (gate, down, up as our w1, w2, w3), per family
-MOE_STYLE = {"mixtral": "mixtral", "qwen2_moe": "qwen", "qwen3_moe": "qwen"}
-_MOE_NAMES = {"mixtral": ("block_sparse_moe", {"w1": "w1", "w2": "w2", "w3": "w3"}),
-              "qwen": ("mlp", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"})}
-
-
-def _layer_map(placement: str) -> dict:
-    return {**_LAYER_MAP, **_NORMS[placement]}
-
-
-def _moe_to_hf(rest: str, moe: str | None) -> str | None:
-    """A layer tensor's name (after ``layers.N.``) under the checkpoint's MoE names, or None if not a MoE one."""
-    m = re.fullmatch(r"feed_forward\.(gate|shared_expert_gate|experts\.(\d+)\.(w[123])|shared_expert\.(w[123]))"
-                     r"\.weight", rest)
-    if m is None or moe is None:
-        return None
-    block, proj = _MOE_NAMES[moe]
-    if m.group(2) is not None:
-        return f"{block}.experts.{m.group(2)}.{proj[m.group(3)]}.weight"
-    if m.group(4) is not None:
-        return f"{block}.shared_expert.{proj[m.group(4)]}.weight"
-    return f"{block}.{m.group(1)}.weight"
-
-
-def ours_to_hf(name: str, placement: str = "pre", moe: str | None = None) -> str:
-    """Our tensor name under Hugging Face's (``placement``: where the family puts its norms, ModelArgs.norm_placement;
-    ``moe``: the checkpoint's naming of experts, MOE_STYLE)."""
-    if name in _TOP_MAP:
-        return _TOP_MAP[name]
-    m = re.match(r"layers\.(\d+)\.(.+)", name)
-    names = _layer_map(placement)
-    if m and m.group(2) in names:
-        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
-    if m and (hf := _moe_to_hf(m.group(2), moe)) is not None:
-        return f"model.layers.{m.group(1)}.{hf}"
-    raise KeyError(name)
-
-
-def hf_to_ours(name: str, placement: str = "pre", moe: str | None = None) -> str | None:
-    for ours, hf in _TOP_MAP.items():
-        if name == hf:
-            return ours
-    m = re.match(r"model\.layers\.(\d+)\.(.+)", name)
-    if m:
-        for ours, hf in _layer_map(placement).items():
-            if m.group(2) == hf:
-                return f"layers.{m.group(1)}.{ours}"
-        if moe is not None:
-            block, proj = _MOE_NAMES[moe]
-            back = {v: k for k, v in proj.items()}
-            e = re.fullmatch(re.escape(block) + r"\.(?:experts\.(\d+)\.(\w+)|shared_expert\.(\w+)|"
-                             r"(gate|shared_expert_gate))\.weight", m.group(2))
-            if e is not None and e.group(1) is not None and e.group(2) in back:
-                return f"layers.{m.group(1)}.feed_forward.experts.{e.group(1)}.{back[e.group(2)]}.weight"
-            if e is not None and e.group(3) in back:
-                return f"layers.{m.group(1)}.feed_forward.shared_expert.{back[e.group(3)]}.weight"
-            if e is not None and e.group(4) is not None:
-                return f"layers.{m.group(1)}.feed_forward.{e.group(4)}.weight"
-    return None
-
-
-def hf_state_dict(state: dict, fused: bool = False, arch: str = "llama", in_memory: bool = False) -> dict:
-    """Our snapshot state under Hugging Face names; ``fused``: Q/K/V and gate/up as Phi-3's qkv_proj and
-    gate_up_proj. A mixture of experts (``arch`` names its family) is written one tensor per expert, as its
-    checkpoints hold it, or with ``in_memory`` as transformers' modules hold it (each layer's experts stacked:
-    ``mlp.experts.gate_up_proj`` (E, 2·I, dim) with gate rows first, ``mlp.experts.down_proj`` (E, dim, I))."""
-    post = any(k.endswith("attention_post_norm.weight") for k in state)
-    pre = any(k.endswith("attention_norm.weight") for k in state)
-    placement = "sandwich" if pre and post else "post" if post else "pre"
-    moe = MOE_STYLE.get(arch)
-    if moe is not None and in_memory:
-        state = dict(state)
-        layers = sorted({int(k.split(".")[1]) for k in state if ".feed_forward.experts." in k})
-        out = {}
-        for i in layers:
-            stem = f"layers.{i}.feed_forward."
-            n = len({k for k in state if k.startswith(stem + "experts.") and k.endswith(".w1.weight")})
-            ws = [[state.pop(f"{stem}experts.{e}.{w}.weight") for e in range(n)] for w in ("w1", "w3", "w2")]
-            out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([g, u]) for g, u in zip(ws[0], ws[1])])
-            out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack(ws[2])
-        out.update({ours_to_hf(k, placement, "qwen"): v for k, v in state.items()})  # transformers' "mlp" names
-        return out
-    out = {ours_to_hf(k, placement, moe): v for k, v in state.items()}
-    if fused:
-        for name in [k for k in out if k.endswith("self_attn.q_proj.weight")]:
-            stem = name[:-len("q_proj.weight")]
-            out[stem + "qkv_proj.weight"] = torch.cat([out.pop(stem + p + "_proj.weight") for p in "qkv"])
-        for name in [k for k in out if k.endswith("mlp.gate_proj.weight")]:
-            stem = name[:-len("gate_proj.weight")]
-            out[stem + "gate_up_proj.weight"] = torch.cat([out.pop(stem + "gate_proj.weight"),
-                                                          out.pop(stem + "up_proj.weight")])
-    return out
-
-
-def unfused(name: str, t, args: ModelArgs, where: str) -> list:
-    """[(name, tensor)]: Phi-3's fused qkv_proj (rows Q, K, V) and gate_up_proj (rows gate, up) split into the
-    separate projections; any other tensor as it is."""
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    for fused, parts, sizes in (("self_attn.qkv_proj.weight", ("q_proj", "k_proj", "v_proj"), (q, kv, kv)),
-                                ("mlp.gate_up_proj.weight", ("gate_proj", "up_proj"),
-                                 (args.hidden_dim, args.hidden_dim))):
-        if name.endswith(fused):
-            if t.ndim != 2 or t.shape[0] != sum(sizes):
-                raise ModelLoadError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
-                                     f"({sum(sizes)}, {args.dim})")
-            stem = name[:-len(fused)] + fused.split(".")[0] + "."
-            return [(f"{stem}{p}.weight", x) for p, x in zip(parts, t.split(list(sizes)))]
-    return [(name, t)]
-
 
 def _one_of(*values):
     """A check: the value must be one of ``values`` (None stands for an absent or null field)."""
@@ -579,24 +440,6 @@ def _window(cfg: dict, arch: str) -> tuple:
     return window, (() if kinds == ("sliding",) * n else kinds)
 
 
-def check_state(args: ModelArgs, state: dict, where: str) -> None:
-    """Every tensor is one the model uses, with the shape it expects; none is missing (lm_head when tied)."""
-    want = state_shapes(args)
-    for name, t in state.items():
-        if name not in want:
-            raise ModelLoadError(f"{where}: tensor {name!r} is not part of the model our engine implements "
-                                 f"(arch {args.arch}, qkv_bias={args.qkv_bias}, o_bias={args.o_bias}, "
-                                 f"mlp_bias={args.mlp_bias}, qk_norm={args.qk_norm}, "
-                                 f"norm_placement={args.norm_placement}, "
-                                 f"lm_head_bias={args.lm_head_bias})")
-        if tuple(t.shape) != want[name]:
-            raise ModelLoadError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
-                                 f"{want[name]}")
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise ModelLoadError(f"{where}: weights are missing tensors {missing[:5]}")
-
-
 CONFIG_MAX_BYTES = 16 << 20  # a transformers config is kilobytes; anything near this is not one
 
 
@@ -680,7 +523,7 @@ def load_hf_dir(path: str) -> Snapshot:
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
     check_state(args, state, where)
-    tokenizer = _hf_tokenizer(path)
+    tokenizer = hf_tokenizer(path)
     if tokenizer is not None:
         args = args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
     return Snapshot(where, args, state, tokenizer=tokenizer)
@@ -727,33 +570,7 @@ def describe_hf_dir(path: str, refusal: str) -> Snapshot:
         with open(os.path.join(path, fn), "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
-    tokenizer = _hf_tokenizer(path)
+    tokenizer = hf_tokenizer(path)
     if tokenizer is not None:
         args = args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
     return Snapshot(where, args, {}, tokenizer=tokenizer, _digest="sha256:" + digest.hexdigest(), foreign=refusal)
-
-
-class Tokenizer:
-    """The model's own tokenizer: encode text without special tokens, decode ids for reports."""
-
-    def __init__(self, tok):
-        self.tok = tok
-        self.vocab_size = len(tok)
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids))
-
-
-def _hf_tokenizer(path: str):
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model",
-                                                                  "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-    try:
-        return Tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
-    except Exception as e:  # a broken tokenizer must not hide which file is bad
-        raise ModelLoadError(f"hf:{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None

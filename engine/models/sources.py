@@ -12,9 +12,10 @@ from .adapter import seeded_adapter
 from .args import MODEL_PRESETS
 from ..shared.errors import ConfigError, ModelLoadError, UnsupportedModel
 from .gguf_loader import load_gguf, smollm2_path
-from .hub import Tokenizer, describe_hf_dir, load_hf_dir
+from .hub import describe_hf_dir, load_hf_dir
 from .snapshot import Snapshot
 from .spec import ModelSpec
+from .tokenizer import Tokenizer
 from .synthetic import synthetic_state
 
 _CACHE: dict[ModelSpec, Snapshot] = {}

@@ -1,11 +1,13 @@
 """A model's weights under our names: every tensor of its state dict and its shape, in state-dict order.
 
 The snapshot's master weights (snapshot.py) are held under these names; the loaders map a checkpoint's own names
-onto them (hub.py, gguf_loader.py) and the synthetic weights are drawn in this order (synthetic.py). Our engine's
-``Transformer`` registers exactly these (tests/test_skeleton.py holds the two together).
+onto them (hub.py, gguf_loader.py), and ``check_state`` holds what they loaded to these names and shapes; the
+synthetic weights are drawn in this order (synthetic.py). Our engine's ``Transformer`` registers exactly these
+(tests/test_skeleton.py holds the two together).
 """
 from __future__ import annotations
 
+from ..shared.errors import ModelLoadError
 from .args import ModelArgs
 
 
@@ -66,3 +68,21 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple]:
     out["norm.weight"] = (args.dim,)
     out.update(_linear("output", args.dim, args.vocab_size, args.lm_head_bias))
     return out
+
+
+def check_state(args: ModelArgs, state: dict, where: str) -> None:
+    """Every tensor is one the model uses, with the shape it expects; none is missing (lm_head when tied)."""
+    want = state_shapes(args)
+    for name, t in state.items():
+        if name not in want:
+            raise ModelLoadError(f"{where}: tensor {name!r} is not part of the model our engine implements "
+                                 f"(arch {args.arch}, qkv_bias={args.qkv_bias}, o_bias={args.o_bias}, "
+                                 f"mlp_bias={args.mlp_bias}, qk_norm={args.qk_norm}, "
+                                 f"norm_placement={args.norm_placement}, "
+                                 f"lm_head_bias={args.lm_head_bias})")
+        if tuple(t.shape) != want[name]:
+            raise ModelLoadError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config implies "
+                                 f"{want[name]}")
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise ModelLoadError(f"{where}: weights are missing tensors {missing[:5]}")
