@@ -1,5 +1,5 @@
-"""prefill-diff's commands: each parses its options, calls one function of ``cli/jobs.py`` (``cache``: of
-``engine/models/cache_listing.py``), renders the result.
+"""prefill-diff's commands: each parses its options, calls one function of the job package
+``prefill_diff.jobs`` (``cache``: of ``engine/models/cache_listing.py``), renders the result.
 
 The engine's modules import torch; they are imported only by the commands that run a side (through
 ``jobs``), so `--help`, `inspect` and `compare A.h5 B.h5` start without it.
@@ -29,7 +29,7 @@ from ..engine.shared.errors import INTERRUPT, PrefillDiffError
 from ..engine.shared.untrusted import visible
 from ..verify.formats.text import plain, print_line
 from ..verify.wording import count
-from . import jobs
+from .. import jobs
 from .display import Progress, console, quiet_libraries
 from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
                       model_options, report_options, tolerance_options)

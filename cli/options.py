@@ -15,7 +15,7 @@ from ..engine.models.spec import ModelSpec
 from ..engine.models.args import MODEL_PRESETS
 from ..dumps.schema import TOL_KINDS
 from ..verify.tolerance import DTYPE_DEFAULTS, POLICY_ALIASES
-from .jobs import Judging, Tolerance
+from ..jobs import Judging, Tolerance
 from .outputs import Reports
 
 LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
@@ -120,7 +120,7 @@ def model_options(f):
 
 def tolerance_options(f):
     """--policy, --atol, --rtol, --ntol, --row-rtol, --tolerance: the declared tolerance, as one ``tol``
-    (cli/jobs.py: Tolerance).
+    (prefill_diff.jobs: Tolerance).
 
     An element passes when |cand - ref| <= atol + rtol·|ref| + ntol·rms(ref row), or when its whole
     row is within row_rtol relative L2 error.
@@ -183,7 +183,7 @@ def report_options(f):
 
 def calibration_options(f):
     """--calibrate/--no-calibrate, --noise-factor, --allow-subset, --allow-identity-difference: how a candidate is
-    held to the reference, as one ``judging`` (cli/jobs.py: Judging; its tolerance and fail_fast are the
+    held to the reference, as one ``judging`` (prefill_diff.jobs: Judging; its tolerance and fail_fast are the
     command's to add)."""
     @functools.wraps(f)
     def collect(*args, calibrate, factor, allow_subset, allow_identity, **kw):

@@ -59,7 +59,7 @@ def open_any(path) -> Trace:
     return Trace(path)
 
 
-# -- recording: what a rank's trace declares (the ranks are run by cli/sides.py) -------------------------
+# -- recording: what a rank's trace declares (the ranks are run by the jobs: jobs/sides.py) -------------------------
 
 def shard_ranges(args, rank: int, world: int) -> dict:
     """tensor -> (axis, start, stop, size) that rank ``rank`` holds, in dataset indices."""

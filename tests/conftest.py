@@ -184,7 +184,7 @@ def batch_tie(tmp_path_factory):
     (padding, packing) may flip it — the flips batching really causes, not a bf16 envelope."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from prefill_diff.cli.sides import prepare_side
+    from prefill_diff.jobs.sides import prepare_side
     from prefill_diff.engine.models.spec import ModelSpec
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,

@@ -10,8 +10,8 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.verify.calibrate import CalibAcc, Calibration, rel_row_errors
-from prefill_diff.cli.jobs import CalibPlan, record_calibration, run as run_pair, run_lockstep
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs import CalibPlan, record_calibration, run as run_pair, run_lockstep
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 from conftest import TABLE

@@ -7,7 +7,7 @@ import torch
 
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 from prefill_diff.dumps.schema import TOL_KINDS
 from prefill_diff.verify.tolerance import Policy, Tolerance

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 

@@ -12,7 +12,7 @@ from conftest import Capture, padded
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.dumps.schema import FORMAT_NAME, FORMAT_VERSION
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.cli.jobs import run_lockstep
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs import run_lockstep
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.dumps.schema import layer_group
 from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine.shared.errors import UnsupportedModel
 from prefill_diff.engine.models.sources import load_source

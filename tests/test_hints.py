@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_diff.cli.jobs import run_lockstep
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs import run_lockstep
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.engine.native import prefill

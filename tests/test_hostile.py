@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from prefill_diff.dumps.reader import Trace, TraceError
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -500,7 +500,8 @@ def test_prompt_that_is_not_utf8_is_refused_naming_the_byte_offset(tmp_path):
 # -- output paths and concurrent writers -----------------------------------------------------------------
 
 def test_output_errors_exit_2_before_any_work(run_cli, good, tmp_path, monkeypatch):
-    from prefill_diff.cli import jobs, sides as recording
+    from prefill_diff import jobs
+    from prefill_diff.jobs import sides as recording
     work = []
     monkeypatch.setattr(recording, "prepare_side", lambda *a, **k: work.append(a) or 1 / 0)
     monkeypatch.setattr(jobs, "compare_files", lambda *a, **k: work.append(a) or 1 / 0)

@@ -222,7 +222,7 @@ def test_every_model_field_is_an_identity_key_or_says_why_not():
 @pytest.mark.parametrize("key,value", [("attn_softcap", 5.0), ("embed_scale", "none"), ("final_softcap", 9.0),
                                        ("rope_local_theta", 5e4)])
 def test_a_gemma_field_difference_is_named(key, value, tmp_path):
-    from prefill_diff.cli.sides import prepare_side, record_side
+    from prefill_diff.jobs.sides import prepare_side, record_side
     from prefill_diff.dumps.reader import Trace
     from prefill_diff.engine.models.spec import ModelSpec
     from prefill_diff.verify.report import compare_traces

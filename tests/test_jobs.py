@@ -1,11 +1,11 @@
-"""cli/jobs.py: the jobs as plain functions — where the policy comes from, what is kept, when calibration runs."""
+"""prefill_diff.jobs: the jobs as plain functions — where the policy comes from, what is kept, when calibration runs."""
 from __future__ import annotations
 
 import os
 
 import pytest
 
-from prefill_diff.cli import jobs
+from prefill_diff import jobs
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.shared.errors import ConfigError
 

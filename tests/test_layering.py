@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ORDER = ("engine", "dumps", "verify", "cli")  # the data flow; a package may import only from its left
+ORDER = ("engine", "dumps", "verify", "jobs", "cli")  # the data flow; a package may import only from its left
+# where each package's files are: the jobs (prefill_diff.jobs) sit in the package root's folder, cli/toplevel
+FOLDERS = {"engine": "engine", "dumps": "dumps", "verify": "verify", "jobs": "cli/toplevel/jobs", "cli": "cli"}
 # the shared leaf, which imports nothing of ours but itself: the error classes, the handling of untrusted input and the
 # precisions' names (the engine modules dumps and verify may import)
 SHARED = "engine.shared"
@@ -38,8 +40,9 @@ def modules() -> dict[str, Path]:
     package's ``__init__.py`` is the package: 'engine.native')."""
     out = {}
     for pkg in ORDER:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            parts = f.relative_to(ROOT).with_suffix("").parts
+        root = ROOT / FOLDERS[pkg]
+        for f in sorted(root.rglob("*.py")):
+            parts = (pkg, *f.relative_to(root).with_suffix("").parts)
             if "toplevel" not in parts:
                 out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
@@ -53,10 +56,12 @@ def _resolve(mod: str, node: ast.ImportFrom, is_package: bool = False) -> list[s
         target = ".".join(base + ([node.module] if node.module else []))
     elif node.module and node.module.startswith("prefill_diff."):
         target = node.module[len("prefill_diff."):]
+    elif node.module == "prefill_diff":  # `from prefill_diff import jobs`
+        target = ""
     else:
         return []
-    names = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules()]
-    return names or [target]
+    names = [f"{target}.{a.name}".lstrip(".") for a in node.names if f"{target}.{a.name}".lstrip(".") in modules()]
+    return names or ([target] if target else [])
 
 
 def imports() -> dict[str, dict[str, int]]:
@@ -97,7 +102,7 @@ def test_the_parser_sees_the_imports_it_must_judge():
     assert "engine.native.kv_cache" in edges["engine.native.prefill"]
     assert "engine.models.budget" in edges["engine.prepared"]  # `from .models import budget`
     assert "dumps.reader" in edges["verify.report"] or any(m.startswith("dumps.") for m in edges["verify.report"])
-    assert "cli.jobs" in edges["cli.main"]
+    assert "jobs" in edges["cli.main"] and "jobs.sides" in edges["jobs"]  # `from .. import jobs`, `from . import sides`
     assert "torch" in imports()["engine.native.model"]
 
 

@@ -32,14 +32,14 @@ def rows(text: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def reports():
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     return {c: run_pair("reference", c).report for c in ("fault:gqa-mapping", "batched-left")}
 
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """A 16-layer synthetic model; the candidate skips a KV write at layer 8."""
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     d = tmp_path_factory.mktemp("deep")
     (d / "ref.toml").write_text('preset = "reference"\n[model]\nn_layers = 16\n')
     (d / "cand.toml").write_text('preset = "reference"\n[model]\nn_layers = 16\n[fault]\nname = "skip-kv"\nlayer = 8\n')

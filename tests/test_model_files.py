@@ -299,12 +299,27 @@ def test_an_address_space_limit_is_an_estimate_refusal_not_an_allocator_crash(tm
     assert not (tmp_path / "x.h5").exists()
 
 
-def test_an_allocation_torch_refuses_anyway_is_exit_2_with_its_size(tmp_path, run_cli, hf_dir):
-    """With the estimate turned off, the allocator's own refusal is still the environment's, not a bug."""
+def test_an_allocation_torch_refuses_anyway_is_exit_2_with_its_size(tmp_path, run_cli, hf_dir, monkeypatch):
+    """With the estimate turned off, the allocator's own refusal is still the environment's, not a bug. (A config
+    whose sizes imply a huge tensor is refused before anything is allocated, by its tensors' shapes: the
+    allocator's words are made to come from loading the model.)"""
+    from prefill_diff.engine import prepared
+
+    def refuse(spec):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: you "
+                           "tried to allocate 36893488147419103232 bytes.")
+    monkeypatch.setattr(prepared, "load_snapshot", refuse)
+    d = _copy(hf_dir, tmp_path)
+    res = _record(run_cli, f"hf:{d}", tmp_path, "--ignore-memory-estimate")
+    _refused(res, "not enough memory")
+    assert "36893488147419103232 bytes" in res.output
+
+
+def test_a_config_implying_a_huge_tensor_is_refused_by_its_shapes_before_allocating(tmp_path, run_cli, hf_dir):
     d = _copy(hf_dir, tmp_path)
     _config(d, vocab_size=2 ** 62)
     res = _record(run_cli, f"hf:{d}", tmp_path, "--ignore-memory-estimate")
-    _refused(res, "not enough memory")
+    _refused(res, "the config implies (4611686018427387904, 32)")
 
 
 # -- full disks -------------------------------------------------------------------------------------------
@@ -413,7 +428,7 @@ def test_utf8_argv_under_a_c_locale_is_read_as_the_bytes_given(tmp_path):
 
 def test_two_runs_into_one_out_directory_at_once_are_refused(tmp_path, run_cli):
     """They judged each other's traces: the second waits for nobody, it is refused while the first holds it."""
-    from prefill_diff.cli.jobs import OUT_LOCK
+    from prefill_diff.jobs import OUT_LOCK
     out = tmp_path / "out"
     out.mkdir()
     fd = os.open(out / OUT_LOCK, os.O_RDWR | os.O_CREAT)
@@ -510,7 +525,7 @@ def test_a_taken_rendezvous_port_is_one_line(tmp_path, run_cli, monkeypatch):
 def test_a_rank_killed_by_a_signal_is_one_line(tmp_path):
     from torch.multiprocessing.spawn import ProcessExitedException
 
-    from prefill_diff.cli.sides import _raise_rank_error
+    from prefill_diff.jobs.sides import _raise_rank_error
     from prefill_diff.engine.shared.errors import PrefillDiffError
     exc = ProcessExitedException("process 1 terminated with signal SIGKILL", error_index=1, error_pid=99,
                                  exit_code=-9, signal_name="SIGKILL")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from prefill_diff.cli.jobs import run, run_lockstep
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs import run, run_lockstep
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError
 from prefill_diff.engine.models.args import MODEL_PRESETS

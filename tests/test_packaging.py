@@ -62,10 +62,10 @@ def test_the_wheel_ships_the_docs(wheel_names):
 
 
 def test_the_wheel_runs_as_python_m_prefill_diff(wheel_names):
-    """prefill_diff holds only __main__.py: it stays a namespace over cli, engine, dumps, verify and docs."""
+    """prefill_diff holds only __main__.py: it stays a namespace over cli, engine, dumps, verify, jobs and docs."""
     assert "prefill_diff/__main__.py" in wheel_names and "prefill_diff/__init__.py" not in wheel_names
     assert {n.split("/")[1] for n in wheel_names if n.startswith("prefill_diff/") and n.count("/") > 1} == \
-        {"cli", "engine", "dumps", "verify", "docs"}
+        {"cli", "engine", "dumps", "verify", "jobs", "docs"}
 
 
 def test_the_wheel_ships_every_module_of_the_source_tree(wheel_names):

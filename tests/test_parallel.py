@@ -20,8 +20,8 @@ from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine import parallel
 from prefill_diff.engine.shared.errors import ConfigError
 from prefill_diff.engine.models.args import MODEL_PRESETS
-from prefill_diff.cli.jobs import compare_files
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs import compare_files
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 pytestmark = pytest.mark.slow  # process groups: spawned tensor-parallel ranks, torchrun
@@ -291,7 +291,7 @@ def test_transformers_tp2_on_a_llama_checkpoint_passes_and_really_shards(tmp_pat
 
 _RANK_MAIN = """\
 import sys
-from prefill_diff.cli.sides import record_this_rank
+from prefill_diff.jobs.sides import record_this_rank
 from prefill_diff.engine.config import load_side
 print(record_this_rank(load_side(sys.argv[1]), sys.argv[2]))
 """
@@ -327,7 +327,7 @@ def test_record_this_rank_under_torchrun_writes_a_rank_set_judged_as_one_trace(r
 
 
 def test_record_this_rank_refuses_a_torchrun_world_that_is_not_the_runs_tp(tmp_path, monkeypatch):
-    from prefill_diff.cli.sides import record_this_rank
+    from prefill_diff.jobs.sides import record_this_rank
     from prefill_diff.engine.config import load_side
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)

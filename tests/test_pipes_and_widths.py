@@ -88,7 +88,7 @@ def test_run_under_head_exits_with_the_verdict():
 
 def test_plot_without_matplotlib_is_refused_before_any_work(monkeypatch, tmp_path):
     import importlib.util
-    from prefill_diff.cli import jobs
+    from prefill_diff import jobs
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     ran = []

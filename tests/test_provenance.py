@@ -28,7 +28,7 @@ def test_a_bad_source_date_epoch_is_refused(monkeypatch, bad):
 
 
 def test_record_refuses_a_bad_source_date_epoch_before_recording(run_cli, tmp_path, monkeypatch):
-    from prefill_diff.cli import jobs
+    from prefill_diff import jobs
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "tomorrow")
     monkeypatch.setattr(jobs, "_import_sides", lambda: pytest.fail("the model was loaded"))
     res = run_cli("record", "reference", "-o", tmp_path / "t.h5")

@@ -13,7 +13,7 @@ from prefill_diff.engine.config import PRESETS, Inputs
 from prefill_diff.engine.models.sources import load_snapshot
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.engine.native.skeleton import build
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 from conftest import spawning_presets  # noqa: E402
@@ -483,7 +483,7 @@ def test_fp32_engine_shares_the_snapshot_weights():
 
 
 def test_thirty_layer_run_reports_progress(smol_dir):
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     seen = {}
 
     def progress(label):

@@ -30,7 +30,7 @@ def render(report, width, **kw) -> str:
 
 @pytest.fixture(scope="module")
 def reports():
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     return {c: run_pair("reference", c).report for c in ("fault:skip-kv", "fault:gqa-mapping", "batched-left")}
 
 
@@ -135,7 +135,7 @@ def test_token_text_is_one_unbreakable_word():
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """A 16-layer synthetic model; the candidate skips a KV write at layer 8."""
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     d = tmp_path_factory.mktemp("deep")
     (d / "ref.toml").write_text('preset = "reference"\n[model]\nn_layers = 16\n')
     (d / "cand.toml").write_text('preset = "reference"\n[model]\nn_layers = 16\n[fault]\nname = "skip-kv"\nlayer = 8\n')
@@ -188,7 +188,7 @@ def test_compile_time_of_a_compiled_side_is_a_note(run_cli, traces, tmp_path):
 
 @pytest.mark.slow
 def test_top_ids_not_in_the_other_sides_top_5_are_marked_in_words(reports):
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     from prefill_diff.verify.formats.terminal import final_table
     rep = run_pair("reference", "fault:last-column").report
     assert any(set(r[:5]) != set(c[:5]) for _, r, c in rep.final.top)
@@ -440,7 +440,7 @@ def test_compare_of_two_traces_refuses_model_and_prompt(run_cli, traces):
 
 
 def test_errors_found_before_any_model_loads(run_cli, traces, monkeypatch, tmp_path):
-    import prefill_diff.cli.sides as recording
+    import prefill_diff.jobs.sides as recording
 
     def no_load(*a, **k):
         raise AssertionError("a model was loaded")
@@ -662,7 +662,7 @@ def test_machine_reports_and_error_lines_on_ascii_streams(traces):
 
 def test_an_internal_error_line_on_an_ascii_stderr(monkeypatch):
     from click.testing import CliRunner
-    from prefill_diff.cli import jobs
+    from prefill_diff import jobs
     from prefill_diff.cli.main import cli
 
     def broken(*a, **k):
@@ -689,7 +689,7 @@ def test_plot_data_keeps_zeros_and_draws_them_below_the_scale(reports):
 def test_bound_floor_is_atol_plus_ntol_times_the_smallest_row_rms(tmp_path):
     """The plot's allowed-error line, checked against an independent computation from the trace."""
     from prefill_diff.dumps.reader import Trace
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     out = run_pair("reference", "sdpa", out_dir=str(tmp_path))
     rep = out.report
     tol = rep.policy.tol("layer_output", 1)
@@ -733,10 +733,10 @@ def test_refused_reuse_reason_is_words_not_a_dict_repr(run_cli, tmp_path):
 @pytest.fixture(scope="module")
 def calibrated_failure(tmp_path_factory):
     """A bf16 candidate with another rope_theta, judged as values: fails the calibrated rule everywhere."""
-    from prefill_diff.cli.jobs import run as run_pair
+    from prefill_diff.jobs import run as run_pair
     cand = tmp_path_factory.mktemp("cal") / "rope.toml"
     cand.write_text('[model]\nrope_theta = 20000.0\n[run]\ndtype = "bfloat16"\n')
-    from prefill_diff.cli.jobs import Judging
+    from prefill_diff.jobs import Judging
     rep = run_pair("reference", str(cand), judging=Judging(allow_identity=True)).report
     assert rep.policy.calibration is not None and not rep
     return rep

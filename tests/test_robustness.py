@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from conftest import examples
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.engine.shared.errors import PrefillDiffError
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,7 +271,7 @@ def _inputs_toml(lengths, seed):
 
 def _run(tmp_path, ref_body, cand_body):
     from prefill_diff.dumps.recorder import Recorder
-    from prefill_diff.cli.sides import record
+    from prefill_diff.jobs.sides import record
     traces = []
     for i, body in enumerate((ref_body, cand_body)):
         cfg = tmp_path / f"{i}.toml"

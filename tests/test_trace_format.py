@@ -18,7 +18,7 @@ import pytest
 
 from prefill_diff.dumps.reader import Trace, TraceError
 from prefill_diff.dumps.schema import STAT_COLUMNS
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 DATA = Path(__file__).parent / "data"

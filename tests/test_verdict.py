@@ -7,8 +7,8 @@ import os
 import pytest
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.cli.jobs import run_lockstep
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs import run_lockstep
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 from conftest import TABLE

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefill_diff.cli.jobs import run_lockstep
+from prefill_diff.jobs import run_lockstep
 from prefill_diff.verify import wording
 from prefill_diff.verify.breaks import Break
 from prefill_diff.verify.rank_checks import heads_note

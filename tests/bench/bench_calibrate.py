@@ -15,7 +15,7 @@ import numpy as np
 from prefill_diff.engine.config import Inputs
 from prefill_diff.engine.models.sources import load_snapshot
 from prefill_diff.engine.models.spec import ModelSpec
-from prefill_diff.cli.jobs import Judging, run as run_pair
+from prefill_diff.jobs import Judging, run as run_pair
 
 FULL = dict(overrides=(("dim", 512), ("head_dim", 64), ("hidden_dim", 1408), ("n_heads", 8), ("n_kv_heads", 2),
                        ("n_layers", 8), ("vocab_size", 4096)), lengths=(256, 192, 224), repeats=3)

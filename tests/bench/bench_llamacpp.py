@@ -53,7 +53,7 @@ def _plain_decode(lib, ctx, ids, n_vocab):
 
 
 def run(smoke: bool = False) -> dict:
-    from prefill_diff.cli.sides import record
+    from prefill_diff.jobs.sides import record
     from prefill_diff.dumps.recorder import Recorder
     from prefill_diff.engine.foreign import llamacpp_engine as lce
     from prefill_diff.engine.foreign.llamacpp_gguf import GgufFile

@@ -20,7 +20,7 @@ import time
 
 from prefill_diff.engine.config import Inputs
 from prefill_diff.engine.models.spec import ModelSpec
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 
 MEDIUM = ModelSpec("synthetic", 0, tuple(sorted(dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, head_dim=64,
                                                       hidden_dim=1536, vocab_size=4096).items())))

@@ -17,7 +17,7 @@ import tempfile
 from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import PRESETS
 from prefill_diff.engine.models.spec import ModelSpec
-from prefill_diff.cli.sides import prepare_side, record_side
+from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
 

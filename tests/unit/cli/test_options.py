@@ -6,7 +6,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from prefill_diff.cli.jobs import Judging, Tolerance
+from prefill_diff.jobs import Judging, Tolerance
 from prefill_diff.cli.options import (GroupedCommand, Prefilled, as_given, calibration_options, model_options,
                                       report_options, shared_inputs, tolerance_options)
 from prefill_diff.cli.outputs import Reports

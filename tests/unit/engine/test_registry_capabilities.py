@@ -35,7 +35,7 @@ def test_the_ledger_of_an_engine_that_draws_none_is_refused_in_one_line(preset):
 def test_a_capability_moves_the_refusal_with_it(monkeypatch):
     """Declared, the capability is used: a stand-in engine that declares precisions_from_config has its
     precisions read from its configuration by record --twin-of."""
-    from prefill_diff.cli import sides
+    from prefill_diff.jobs import sides
     with pytest.raises(Exception, match="precisions are known only once it has run"):
         sides.precisions_of("llama.cpp")
     monkeypatch.setitem(registry.ENGINES, "llama.cpp", replace(ENGINES["llama.cpp"], precisions_from_config=True))

@@ -2,7 +2,7 @@
 
 This is the bridge from ``engine/`` to ``dumps/``: the engine yields layers to any recorder that has the
 engine's recorder interface, and this module owns the loop around it (begin, layer by layer, the metadata
-known only at the end). It imports the engine, and so torch: ``cli/jobs.py`` imports it only when a side
+known only at the end). It imports the engine, and so torch: the job package imports it only when a side
 runs, so that comparing two trace files never loads torch.
 """
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""The jobs of prefill-diff: ``run``, ``record`` and ``compare``, as plain functions.
+"""The jobs of prefill-diff: ``run``, ``record`` and ``compare``, as plain functions — the Python API.
 
 The CLI parses its options, calls one of these and renders what it returns; a Python program can call them
 the same way (README, "From Python"). Data flows one way: a side is prepared by the engine and recorded into
-a trace (``cli/sides.py``), and two traces are compared by ``verify/``. The tolerance policy is resolved
-here, once, and passed down; whether traces are kept is known before the report is built.
+a trace (``sides.py``), and two traces are compared by ``verify/``. The tolerance policy is resolved here,
+once, and passed down; whether traces are kept is known before the report is built; ``calibration.py``
+decides whether a comparison is calibrated and records its golden and twin; ``options.py`` holds the types a
+job takes and returns.
 
-``cli/sides.py`` imports the engine (and torch); it is imported only when a side runs (``_import_sides()``),
-so comparing two trace files never loads torch.
+``sides.py`` imports the engine (and torch); it is imported only when a side runs, so comparing two trace
+files never loads torch.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import os
 import shutil
 import tempfile
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 from ..dumps.provenance import timestamp
@@ -24,17 +26,25 @@ from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
 from ..dumps.schema import LEVELS
 from ..engine.shared.errors import ConfigError, PrefillDiffError
-from ..engine.registry import ENGINES, OURS, missing_packages, twin_maker
-from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, precision_key, precision_label,
-                                precisions, same_precisions, sibling_paths, unit_roundoff)
-from ..verify.policy_file import default_policy_for, policy_spec, resolve_policy, spec_sources
+from ..engine.registry import ENGINES, missing_packages, twin_maker
+from ..verify.calibrate import precision_key, precision_label, precisions, same_precisions, sibling_paths
+from ..verify.policy_file import resolve_policy
 from ..verify.report import Report, Session, compare_traces
 from ..verify.routing import forced_routing, replay_cells, wants_replay
-from ..verify.tolerance import Policy
-from ..verify import wording
+from .calibration import (CalibPlan, check_calibration, engine_of, plan_calibration, plan_for, record_calibration,
+                          siblings_beside)
+from .options import (JUDGED, Judging, Outcome, Recorded, SideProgress, Tolerance, phase, progress_for,
+                      resolve)
 
-# label of a side ("reference", "candidate", "golden (float64)", "twin (…)") -> its per-layer callback, or None
-SideProgress = Callable[[str], Callable[[int], None] | None]
+__all__ = ["run", "record", "compare", "compare_files", "run_lockstep", "check_sources", "check_tolerance",
+           "is_trace", "Outcome", "Recorded", "Tolerance", "Judging", "JUDGED", "CalibPlan", "record_calibration",
+           "plan_calibration"]
+
+
+def _import_sides():
+    """The half of a job that runs the engine (sides.py: torch), imported when a side runs."""
+    from . import sides
+    return sides
 
 
 def check_sources(*sources: str, model=None, inputs=None) -> None:
@@ -43,173 +53,6 @@ def check_sources(*sources: str, model=None, inputs=None) -> None:
     from ..engine.config import load_side  # plain data: no torch
     for source in sources:
         load_side(source, model, inputs)
-
-
-def _import_sides():
-    """The half of a job that runs the engine (cli/sides.py: torch), imported when a side runs."""
-    from . import sides
-    return sides
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A job's verdict, and where its traces are kept (None: temporary or in memory, removed)."""
-    report: Report
-    ref_path: str | None = None
-    cand_path: str | None = None
-    replays: bool = False  # the candidate's engine can rerun with routing forced (routing replay)
-
-    def __repr__(self) -> str:  # the verdict, not every layer's metrics
-        return f"Outcome({self.report.verdict_line()}, ref_path={self.ref_path!r}, cand_path={self.cand_path!r})"
-
-    @property
-    def not_reached(self) -> list[int]:
-        """Layers a run that stopped at its first break never compared (JUnit marks them skipped)."""
-        if not self.report.stopped_early:
-            return []
-        reached = {lr.layer for lr in self.report.layers}
-        return [i for i in range(self.report.n_layers) if i not in reached]
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """What ``record`` wrote: the trace, and the golden and twin of ``twin_of``."""
-    path: str
-    level: str
-    n_layers: int
-    n_samples: int
-    golden: str | None = None
-    twin: str | None = None
-    twin_label: str | None = None
-
-
-# -- how a candidate is judged: the options of run and compare, as types ------------------------------------
-
-@dataclass(frozen=True)
-class Tolerance:
-    """The declared tolerance: the tolerance options (--policy, --atol, --rtol, --ntol, --row-rtol, --tolerance).
-    None of them given declares nothing (the baseline's own, else the traces' dtypes decide)."""
-    policy: str | None = None
-    atol: float | None = None
-    rtol: float | None = None
-    ntol: float | None = None
-    row_rtol: float | None = None
-    tolerance_file: str | None = None
-
-    def spec(self) -> dict | None:
-        """The declared policy as a spec to store and resolve (reads --tolerance's file), or None."""
-        return policy_spec(**asdict(self))
-
-    @property
-    def declared(self) -> bool:
-        return self.spec() is not None
-
-
-@dataclass(frozen=True)
-class Judging:
-    """How the candidate is held to the reference: a declared ``tolerance`` or a calibrated verdict
-    (``calibrate``: None automatic, True forced, False off; ``factor``: the noise factor), whether reference
-    samples without a counterpart (``allow_subset``) or a different model (``allow_identity``) are accepted,
-    and whether the comparison stops at the first break (``fail_fast``)."""
-    tolerance: Tolerance = field(default_factory=Tolerance)
-    calibrate: bool | None = None
-    factor: float = DEFAULT_FACTOR
-    allow_subset: bool = False
-    allow_identity: bool = False
-    fail_fast: bool = False
-
-
-JUDGED = Judging()  # the defaults: the tolerance of the traces' dtypes, calibrated where the precisions ask for it
-
-
-# -- the tolerance: resolved once per comparison ------------------------------------------------------------
-
-def resolve(declared: Tolerance | None, ref: Trace, cand: Trace) -> Policy:
-    """The policy a comparison uses: the flags' (``declared``) if they declare one, else the tolerance the
-    reference trace declares, else the defaults of the traces' dtypes."""
-    spec = declared.spec() if declared is not None else None
-    if spec is not None:
-        return resolve_policy(spec, ref.meta, cand.meta, spec_sources(**asdict(declared)))
-    return default_policy_for(ref.meta, cand.meta)
-
-
-# -- calibration: decide, then record the golden and the twin ----------------------------------------------
-
-@dataclass(frozen=True)
-class CalibPlan:
-    """Whether a comparison is calibrated (verify/calibrate.py), and how.
-
-    ``maker``: the engine that runs the golden and the twin (the reference's own when it can run float64 and
-    the candidate's precisions, else ours: engine/registry.py). ``note``: why the comparison is not
-    calibrated although it would be, for the report's rule.
-    """
-    use: bool
-    factor: float = DEFAULT_FACTOR
-    cand_prec: dict | None = None
-    twin_is_ref: bool = False  # same precisions: the reference is its own twin
-    twin_is_cand: bool = False  # the candidate is the reference's own path at its precisions
-    note: str | None = None
-    maker: str = OURS
-    by_other: bool = False  # the maker is not the reference's own engine (the rule says so)
-
-    @classmethod
-    def fixed(cls, factor: float, cand_prec: dict | None, note: str | None = None) -> "CalibPlan":
-        """Not calibrated: the fixed per-dtype envelope judges values (``note``: why, when it would have been)."""
-        return cls(False, factor, cand_prec, note=note)
-
-    def declined(self, note: str) -> "CalibPlan":
-        """This plan, not calibrated after all for a reason found once the traces are open (``note``)."""
-        return replace(self, use=False, note=note)
-
-    @property
-    def label(self) -> str:
-        return precision_label(self.cand_prec)
-
-    def rule_note(self, policy: Policy) -> str | None:
-        """The header's rule when the candidate is its own twin (no golden is recorded): ``policy``'s fixed
-        envelope judges its numerics."""
-        if not (self.use and self.twin_is_cand):
-            return None
-        return wording.own_twin_rule(self.label, policy.name)
-
-    def calibration(self, golden: Trace, twin: Trace | None) -> Calibration:
-        return Calibration(golden, twin, self.factor, unit_roundoff(self.cand_prec), self.label,
-                           self.maker if self.by_other else None, ENGINES[self.maker].words)
-
-
-def check_calibration(judging: Judging, *, explicit: bool, level: str) -> None:
-    """A contradictory calibration request is refused before anything runs."""
-    calibrate, factor = judging.calibrate, judging.factor
-    if not factor > 0:
-        raise ConfigError(f"--noise-factor must be positive (got {factor})")
-    if calibrate and explicit:
-        raise ConfigError("--calibrate measures the tolerance; explicit --atol/--rtol/--ntol/--row-rtol/--policy/"
-                          "--tolerance declare it: give one or the other")
-    if calibrate and level != "full":
-        raise ConfigError(f"a calibrated comparison needs full traces (got --level {level})")
-
-
-def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None, explicit: bool, level: str,
-                     factor: float = DEFAULT_FACTOR, twin_is_cand: bool = False, ref_engine: str = OURS,
-                     cand_engine: str = OURS) -> CalibPlan:
-    """calibrate None: automatic, on whenever either side computes below float32 or the precisions differ (and
-    nothing is declared); True: forced; False: off. The precisions are the ones the traces record."""
-    check_calibration(Judging(calibrate=calibrate, factor=factor), explicit=explicit, level=level)
-    differ = not same_precisions(ref_prec, cand_prec)
-    wanted = differ or below_float32(ref_prec) or below_float32(cand_prec)
-    if not (bool(calibrate) or (calibrate is None and wanted and not explicit)):
-        return CalibPlan.fixed(factor, cand_prec)
-    if level != "full":
-        return CalibPlan.fixed(factor, cand_prec, note=f"--level {level} keeps no full rows")
-    if differ and twin_is_cand:
-        return CalibPlan(True, factor, cand_prec, twin_is_cand=True)
-    maker = twin_maker(ref_engine, cand_prec)
-    if maker is None:
-        why = ENGINES[cand_engine].why_not if cand_engine in ENGINES else ""
-        return CalibPlan.fixed(factor, cand_prec, note=f"our engine cannot run the candidate's precisions "
-                               f"({precision_label(cand_prec)})" + (f"; {why}" if why else ""))
-    # the reference is its own twin when it made its own trace at the candidate's precisions
-    return CalibPlan(True, factor, cand_prec, twin_is_ref=not differ, maker=maker, by_other=maker != ref_engine)
 
 
 def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
@@ -223,56 +66,6 @@ def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
                           f"{missing} of {len(ref_tokens)} have no counterpart among the candidate's "
                           f"{len(cand_tokens)} (a config sets its own [inputs]?); pass --allow-subset to compare "
                           "the common ones")
-
-
-def record_calibration(ref_side, plan: CalibPlan, golden_path: str, twin_path: str, *, force: bool = False,
-                       progress: SideProgress | None = None, snapshot=None,
-                       routing: dict | None = None) -> tuple[str, str | None]:
-    """Record the golden (and the twin) of ``ref_side`` for the plan's candidate precisions, by the plan's maker;
-    ``routing``: experts to force, in the reference's samples (routing replay: every side takes the same)."""
-    sides = _import_sides()
-    made = sides.calibration_sides(ref_side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
-    paths = []
-    for side, path, label in ((made.golden, golden_path, "golden (float64)"),
-                              (made.twin, twin_path, f"twin ({plan.label})")):
-        if side is None:
-            paths.append(None)
-            continue
-        prep = sides.prepare(side, snapshot, routing=routing)
-        paths.append(sides.record_side(prep, path, "full", force, progress=_progress_for(progress, label)))
-    return paths[0], paths[1]
-
-
-def _progress_for(progress: SideProgress | None, label: str):
-    return None if progress is None else progress(label)
-
-
-def _phase(progress: SideProgress | None, label: str) -> None:
-    """Tell the progress display (if it has a ``phase``) that a step between sides begins."""
-    if progress is not None and hasattr(progress, "phase"):
-        progress.phase(label)
-
-
-def _engine(meta: dict) -> str:
-    eng = meta.get("engine")
-    return str(eng.get("name") or OURS) if isinstance(eng, dict) else OURS
-
-
-def _plan_for(ref, cand, judging: Judging, *, explicit: bool, level: str, twin_is_cand: bool = False) -> CalibPlan:
-    """The calibration plan from what the two traces record (or, in lockstep, the two recorders' meta): their
-    precisions and engines."""
-    return plan_calibration(precisions(ref.meta), precisions(cand.meta), calibrate=judging.calibrate,
-                            explicit=explicit, level=level, factor=judging.factor, twin_is_cand=twin_is_cand,
-                            ref_engine=_engine(ref.meta), cand_engine=_engine(cand.meta))
-
-
-def _siblings(ref_path: str, plan: CalibPlan) -> tuple[str, str | None] | None:
-    """(golden path, twin path or None) recorded beside REF for the plan's precisions, or None if absent."""
-    golden, twin = sibling_paths(ref_path)
-    twin = None if plan.twin_is_ref else twin.format(key=precision_key(plan.cand_prec))
-    if os.path.isfile(golden) and (twin is None or os.path.isfile(twin)):
-        return golden, twin
-    return None
 
 
 def _judge_open(ref: Trace, cand: Trace, judging: Judging, plan: CalibPlan, siblings, *,
@@ -319,7 +112,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     ref_side, cand_side = sides.load_side(ref, model, inputs), sides.load_side(cand, model, inputs)  # checked first
     for side in (ref_side, cand_side):  # either engine's missing package is said before any model loads
         missing_packages(side.run.info)
-    _phase(progress, "loading the model and preparing both sides")
+    phase(progress, "loading the model and preparing both sides")
     ref_prep, cand_prep = sides.prepare(ref_side), sides.prepare(cand_side)
     check_coverage(ref_prep.tokens, cand_prep.tokens, judging.allow_subset)
     keep = out_dir is not None
@@ -327,17 +120,17 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     os.makedirs(work, exist_ok=True)
     lock = _hold_out_dir(work) if keep else None
     try:
-        paths = [sides.record_side(p, os.path.join(work, name), level, force, progress=_progress_for(progress, label))
+        paths = [sides.record_side(p, os.path.join(work, name), level, force, progress=progress_for(progress, label))
                  for p, name, label in ((ref_prep, "ref.h5", "reference"), (cand_prep, "cand.h5", "candidate"))]
         with open_any(paths[0]) as r, open_any(paths[1]) as c:
-            plan = _plan_for(r, c, judging, explicit=explicit, level=level,
+            plan = plan_for(r, c, judging, explicit=explicit, level=level,
                              twin_is_cand=sides.twin_is_cand(ref_prep, cand_prep))
             siblings = None
             if plan.use and not plan.twin_is_cand:
                 siblings = record_calibration(ref_prep.side, plan, os.path.join(work, "golden.h5"),
                                               os.path.join(work, "twin.h5"), force=force, progress=progress,
                                               snapshot=ref_prep.snapshot)
-            _phase(progress, "comparing")
+            phase(progress, "comparing")
             report = _judge_open(r, c, judging, plan, siblings, kept=(keep, keep))
             forced, forced_ref, rounds, flips = {}, {}, 0, 0
             while _replays(cand_prep) and rounds < REPLAY_ROUNDS and wants_replay(report, forced):
@@ -347,14 +140,14 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                 forced_ref = forced_routing(replay_cells(report), forced_ref, side="reference")
                 again = sides.prepare_side(cand, model, inputs, routing=forced)
                 paths[1] = sides.record_side(again, os.path.join(work, f"cand-replay{rounds + 1}.h5"), level, force,
-                                           progress=_progress_for(progress, "candidate, routing replayed"))
+                                           progress=progress_for(progress, "candidate, routing replayed"))
                 rounds += 1
                 if siblings is not None:  # the golden and the twin take the same experts there
                     siblings = record_calibration(ref_prep.side, plan, os.path.join(work, f"golden-replay{rounds}.h5"),
                                                   os.path.join(work, f"twin-replay{rounds}.h5"), force=force,
                                                   progress=progress, snapshot=ref_prep.snapshot,
                                                   routing=forced_ref)
-                _phase(progress, "comparing")
+                phase(progress, "comparing")
                 with open_any(paths[1]) as c2:
                     report = _judge_open(r, c2, judging, plan, siblings, kept=(keep, keep))
             if rounds:
@@ -426,9 +219,9 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     check_sources(config, model=model, inputs=inputs)
     sides = _import_sides()
     side = sides.load_side(config, model, inputs)
-    _phase(progress, "loading the model")
+    phase(progress, "loading the model")
     prep = sides.prepare(side)
-    path = sides.record_side(prep, output, level, force, compression, progress=_progress_for(progress, "recording"),
+    path = sides.record_side(prep, output, level, force, compression, progress=progress_for(progress, "recording"),
                            tolerance=spec)
     done = Recorded(str(path), level, prep.snapshot.args.n_layers, len(prep.tokens))
     if on_written is not None:
@@ -437,7 +230,7 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
         return done
     prec = sides.precisions_of(twin_of, model, inputs)
     with open_any(done.path) as t:
-        own, engine = precisions(t.meta), _engine(t.meta)
+        own, engine = precisions(t.meta), engine_of(t.meta)
     maker = twin_maker(engine, prec)
     if maker is None:
         raise ConfigError(f"--twin-of {twin_of}: no engine of ours runs {precision_label(prec)} (a golden in float64 "
@@ -474,10 +267,10 @@ def _declared_by(ref: Trace, judging: Judging) -> bool:
 def compare_files(ref_path, cand_path, judging: Judging = JUDGED, progress: SideProgress | None = None) -> Outcome:
     """Two trace files. A golden and twin recorded beside REF (`record --twin-of`) make the verdict calibrated."""
     with open_any(ref_path) as ref, open_any(cand_path) as cand:
-        _phase(progress, "comparing")
-        plan = _plan_for(ref, cand, judging, explicit=_declared_by(ref, judging),
+        phase(progress, "comparing")
+        plan = plan_for(ref, cand, judging, explicit=_declared_by(ref, judging),
                          level=max(ref.level, cand.level, key=LEVELS.index))
-        siblings = _siblings(str(ref_path), plan) if plan.use else None
+        siblings = siblings_beside(str(ref_path), plan) if plan.use else None
         if plan.use and siblings is None:
             g, t = sibling_paths(str(ref_path))
             key = precision_key(plan.cand_prec)
@@ -510,22 +303,22 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str |
     if judging.calibrate and side is None:
         raise PrefillDiffError(f"cannot calibrate against {baseline}: {why_not}")
     cand_side = sides.load_side(candidate, spec, ins)
-    _phase(progress, f"loading the model to record {candidate} with the baseline's prompts")
+    phase(progress, f"loading the model to record {candidate} with the baseline's prompts")
     prep = sides.prepare(cand_side)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-")
     try:
         path = sides.record_side(prep, os.path.join(tmp, "cand.h5"), level,
-                                 progress=_progress_for(progress, "candidate"))
+                                 progress=progress_for(progress, "candidate"))
         with open_any(baseline) as ref, open_any(path) as cand:
-            plan = _plan_for(ref, cand, judging, explicit=_declared_by(ref, judging), level=level)
-            siblings = _siblings(baseline, plan) if plan.use else None
+            plan = plan_for(ref, cand, judging, explicit=_declared_by(ref, judging), level=level)
+            siblings = siblings_beside(baseline, plan) if plan.use else None
             if plan.use and siblings is None and side is None:  # judged with the fixed envelope; the rule says why
                 plan = plan.declined(f"the baseline's own run cannot be rebuilt: {why_not}")
             elif plan.use and siblings is None:
                 siblings = record_calibration(side, plan, os.path.join(tmp, "golden.h5"),
                                               os.path.join(tmp, "twin.h5"), progress=progress,
                                               snapshot=prep.snapshot if prep.side.model == spec else None)
-            _phase(progress, "comparing")
+            phase(progress, "comparing")
             report = _judge_open(ref, cand, judging, plan, siblings, kept=(True, False))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -572,7 +365,7 @@ def _run_lockstep(ref: str, cand: str, model, inputs, level: str, judging: Judgi
     try:
         for p in preps:
             _start(sides, p, level, recs, gens)
-        plan = _plan_for(recs[0], recs[1], judging, explicit=explicit, level=level, twin_is_cand=twin_is_cand)
+        plan = plan_for(recs[0], recs[1], judging, explicit=explicit, level=level, twin_is_cand=twin_is_cand)
         calibrated = plan.use and not plan.twin_is_cand
         if calibrated:
             made = sides.calibration_sides(preps[0].side, plan.cand_prec, plan.twin_is_ref, plan.label, plan.maker)
