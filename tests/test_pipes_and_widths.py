@@ -138,6 +138,7 @@ def test_nothing_is_cut_at_80_columns(traces):
 
 # -- progress on a pipe ---------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # three whole processes of the CLI
 def test_progress_on_a_pipe_is_one_line_per_phase_and_q_silences_it(tmp_path):
     res = subprocess.run(CMD + ["run", "reference", "batched-left"], capture_output=True, text=True, env=ENV)
     assert res.returncode == 0, res.stderr
