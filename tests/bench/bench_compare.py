@@ -71,16 +71,16 @@ def our_compare(a: str, b: str, fast: bool = True) -> bool:
     """`compare` of the two files; fast=False: without the compiled kernels and without mapping the files (numpy
     metrics over rows read into buffers by the read-ahead thread, as when the kernels did not build or
     PREFILL_DIFF_NATIVE=0 and PREFILL_DIFF_MMAP=0 are set), to show what they give."""
-    from prefill_diff.dumps import chunks, native, reader
+    from prefill_diff.dumps import chunks, kernels, reader
     from prefill_diff.verify.report import compare_traces
-    saved = native._MODULE, chunks.MMAP
+    saved = kernels._MODULE, chunks.MMAP
     if not fast:
-        native._MODULE, chunks.MMAP = None, False
+        kernels._MODULE, chunks.MMAP = None, False
     try:
         with reader.Trace(a) as ra, reader.Trace(b) as rb:
             return bool(compare_traces(ra, rb))
     finally:
-        native._MODULE, chunks.MMAP = saved
+        kernels._MODULE, chunks.MMAP = saved
 
 
 def pure_read(paths) -> int:

@@ -81,11 +81,11 @@ def one(engine, ids, mask, pos, level, d, tag):
     recorder; NUMPY_STATS: stats without the compiled kernels; STATISTICS_ONLY: the stats level's reductions
     alone)."""
     if level == NUMPY_STATS:
-        saved, native._MODULE = native._MODULE, None
+        saved, kernels._MODULE = kernels._MODULE, None
         try:
             return one(engine, ids, mask, pos, "stats", d, tag)
         finally:
-            native._MODULE = saved
+            kernels._MODULE = saved
     t0 = time.perf_counter()
     if level is None:
         engine.prefill(ids, mask, pos)
