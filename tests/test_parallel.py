@@ -315,7 +315,8 @@ def test_record_this_rank_under_torchrun_writes_a_rank_set_judged_as_one_trace(r
                              cwd=tmp_path)
         assert res.returncode == 0, res.stderr[-3000:]
         assert sorted(os.listdir(out)) == ["rank0.h5", "rank1.h5"]
-        assert {str(out / "rank0.h5"), str(out / "rank1.h5")} <= set(res.stdout.split())
+        # each rank prints its path; torchrun forwards both ranks' output, whose lines may run together
+        assert str(out / "rank0.h5") in res.stdout and str(out / "rank1.h5") in res.stdout, res.stdout
         return out
     good = compare_files(runs("reference"), launch("tp2", tmp_path / "run.tp2")).report
     assert good and good.first_break is None and len(good.layers) == 4
