@@ -34,11 +34,11 @@ from .display import Progress, console, quiet_libraries
 from .options import (ENVIRONMENT, LEVEL_CHOICE, GroupedCommand, calibration_options, model_cache_option,
                       model_options, report_options, tolerance_options)
 from .outputs import (EXIT_BAD_INPUT, EXIT_INTERNAL, check_out_dir, check_output_file, check_outputs, emit,
-                      stdout_taken, verdict_status, write_text)
+                      write_text)
 from .render import (cache_json_item, cache_notes, cache_table, cache_where, ledger_renderable, print_inspect,
                      pruned_lines)
-from .terminal import (flush_stdout, keep_status_if_stdout_closes, reset_closed_stdout_status, silence_stdout,
-                       status_if_stdout_closes, text_streams)
+from .terminal import (flush_stdout, reset_closed_stdout_status, silence_stdout, status_if_stdout_closes,
+                       text_streams)
 
 
 class BadInput(click.ClickException):
@@ -198,10 +198,8 @@ def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, judging):
         outcome = jobs.run(ref, cand, spec, inputs, out_dir=out_dir, level=level, force=force,
                            judging=replace(judging, tolerance=tol, fail_fast=fail_fast),
                            progress=None if fail_fast else prog.sides())
-    keep_status_if_stdout_closes(verdict_status(outcome.report, out))  # the verdict is known: a closed stdout keeps it
-    if outcome.ref_path and not out.quiet and not stdout_taken(out):
-        print_line(console(), plain(f"traces: {outcome.ref_path} {outcome.cand_path}", style="dim"))
-    sys.exit(emit(outcome.report, out, console(), outcome.not_reached))
+    sys.exit(emit(outcome.report, out, console(), outcome.not_reached,
+                  preface=f"traces: {outcome.ref_path} {outcome.cand_path}" if outcome.ref_path else None))
 
 
 @cli.command()

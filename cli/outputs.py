@@ -19,7 +19,7 @@ from ..verify.formats.junit import to_junit
 from ..verify.formats.markdown import to_markdown
 from ..verify.formats.plot import plot_errors  # matplotlib itself is imported only when a plot is drawn
 from ..verify.formats.terminal import COLUMNS, print_report, shown_layers, verdict_text
-from ..verify.formats.text import print_line
+from ..verify.formats.text import plain, print_line
 from .terminal import keep_status_if_stdout_closes, xml_for_stdout
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -142,25 +142,18 @@ def check_out_dir(out_dir) -> None:
     writable_dir(out_dir, f"traces into --out {out_dir}")
 
 
-def verdict_status(report, out: Reports) -> int:
-    """The exit status of a verdict: 0 pass, 1 fail (an INCONCLUSIVE pass too, under --strict), 2 for traces
-    that cannot be compared (docs/report-format.md: reported, not a tolerance verdict)."""
-    if report.incomparable:
-        return EXIT_BAD_INPUT
-    return EXIT_PASS if replace(report, strict=bool(out.strict)) else EXIT_FAIL
-
-
-def emit(report, out: Reports, console, not_reached=()) -> int:
-    """Write machine reports, print the human one on ``console``; returns the exit status of the verdict.
+def emit(report, out: Reports, console, not_reached=(), preface: str | None = None) -> int:
+    """Write machine reports, print the human one on ``console`` (after the line ``preface``, if any); returns the
+    exit status of the verdict: 0 pass, 1 fail, 2 for traces that cannot be compared (docs/report-format.md).
 
     Files are written first (reports, plot, the step summary), stdout last, so that a reader of stdout that goes
     away (``| head -1``) loses nothing written to files, and the command still exits with the verdict's status.
     ``not_reached``: layers a --fail-fast run never compared (JUnit marks them skipped). Under ``--strict`` the
     report itself holds an INCONCLUSIVE pass as a failure, so every format says the same verdict.
     """
-    status = verdict_status(report, out)
-    keep_status_if_stdout_closes(status)
     report = replace(report, strict=bool(out.strict))
+    status = EXIT_BAD_INPUT if report.incomparable else EXIT_PASS if report else EXIT_FAIL
+    keep_status_if_stdout_closes(status)
     write_reports(report, out, not_reached, to_stdout=False)
     if out.plot:
         plot_errors(report, out.plot)
@@ -170,6 +163,8 @@ def emit(report, out: Reports, console, not_reached=()) -> int:
         if out.quiet:
             print_line(console, verdict_text(report), (" | ",))
         else:
+            if preface:
+                print_line(console, plain(preface, style="dim"))
             print_report(console, report, which=out.layers, verbose=out.verbose)
     return status
 

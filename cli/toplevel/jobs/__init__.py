@@ -36,7 +36,7 @@ from .calibration import (CalibPlan, check_calibration, engine_of, plan_calibrat
 from .options import (JUDGED, Judging, Outcome, Recorded, SideProgress, Tolerance, phase, progress_for,
                       resolve)
 
-__all__ = ["run", "record", "compare", "compare_files", "run_lockstep", "check_sources", "check_tolerance",
+__all__ = ["run", "record", "compare", "compare_files", "run_lockstep", "load_sides", "check_tolerance",
            "is_trace", "Outcome", "Recorded", "Tolerance", "Judging", "JUDGED", "CalibPlan", "record_calibration",
            "plan_calibration"]
 
@@ -47,12 +47,11 @@ def _import_sides():
     return sides
 
 
-def check_sources(*sources: str, model=None, inputs=None) -> None:
-    """Read and check each preset or config file now, before the engine (torch) is imported: a typo or a bad value
-    is said at once."""
+def load_sides(*sources: str, model=None, inputs=None) -> list:
+    """Each preset or config file read and checked now, before the engine (torch) is imported, so that a typo or a
+    bad value is said at once; returns their sides."""
     from ..engine.config import load_side  # plain data: no torch
-    for source in sources:
-        load_side(source, model, inputs)
+    return [load_side(source, model, inputs) for source in sources]
 
 
 def check_coverage(ref_tokens, cand_tokens, allow_subset: bool) -> None:
@@ -101,7 +100,7 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     memory and stops at the first break (no trace files).
     """
     timestamp()  # a bad SOURCE_DATE_EPOCH is refused before any model loads
-    check_sources(ref, cand, model=model, inputs=inputs)
+    ref_side, cand_side = load_sides(ref, cand, model=model, inputs=inputs)
     if judging.fail_fast:
         if out_dir:
             raise ConfigError("--fail-fast keeps no traces; drop --out")
@@ -109,7 +108,6 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     explicit = judging.tolerance.declared
     check_calibration(judging, explicit=explicit, level=level)
     sides = _import_sides()
-    ref_side, cand_side = sides.load_side(ref, model, inputs), sides.load_side(cand, model, inputs)  # checked first
     for side in (ref_side, cand_side):  # either engine's missing package is said before any model loads
         missing_packages(side.run.info)
     phase(progress, "loading the model and preparing both sides")
@@ -216,9 +214,8 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     timestamp()
     if twin_of is not None and level != "full":
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
-    check_sources(config, model=model, inputs=inputs)
+    side, = load_sides(config, model=model, inputs=inputs)
     sides = _import_sides()
-    side = sides.load_side(config, model, inputs)
     phase(progress, "loading the model")
     prep = sides.prepare(side)
     path = sides.record_side(prep, output, level, force, compression, progress=progress_for(progress, "recording"),
@@ -288,7 +285,7 @@ def _compare_recorded(baseline: str, candidate: str, model, inputs, level: str |
                       progress: SideProgress | None = None) -> Outcome:
     """``compare BASELINE PRESET``: record the candidate (and, calibrated, the baseline's golden and twin)
     into a temporary directory, with the baseline's model and prompts, and compare."""
-    check_sources(candidate)
+    load_sides(candidate)  # a typo is said before the baseline is read
     sides = _import_sides()
     with open_any(baseline) as base:
         side, why_not = None, None
