@@ -319,7 +319,7 @@ def ledger(config, what):
                        f"{side.run.info.words}: give a preset or config of {having('ledger')}")
     prep = prepare(side)
     ledgers = prep.side.run.info.load().ledger(prep)  # measured by the side's engine (ours: engine/native/ledger.py)
-    console().print(ledger_renderable(ledgers, prep.snapshot.source, prep.side.run.cache.chunk_size))
+    console().print(ledger_renderable(ledgers, prep.snapshot.source, prep.side.run.chunk_size))
 
 
 @cli.command()

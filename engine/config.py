@@ -52,7 +52,8 @@ from .shared.errors import ConfigError, PrefillDiffError, did_you_mean
 from .shared.untrusted import check_int64, check_prompt_text, read_small_file
 from .models.args import MODEL_PRESETS, ModelArgs  # no torch
 from .models.spec import ModelSpec
-from .native.settings import CacheConfig, CacheLayout, NumericalConfig  # no torch
+from .models.cache_layout import CacheLayout, one_of  # no torch
+from .shared.precisions import ACT_DTYPES, WEIGHT_QUANTS
 
 try:
     import tomllib
@@ -119,15 +120,22 @@ class FaultConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How to prefill: everything except the model and the prompts.
+    """How to prefill: everything except the model and the prompts, in the words every engine means the same way —
+    batching, prefix reuse, chunking, precisions (activations and weights, weight quantisation, the KV cache's
+    dtype), determinism, a fault, tensor-parallel ranks.
 
-    ``options``: the engine's own settings (its registry entry's options dataclass, the table
-    ``[run.<table>]``); None for an engine without options, and filled with the defaults otherwise."""
+    ``options``: the engine's own settings (its registry entry's options dataclass, the table ``[run.<table>]``;
+    ours, ``[run.native]``, holds the attention kernel, training mode, compilation and the cache's layout); filled
+    with the defaults when not given."""
     name: str = "reference"
     engine: str = "native"
     batching: str = "unbatched"
-    numerical: NumericalConfig = NumericalConfig()
-    cache: CacheConfig = CacheConfig()
+    dtype: str = "float32"  # activations and weights
+    weight_quant: str = "none"
+    cache_dtype: str | None = None  # the KV cache's storage dtype; None: the activation dtype
+    int8_scales: str = "per-token"  # an int8 KV cache's scales
+    chunk_size: int = 0  # 0: each prompt in one forward; else chunks of this many tokens against the growing cache
+    deterministic: bool = True  # deterministic algorithms where the engine's library has them
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
     tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
@@ -135,25 +143,33 @@ class RunConfig:
 
     def __post_init__(self):
         info = registry.engine(self.engine)
+        cls = info.options_class
         if self.options is None:
             object.__setattr__(self, "options", info.default_options())
-        elif info.options is None or not isinstance(self.options, info.options):
+        elif cls is None or not isinstance(self.options, cls):
             raise ConfigError(f"engine {self.engine!r} takes " + (f"[run.{info.table}] options" if info.table else
                                                                  "no options") +
                               f" (got {type(self.options).__name__})")
         if self.batching not in BATCHING:
             raise ConfigError(f"batching must be one of {', '.join(BATCHING)} (got {self.batching!r}"
                               f"{did_you_mean(self.batching, BATCHING, '; did you mean {}?')})")
+        one_of("dtype", self.dtype, ACT_DTYPES)
+        one_of("weight_quant", self.weight_quant, WEIGHT_QUANTS)
+        CacheLayout(dtype=self.cache_dtype, int8_scales=self.int8_scales)  # the cache's own checks
+        if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 0:
+            raise ConfigError(f"chunk_size must be a non-negative integer (got {self.chunk_size!r})")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"deterministic must be true or false (got {self.deterministic!r})")
 
     @property
     def info(self) -> registry.EngineInfo:
         return registry.engine(self.engine)
 
     def as_dict(self) -> dict:
-        """The recorded form (a trace's meta.side.run): the engine's options under its table's name."""
+        """The recorded form (a trace's meta.side.run): the neutral settings, then the engine's options under its
+        table's name."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
         d = {k: asdict(v) if hasattr(v, "__dataclass_fields__") else v for k, v in d.items()}
-        d["cache"]["layout"] = self.cache.layout.as_dict()
         if self.options is not None:
             d[self.info.table] = {k: v for k, v in asdict(self.options).items() if k not in self.info.unrecorded}
         return d
@@ -164,24 +180,21 @@ class RunConfig:
 # reference's path in float64 with nothing quantised.
 def precision_of(run: RunConfig) -> dict:
     """The precisions of a run: activation/weight dtype, weight quantisation, KV-cache dtype (and int8 scales)."""
-    cache = run.cache.layout.dtype or run.numerical.dtype
-    return {"dtype": run.numerical.dtype, "weight_quant": run.numerical.weight_quant, "cache_dtype": cache,
-            "int8_scales": run.cache.layout.int8_scales if cache == "int8" else None}
+    cache = run.cache_dtype or run.dtype
+    return {"dtype": run.dtype, "weight_quant": run.weight_quant, "cache_dtype": cache,
+            "int8_scales": run.int8_scales if cache == "int8" else None}
 
 
 def at_precision(run: RunConfig, prec: dict, name: str) -> RunConfig:
     """``run``'s execution path with another run's precisions (the twin of a calibrated comparison)."""
-    layout = run.cache.layout
     cache_dtype = None if prec["cache_dtype"] == prec["dtype"] else prec["cache_dtype"]
-    layout = replace(layout, dtype=cache_dtype, int8_scales=prec.get("int8_scales") or layout.int8_scales)
-    return replace(run, name=name, numerical=replace(run.numerical, dtype=prec["dtype"],
-                                                     weight_quant=prec["weight_quant"]),
-                   cache=replace(run.cache, layout=layout))
+    return replace(run, name=name, dtype=prec["dtype"], weight_quant=prec["weight_quant"], cache_dtype=cache_dtype,
+                   int8_scales=prec.get("int8_scales") or run.int8_scales)
 
 
 def on_engine(run: RunConfig, engine: str) -> RunConfig:
-    """``run``'s execution path (batching, kernel, cache, chunks) on another engine, that engine's own options at
-    their defaults (a calibrated verdict's golden and twin, when the reference's engine cannot run them)."""
+    """``run``'s execution path (batching, reuse, chunks, precisions) on another engine, that engine's own options
+    at their defaults (a calibrated verdict's golden and twin, when the reference's engine cannot run them)."""
     return replace(run, engine=engine, options=registry.engine(engine).default_options())
 
 
@@ -190,25 +203,32 @@ def in_float64(run: RunConfig, name: str) -> RunConfig:
     return at_precision(run, {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}, name)
 
 
+_NEUTRAL_RUN = ("engine", "batching", "dtype", "weight_quant", "chunk_size", "deterministic", "tp")
+
+
 def run_from_dict(d: dict, where: str) -> RunConfig:
-    """A RunConfig from its ``as_dict()`` form (a trace's meta.side.run), validated like a config file."""
+    """A RunConfig from its ``as_dict()`` form (a trace's meta.side.run), validated like a config file. The form
+    traces of format 1.2 and before recorded (``numerical``, ``cache.layout``) is read through the same shim as old
+    config files (``_moved_keys``)."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: the recorded run configuration must be a table (got {type(d).__name__})")
-    cache = d.get("cache") if isinstance(d.get("cache"), dict) else {}
-    run = {k: d[k] for k in ("engine", "batching", "tp") if k in d}
-    run.update(d.get("numerical") or {})
+    old = isinstance(d.get("numerical"), dict) or isinstance(d.get("cache"), dict)
+    run = {k: d[k] for k in (("engine", "batching", "tp") if old else _NEUTRAL_RUN) if k in d}
+    if old:  # format 1.2 and before: our engine's settings and the precisions nested, the layout under cache
+        cache = d.get("cache") if isinstance(d.get("cache"), dict) else {}
+        run.update(d.get("numerical") or {})
+        run.update({k: cache[k] for k in ("chunk_size", "invariants") if k in cache})
+        conf_cache = {k: v for k, v in (cache.get("layout") or {}).items() if k != "version"}
+    else:
+        conf_cache = {k: d[f] for k, f in (("dtype", "cache_dtype"), ("int8_scales", "int8_scales"))
+                      if d.get(f) is not None}
+    run.update({k: d[k] for e in registry.ENGINES.values() for s, k, _ in e.legacy_keys if s == "run" and k in d})
     info = registry.ENGINES.get(run.get("engine", "native"))
-    if info is not None and info.table:  # the engine's options, recorded under its table's name
-        table = {k: v for k, v in dict(d.get(info.table) or {}).items() if k not in info.unrecorded}
-        for key in info.legacy_keys:  # traces written before the tables
-            if key in d:
-                table.setdefault(key, d[key])
+    if info is not None and info.table and isinstance(d.get(info.table), dict):  # its options, under its table
+        table = {k: v for k, v in d[info.table].items() if k not in info.unrecorded}
         if table:
             run[info.table] = table
-    for k in ("chunk_size", "invariants"):
-        if k in cache:
-            run[k] = cache[k]
-    conf = {"run": run, "cache": {k: v for k, v in (cache.get("layout") or {}).items() if k != "version"}}
+    conf = {"run": run, "cache": conf_cache}
     for k in ("reuse", "fault"):
         if d.get(k) is not None:
             conf[k] = d[k]
@@ -233,14 +253,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "packed": ("all prompts packed into one row, no padding (varlen, cu_seqlens)", {"run": {"batching": "packed"}}),
     "prefix-reuse": ("the first 4 tokens' KV come from an earlier request via the prefix cache",
                      {"reuse": {"prefix_len": 4}}),
-    "sdpa": ("torch scaled_dot_product_attention kernel", {"run": {"kernel": "sdpa"}}),
+    "sdpa": ("torch scaled_dot_product_attention kernel", {"run": {"native": {"kernel": "sdpa"}}}),
     "tiled": ("tiled online-softmax kernel (FlashAttention's algorithm), block 4",
-              {"run": {"kernel": "tiled", "block_size": 4}}),
+              {"run": {"native": {"kernel": "tiled", "block_size": 4}}}),
     "chunked": ("prompt processed in chunks of 4 tokens against the growing cache", {"run": {"chunk_size": 4}}),
     "paged": ("paged KV cache: 4-token pages, non-contiguous, attention reads through the block table",
-              {"cache": {"kind": "paged", "page_size": 4}}),
+              {"run": {"native": {"cache_kind": "paged", "page_size": 4}}}),
     "kv-int8": ("int8 KV cache with per-token scales; attention reads it dequantised", {"cache": {"dtype": "int8"}}),
-    "rotate-on-read": ("cache stores keys before RoPE and rotates them on read", {"cache": {"key_rotation": "pre"}}),
+    "rotate-on-read": ("cache stores keys before RoPE and rotates them on read", {"run": {"native": {"key_rotation": "pre"}}}),
     "float64": ("weights and activations in float64", {"run": {"dtype": "float64"}}),
     "bf16": ("weights and activations in bfloat16", {"run": {"dtype": "bfloat16"}}),
     "fp16": ("weights and activations in float16", {"run": {"dtype": "float16"}}),
@@ -251,7 +271,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "tp2": ("our engine sharded over 2 tensor-parallel ranks (torch.distributed, gloo), per-rank traces",
             {"run": {"tp": 2}}),
     "compiled": ("each layer's norms and MLP compiled by torch.compile (inductor); compile time reported apart",
-                 {"run": {"compile": True}}),
+                 {"run": {"native": {"compile": True}}}),
     "transformers-tp2": ("transformers' own model over 2 tensor-parallel ranks (its TP plan, tp_size=2); "
                          "needs --model hf:DIR", {"run": {"engine": "transformers", "tp": 2}}),
     "llama.cpp": ("llama.cpp (llama-cpp-python), one sequence at a time; differs from llama.cpp's defaults: "
@@ -319,11 +339,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
 TRACE_SUFFIXES = (".h5", ".hdf5")  # a name ending so is a trace file, never a preset
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
 _TABLES = {e.table: e for e in registry.ENGINES.values() if e.table}  # [run.<table>]: an engine's options
-_RUN_KEYS = {"engine", "batching", "chunk_size", "invariants", "tp"} | {f.name for f in fields(NumericalConfig)} | \
-    set(_TABLES)
+_RUN_KEYS = set(_NEUTRAL_RUN) | set(_TABLES)
+_CACHE_KEYS = {"dtype", "int8_scales"}  # the KV cache's precision; its layout is an engine's option
 # an engine option written directly in [run], as configs did before the options had tables of their own
-_MOVED = {k: e for e in _TABLES.values() for k in registry.option_names(e)} 
-_CACHE_KEYS = {f.name for f in fields(CacheLayout)} - {"version"}
+_MOVED = {k: e for e in _TABLES.values() for k in registry.option_names(e)}
 _MODEL_KEYS = {"source", "seed", "adapter"}
 
 
@@ -334,8 +353,9 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _check_types(section: str, got: dict, cls, where: str, skip=()) -> None:
-    """Each value must have the type its dataclass field declares (TOML gives int, float, bool, str, list, table)."""
+def _check_types(section: str, got: dict, cls, where: str, skip=(), shown=None) -> None:
+    """Each value must have the type its dataclass field declares (TOML gives int, float, bool, str, list, table).
+    ``shown``: the name a key was written under, where it differs from the field's."""
     hints = typing.get_type_hints(cls)
     for key, value in got.items():
         if key in skip or key not in hints:
@@ -361,7 +381,7 @@ def _check_types(section: str, got: dict, cls, where: str, skip=()) -> None:
         if not ok:
             names = " or ".join(getattr(typing.get_origin(t) or t, "__name__", str(t)).replace("NoneType", "none")
                                 for t in allowed)
-            raise ConfigError(f"{where}: [{section}] {key} must be {names} (got {value!r})")
+            raise ConfigError(f"{where}: [{section}] {(shown or {}).get(key, key)} must be {names} (got {value!r})")
 
 
 def _check_keys(section: str, got: dict, known: set, where: str) -> None:
@@ -422,24 +442,22 @@ def resolve_source(source: str) -> tuple[str, dict]:
 
 def parse_run(conf: dict, where: str, name: str) -> RunConfig:
     run, cache = dict(conf.get("run", {})), dict(conf.get("cache", {}))
-    for k in sorted(set(run) & set(_MOVED) - _RUN_KEYS):
-        e = _MOVED[k]
-        raise ConfigError(f"{where}: [run] {k} is an option of the {e.name} engine: set it in its own table, "
-                          f"[run.{e.table}] {k} = {_toml(run[k])}")
-    _check_keys("run", run, _RUN_KEYS, where)
-    _check_keys("cache", cache, _CACHE_KEYS, where)
-    num = {k: run.pop(k) for k in list(run) if k in {f.name for f in fields(NumericalConfig)}}
     engine = run.get("engine", "native")
     if not isinstance(engine, str) or engine not in registry.ENGINES:
         raise ConfigError(f"{where}: [run] engine must be one of {', '.join(registry.ENGINES)} (got {engine!r})"
                           + (did_you_mean(engine, set(registry.ENGINES)) if isinstance(engine, str) else ""))
-    options = _engine_options(run, registry.engine(engine), where)
-    _check_types("run", num, NumericalConfig, where)
+    info = registry.engine(engine)
+    _moved_keys(run, cache, info, where)
+    for k in sorted(set(run) & set(_MOVED) - _RUN_KEYS):
+        e = _MOVED[k]
+        raise ConfigError(f"{where}: [run] {k} is an option of {e.words}: set it in its own table, "
+                          f"[run.{e.table}] {k} = {_toml(run[k])}")
+    _check_keys("run", run, _RUN_KEYS, where)
+    _check_keys("cache", cache, _CACHE_KEYS, where)
+    options = _engine_options(run, info, where)
     _check_types("run", run, RunConfig, where)
-    _check_types("run", {k: run[k] for k in ("chunk_size",) if k in run}, CacheConfig, where)
-    if "invariants" in run and not isinstance(run["invariants"], str):
-        raise ConfigError(f"{where}: [run] invariants must be str (got {run['invariants']!r})")
     _check_types("cache", cache, CacheLayout, where)
+    _made(CacheLayout, "cache", where, **cache)  # the cache's own checks, said under [cache]
     reuse, fault = conf.get("reuse"), conf.get("fault")
     if reuse is not None:
         _check_keys("reuse", reuse, {f.name for f in fields(ReuseConfig)}, where)
@@ -449,10 +467,40 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
         _check_keys("fault", fault, {f.name for f in fields(FaultConfig)}, where)
         _check_types("fault", fault, FaultConfig, where)
         fault = _made(FaultConfig, "fault", where, **fault)
-    cache_cfg = _made(CacheConfig, "run", where, _made(CacheLayout, "cache", where, **cache),
-                      run.pop("chunk_size", 0), run.pop("invariants", "record"))
-    return _made(RunConfig, "run", where, name=name, numerical=_made(NumericalConfig, "run", where, **num),
-                 cache=cache_cfg, reuse=reuse, fault=fault, options=options, **run)
+    return _made(RunConfig, "run", where, name=name, cache_dtype=cache.get("dtype"),
+                 int8_scales=cache.get("int8_scales", "per-token"), reuse=reuse, fault=fault, options=options, **run)
+
+
+def _moved_keys(run: dict, cache: dict, info: registry.EngineInfo, where: str) -> None:
+    """The read shim of configs and traces written before each engine had its own options table: an engine's
+    option found where they kept it ([run] kernel, [cache] kind; registry ``legacy_keys``) moves into its table
+    when the run is on that engine; on another engine it is dropped at its default (it meant nothing there) and
+    refused otherwise, naming the engine it belongs to."""
+    for e in registry.ENGINES.values():
+        for section, old, new in e.legacy_keys:
+            src = run if section == "run" else cache
+            if old not in src:
+                continue
+            value = src.pop(old)
+            _check_types(section, {new: value}, e.options_class, where, shown={new: old})
+            try:
+                e.options_class(**{new: value})
+            except ConfigError as err:  # said under the name and section it was written in
+                said = str(err)
+                raise ConfigError(f"{where}: [{section}] {old}{said[len(new):] if said.startswith(new) else ': ' + said}"
+                                  ) from None
+            if e is not info:
+                if value != registry.option_default(e, new):
+                    raise ConfigError(f"{where}: [{section}] {old} is an option of {e.words}, [run.{e.table}] {new} "
+                                      f"(engine is {info.name!r})")
+                continue
+            table = run.setdefault(e.table, {})
+            if not isinstance(table, dict):
+                continue  # refused with the table itself (_engine_options)
+            if new in table:
+                raise ConfigError(f"{where}: [{section}] {old} and [run.{e.table}] {new} set the same option; keep "
+                                  f"[run.{e.table}] {new}")
+            table[new] = value
 
 
 def _made(cls, section: str, where: str, *args, **kw):
@@ -481,12 +529,12 @@ def _engine_options(run: dict, info: registry.EngineInfo, where: str):
             raise ConfigError(f"{where}: [run.{table}] sets options of engine = \"{_TABLES[table].name}\" (engine "
                               f"is {info.name!r})")
     given = tables.get(info.table) or {}
-    if info.options is None:
+    if info.options_class is None:
         return None
     _check_keys(f"run.{info.table}", given, registry.option_names(info), where)
-    _check_types(f"run.{info.table}", given, info.options, where)
+    _check_types(f"run.{info.table}", given, info.options_class, where)
     try:
-        return info.options(**given)
+        return info.options_class(**given)
     except ConfigError as e:
         raise ConfigError(f"{where}: [run.{info.table}] {e}") from None
 

@@ -18,7 +18,7 @@ from .models import budget
 from .calls import plan_calls
 from .config import Inputs, RunConfig, Side
 from .shared.errors import ConfigError, PreconditionError, UnsupportedModel
-from .registry import having, missing_packages
+from .registry import having, missing_packages, refusals
 from .models.snapshot import Snapshot
 from .models.sources import load_snapshot
 
@@ -169,15 +169,13 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     prep.routing = routing or {}
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": None},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None, "prefill": None}
-    set_deterministic(run.numerical.deterministic, compiling=run.numerical.compile)
+    set_deterministic(run.deterministic, compiling=False)  # an engine that compiles sets it again (ours)
     budget.check_run(snapshot.args, [len(t) for t in tokens], run.batching != "unbatched")
     positions = sample_positions(side.inputs, tokens)
     pad = _pad_id(side.inputs, snapshot)
     tp = _tp_rank(run, snapshot)
     check_request(tokens, positions, snapshot)  # §2.1 (1)-(3), once, on the request whatever the engine
-    if run.fault is not None and run.fault.name not in run.info.faults:
-        can = ", ".join(run.info.faults) or "none"
-        raise ConfigError(f"the {run.engine} engine cannot inject fault {run.fault.name} (it injects: {can})")
+    refuse_unsupported(prep, positions)
     engine = run.info.load()
     engine.check(prep)  # what the engine cannot run is refused before either side does any work
     if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank plans
@@ -189,11 +187,24 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     return prep
 
 
+def refuse_unsupported(prep: Prepared, positions) -> None:
+    """Refuse, in one line naming the engine and each capability, what the run asks that its engine does not
+    declare (engine/registry.py ``refusals``): a fault it cannot inject first, then everything else at once."""
+    run, info = prep.side.run, prep.side.run.info
+    if run.fault is not None and run.fault.name not in info.faults:
+        can = ", ".join(info.faults) or "none"
+        raise ConfigError(f"the {run.engine} engine cannot inject fault {run.fault.name} (it injects: {can})")
+    given = any(list(p) != list(range(len(t))) for p, t in zip(positions, prep.tokens))
+    no = refusals(info, run, prep.snapshot.args, prep.snapshot.adapter is not None, given)
+    if no:
+        raise ConfigError(f"{info.words} does not run " + "; ".join(no))
+
+
 def planned_prefill(prep: Prepared) -> dict:
     """Each sample's prefill as its planned calls compute it (the trace's ``record.prefill``): tokens served from
     a reused prefix, tokens computed, and the forward steps computing them — one per call, or per chunk of
     ``chunk_size`` columns of a chunked call (``token_budget``: tokens of each sample a step computes)."""
-    chunk = prep.side.run.cache.chunk_size or None
+    chunk = prep.side.run.chunk_size or None
     samples = {s: {"sample": s, "tokens": len(t), "from_cache": 0, "computed": 0, "steps": 0}
                for s, t in enumerate(prep.tokens)}
     for call in prep.calls:
@@ -232,12 +243,9 @@ def _tp_rank(run: RunConfig, snapshot: Snapshot):
     if run.tp != 1 and not run.info.tp and isinstance(run.tp, int):
         raise ConfigError(f"the {run.engine} engine does not shard over tensor-parallel ranks ({run.info.no_tp}): "
                           f"tp must be 1 (got tp={run.tp})")
-    parallel.check_tp(run.tp, snapshot.args, adapter=snapshot.adapter, weight_quant=run.numerical.weight_quant,
+    parallel.check_tp(run.tp, snapshot.args, adapter=snapshot.adapter, weight_quant=run.weight_quant,
                       fault=None if run.fault is None else run.fault.name)
     tp = parallel.current() if run.tp > 1 else None
-    if run.tp > 1 and run.numerical.compile:
-        raise ConfigError("compile = true and tp > 1 together are not supported (compile one rank's layers, or "
-                          "shard an eager model)")
     if tp is not None and tp.world != run.tp:
         raise ConfigError(f"this process is rank {tp.rank} of {tp.world}, but the run asks for tp={run.tp}")
     return tp

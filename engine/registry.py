@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from .shared.errors import ConfigError, PrefillDiffError
 from .shared.precisions import ACT_DTYPES, CACHE_DTYPES, FP8_DTYPES
@@ -41,8 +41,9 @@ GOLDEN = {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}
 class Computes:
     """The precisions an engine runs on request.
 
-    ``cache_dtypes`` None: its KV cache always has the activation dtype. An engine that runs only what its
-    model file says (llama.cpp runs a GGUF's own weight types) declares nothing: it cannot make a twin.
+    A KV cache of the activation dtype is always run; ``cache_dtypes`` are the other dtypes its cache may store
+    (None: none). An engine that runs only what its model file says (llama.cpp runs a GGUF's own weight types)
+    declares only the activation dtype it computes in: it cannot make a twin.
     """
     dtypes: tuple = ()
     cache_dtypes: tuple | None = None
@@ -53,131 +54,53 @@ class Computes:
         cache = prec.get("cache_dtype") or dtype
         if dtype not in self.dtypes or prec.get("weight_quant", "none") not in self.weight_quants:
             return False
-        return cache == dtype if self.cache_dtypes is None else cache in self.cache_dtypes
+        return cache == dtype or cache in (self.cache_dtypes or ())
 
 
-# -- the engines' own options: one frozen dataclass each, the TOML table [run.<table>] --------------------
+BATCHING_MODES = ("unbatched", "left", "right", "packed")  # engine/config.py BATCHING
 
-def _positive(name: str, v, limit: int = 2 ** 31 - 1) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
-        raise ConfigError(f"{name} must be an integer from 1 to {limit} (got {v!r})")
-
-
-@dataclass(frozen=True)
-class TransformersOptions:
-    """[run.transformers]: Hugging Face transformers' own model."""
-    attn_implementation: str = "eager"  # eager | sdpa
-
-    def __post_init__(self):
-        if self.attn_implementation not in ("eager", "sdpa"):
-            raise ConfigError(f"attn_implementation must be 'eager' or 'sdpa' (got {self.attn_implementation!r})")
-
-
-GGML_MAX_N_THREADS = 512  # ggml's own limit on a computation's threads (ggml.h)
-LLAMACPP_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # ggml type names
-
-
-@dataclass(frozen=True)
-class LlamaCppOptions:
-    """[run.llamacpp]: llama.cpp's own knobs. The defaults are llama.cpp's own."""
-    flash_attn: bool | str = "auto"  # true | false | "auto" (llama.cpp decides; on a CPU it turns it on)
-    n_ubatch: int = 512  # physical batch: tokens per graph computation
-    n_batch: int = 2048  # logical batch: tokens per llama_decode call
-    type_k: str = "f16"  # KV cache types (ggml names)
-    type_v: str = "f16"
-    n_threads: int = 0  # 0: the CPUs this process may use that the load leaves free, 1-4 (llama.cpp's default: 4)
-    gguf_type: str = "f32"  # a model that is not a GGUF file is converted to one with these weights: f32 | f16
-
-    def __post_init__(self):
-        if self.flash_attn not in (True, False, "auto"):
-            raise ConfigError(f"flash_attn must be true, false or \"auto\" (got {self.flash_attn!r})")
-        for key in ("n_ubatch", "n_batch"):
-            _positive(key, getattr(self, key))
-        if not isinstance(self.n_threads, int) or isinstance(self.n_threads, bool) or \
-                not 0 <= self.n_threads <= GGML_MAX_N_THREADS:
-            raise ConfigError(f"n_threads must be an integer from 0 (automatic) to {GGML_MAX_N_THREADS}, ggml's "
-                              f"limit (got {self.n_threads!r})")
-        for key in ("type_k", "type_v"):
-            if getattr(self, key) not in LLAMACPP_CACHE_TYPES:
-                raise ConfigError(f"{key} must be one of {', '.join(LLAMACPP_CACHE_TYPES)} "
-                                  f"(got {getattr(self, key)!r})")
-        if self.type_v not in ("f32", "f16", "bf16") and self.flash_attn is False:
-            raise ConfigError(f"llama.cpp needs flash attention for a quantized V cache "
-                              f"(type_v={self.type_v!r} with flash_attn=false)")
-        if self.gguf_type not in ("f32", "f16"):
-            raise ConfigError(f"gguf_type must be 'f32' or 'f16' (got {self.gguf_type!r})")
-
-
-# vLLM's own arguments that prefill-diff sets from its own configuration, or never lets a config choose
-VLLM_REFUSED_ARGS = {"model": "[model] source", "tokenizer": "nothing (prompts go to vLLM as token ids)",
-                     "trust_remote_code": "nothing (code from a model directory is never run)",
-                     "dtype": "[run] dtype", "kv_cache_dtype": "[cache] dtype (fp8_e4m3, fp8_e5m2)",
-                     "skip_tokenizer_init": "nothing", "enforce_eager": "nothing", "max_logprobs": "nothing",
-                     "enable_prefix_caching": "[run.vllm] prefix_caching", "block_size": "[run.vllm] block_size"}
-
-
-@dataclass(frozen=True)
-class VllmOptions:
-    """[run.vllm]: vLLM in the user's own Python environment (engine/foreign/vllm_engine.py).
-
-    ``python`` is the interpreter of that environment (else $PREFILL_DIFF_VLLM_PYTHON, else this one when it has
-    vLLM); it is never recorded in a trace, so a trace can never choose what runs. ``engine_args`` go to
-    vLLM's ``LLM()`` as they are, checked by vLLM's own EngineArgs before the model loads."""
-    python: str | None = None
-    engine_args: dict = field(default_factory=dict)
-    prefix_caching: bool = False
-    warm: bool = False  # first fill the prefix cache with each prompt's leading full blocks, then prefill
-    block_size: int = 32
-    kv_cache_mib: int = 256  # vLLM's KV cache space, in MiB (its automatic sizing fails on small CPU machines)
-
-    def __post_init__(self):
-        if self.python is not None and (not isinstance(self.python, str) or not self.python.strip()):
-            raise ConfigError(f"python must be the path of a Python interpreter (got {self.python!r})")
-        if not isinstance(self.engine_args, dict):
-            raise ConfigError(f"engine_args must be a table of vLLM LLM() arguments (got {self.engine_args!r})")
-        refused = sorted(set(self.engine_args) & set(VLLM_REFUSED_ARGS))
-        if refused:
-            raise ConfigError("engine_args may not set " + "; ".join(
-                f"{k} (set by {VLLM_REFUSED_ARGS[k]})" for k in refused))
-        for key in ("prefix_caching", "warm"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"{key} must be true or false (got {getattr(self, key)!r})")
-        if self.warm and not self.prefix_caching:
-            raise ConfigError("warm = true fills vLLM's prefix cache: it needs prefix_caching = true")
-        _positive("block_size", self.block_size, 4096)
-        _positive("kv_cache_mib", self.kv_cache_mib, 1 << 20)
-
-    def __hash__(self):  # engine_args is a dict: frozen dataclasses hash their fields
-        return hash((self.python, tuple(sorted((k, repr(v)) for k, v in self.engine_args.items())),
-                     self.prefix_caching, self.warm, self.block_size, self.kv_cache_mib))
-
-
-# -- the registry ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """One engine: see the module docstring."""
+    """One engine: see the module docstring. Its capabilities are declared here, as data: ``prepare()``
+    (engine/prepared.py) refuses whatever a run asks that its engine does not declare (``refusals``), in one place,
+    naming the engine and the capability; an engine's own ``check`` refuses only what is its own business."""
     name: str  # the value of [run] engine
     module: str  # its module under prefill_diff.engine, imported when a side runs on it
     summary: str
-    options: type | None = None
+    options: str | None = None  # "module:Class" under prefill_diff.engine: its options dataclass (plain data)
     table: str | None = None  # [run.<table>]: its options
     computes: Computes = field(default_factory=Computes)
     why_not: str = ""  # said when a calibrated verdict needs precisions no engine of ours runs
+    # -- what a run may ask of it
+    batching: tuple = BATCHING_MODES  # the batching modes it runs
+    reuse: bool = False  # [reuse]: a prefix's KV served from our prefix cache
+    chunking: bool = False  # [run] chunk_size: a prompt prefilled in chunks against the growing cache
+    adapters: bool = False  # a model snapshot with a LoRA adapter
+    explicit_positions: bool = False  # [inputs] positions other than 0, 1, 2, ...
+    families_not: tuple = ()  # (arch, why) of the model families it does not run
     tp: bool = False  # [run] tp > 1 shards it
     no_tp: str = ""  # why it does not shard
     faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
-    unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
+    any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
+    decode: bool = False  # decode steps after the prefill, against its own cache
+    teacher_forcing: bool = False  # decode steps that write given tokens, not the ones it would choose
+    op_states: tuple = ()  # the op-level states inside a layer it records (none yet: layer states only)
+    hints: tuple = ()  # (capability, what to use instead), said with a refusal of that capability
+    # -- what it is
+    cache_kinds: tuple = ("contiguous",)  # the KV cache layouts it has (engine/models/cache_layout.py CACHE_KINDS)
+    unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
     needs: tuple = ()  # (import name, extra of prefill-diff that installs it) for each package it imports
     # record.prefill (each sample's tokens from a cache, tokens computed, forward steps): "plan" when its planned
     # calls are its forward steps (prepared.planned_prefill), "run" when the engine records what its scheduler
     # did, "" when it records none
     prefill_steps: str = ""
-    any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
     precisions_from_config: bool = False  # its configuration alone sets its precisions (record --twin-of PRESET)
     ledger: bool = False  # its module draws contract §2.8's shape ledger (`prefill-diff ledger`)
-    legacy_keys: tuple = ()  # its options that traces written before the [run.<table>] tables kept in [run]
+    # (section, key, option): its options that configs and traces written before the [run.<table>] tables kept in
+    # [run] or [cache], read back into its table (engine/config.py's shim)
+    legacy_keys: tuple = ()
 
     @property
     def words(self) -> str:
@@ -188,32 +111,73 @@ class EngineInfo:
         """The engine's module (check, plan, execute)."""
         return importlib.import_module(f"{__package__}.{self.module}")
 
-    def default_options(self):
-        return None if self.options is None else self.options()
+    @property
+    def options_class(self):
+        """Its options dataclass, from its own torch-free module beside the engine (None: it has none)."""
+        if self.options is None:
+            return None
+        module, cls = self.options.split(":")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
 
+    def default_options(self):
+        cls = self.options_class
+        return None if cls is None else cls()
+
+    def hint(self, capability: str) -> str:
+        return dict(self.hints).get(capability, "")
+
+
+_NATIVE_LEGACY = tuple(("run", k, k) for k in ("kernel", "block_size", "training", "dropout_seed", "compile",
+                                               "invariants")) + \
+    (("cache", "kind", "cache_kind"), ("cache", "page_size", "page_size"), ("cache", "key_rotation", "key_rotation"))
 
 ENGINES = {e.name: e for e in (
     EngineInfo("native", "native.engine", "our engine: the contract's layer template, every execution path",
-               computes=Computes(ACT_DTYPES, CACHE_DTYPES, ("none", "int8")), tp=True,
+               "native.settings:NativeOptions", "native",
+               computes=Computes(ACT_DTYPES, CACHE_DTYPES, ("none", "int8")), reuse=True, chunking=True,
+               adapters=True, explicit_positions=True, tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
-                       "shared-gate-dropped"), replays_routing=True, prefill_steps="plan",
-               precisions_from_config=True, ledger=True),
+                       "shared-gate-dropped"), replays_routing=True, cache_kinds=("contiguous", "paged"),
+               prefill_steps="plan", precisions_from_config=True, ledger=True, legacy_keys=_NATIVE_LEGACY),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
-               TransformersOptions, "transformers", Computes(ACT_DTYPES), tp=True, replays_routing=True,
-               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan", any_architecture=True,
-               precisions_from_config=True, legacy_keys=("attn_implementation",)),
+               "foreign.hf_options:TransformersOptions", "transformers", Computes(ACT_DTYPES),
+               batching=("unbatched", "left", "right"), explicit_positions=True, tp=True, replays_routing=True,
+               any_architecture=True,
+               hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
+                      ("weight_quant", "use our engine for weight quantisation")),
+               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan",
+               precisions_from_config=True, legacy_keys=(("run", "attn_implementation", "attn_implementation"),)),
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
-               LlamaCppOptions, "llamacpp", Computes(),
+               "foreign.llamacpp_options:LlamaCppOptions", "llamacpp", Computes(("float32",)),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
+               batching=("unbatched", "packed"), explicit_positions=True,
+               hints=(("batching", "llama.cpp batches sequences without padding: use batching = \"packed\" (several "
+                                   "seq_ids in one llama_batch) or \"unbatched\""),
+                      ("chunking", "use [run.llamacpp] n_batch / n_ubatch"),
+                      ("dtype", "llama.cpp computes in float32; its weights' type is the GGUF's"),
+                      ("weight_quant", "quantize the GGUF instead"),
+                      ("cache_dtype", "use [run.llamacpp] type_k / type_v")),
                no_tp="llama.cpp runs the whole model in one process",
                needs=(("llama_cpp", "llamacpp"), ("gguf", "llamacpp"))),
-    EngineInfo("vllm", "foreign.vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, kernels), "
-               "run in the user's own environment and captured through hooks", VllmOptions, "vllm",
-               Computes(("float32", "bfloat16", "float16"), ("float32", "bfloat16", "float16") + FP8_DTYPES),
+    EngineInfo("vllm", "foreign.vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, "
+               "kernels), run in the user's own environment and captured through hooks",
+               "foreign.vllm_options:VllmOptions", "vllm",
+               Computes(("float32", "bfloat16", "float16"), FP8_DTYPES),
+               batching=("unbatched", "packed"), families_not=(
+                   ("olmo2", "vLLM has no OLMo 2 class of its own: it runs it through its transformers backend, "
+                             "whose layers the worker does not read"),),
+               hints=(("batching", "vLLM never pads: \"packed\" submits every prompt to one engine, \"unbatched\" "
+                                   "one at a time"),
+                      ("reuse", "vLLM's own prefix cache: [run.vllm] prefix_caching = true, warm = true"),
+                      ("chunking", "vLLM's chunked prefill: [run.vllm] engine_args = { max_num_batched_tokens = N }"),
+                      ("dtype", "vLLM runs float32, bfloat16 or float16"),
+                      ("weight_quant", "a quantized checkpoint is vLLM's own business"),
+                      ("cache_dtype", "vLLM's KV cache holds the activation dtype, fp8_e4m3 or fp8_e5m2"),
+                      ("explicit_positions", "vLLM numbers positions itself, from 0")),
                no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
-               unrecorded=("python",),
+               cache_kinds=("paged",), unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run"),
 )}
@@ -236,7 +200,51 @@ def engine(name: str) -> EngineInfo:
 
 
 def option_names(info: EngineInfo) -> set:
-    return set() if info.options is None else {f.name for f in fields(info.options)}
+    cls = info.options_class
+    return set() if cls is None else {f.name for f in fields(cls)}
+
+
+def option_default(info: EngineInfo, name: str):
+    """The default of one of ``info``'s options."""
+    f = {f.name: f for f in fields(info.options_class)}[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def refusals(info: EngineInfo, run, args, adapter: bool, positions_given: bool) -> list[str]:
+    """What ``run`` (engine/config.py RunConfig) asks of its engine that the engine does not declare, each with the
+    engine's hint: empty when it runs everything asked. ``args``: the model's ModelArgs; ``adapter``: the snapshot
+    carries one; ``positions_given``: the inputs set positions other than 0, 1, 2, ..."""
+    asked = []
+    if run.batching not in info.batching:
+        asked.append(("batching", f"batching={run.batching!r}"))
+    if run.reuse is not None and not info.reuse:
+        asked.append(("reuse", "prefix reuse ([reuse])"))
+    if run.chunk_size and not info.chunking:
+        asked.append(("chunking", f"chunked prefill (chunk_size={run.chunk_size})"))
+    if run.dtype not in info.computes.dtypes:
+        asked.append(("dtype", f"dtype={run.dtype!r}"))
+    if run.weight_quant not in info.computes.weight_quants:
+        asked.append(("weight_quant", f"weight_quant={run.weight_quant!r}"))
+    if not info.computes.runs({"dtype": run.dtype, "cache_dtype": run.cache_dtype}) and \
+            run.dtype in info.computes.dtypes:
+        asked.append(("cache_dtype", f"[cache] dtype={run.cache_dtype!r}"))
+    if adapter and not info.adapters:
+        asked.append(("adapters", "a LoRA adapter"))
+    if positions_given and not info.explicit_positions:
+        asked.append(("explicit_positions", "explicit position ids"))
+    why = dict(info.families_not).get(args.arch)
+    if why is not None:
+        asked.append(("families", f"a model of the {args.arch} family ({why})"))
+    out = []
+    for cap, what in asked:
+        hint = info.hint(cap)
+        if hint:
+            out.append(f"{what} ({hint})")
+        elif cap in ("reuse", "chunking", "adapters", "explicit_positions"):
+            out.append(f"{what} ({having(cap)} runs it)")
+        else:
+            out.append(what)
+    return out
 
 
 class MissingPackage(PrefillDiffError):

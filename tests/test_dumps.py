@@ -10,6 +10,7 @@ import torch
 
 from conftest import Capture, padded
 from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.engine.native.settings import cache_config
 from prefill_diff.dumps.recorder import Recorder
 from prefill_diff.dumps.schema import FORMAT_NAME, FORMAT_VERSION
 from prefill_diff.jobs.sides import prepare_side, record_side
@@ -25,7 +26,7 @@ def test_trace_holds_what_the_engine_computed(left_trace):
     prep, path = left_trace
     call = prep.calls[0]
     cap = Capture()
-    prep.engine.prefill(call.ids, call.mask, call.positions, prep.side.run.cache, recorder=cap)
+    prep.engine.prefill(call.ids, call.mask, call.positions, cache_config(prep.side.run), recorder=cap)
     with Trace(path) as t:
         assert t.f.attrs["format"].decode() == FORMAT_NAME and t.f.attrs["format_version"].decode() == FORMAT_VERSION
         assert t.version == FORMAT_VERSION

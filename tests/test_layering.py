@@ -22,13 +22,17 @@ FOLDERS = {"engine": "engine", "dumps": "dumps", "verify": "verify", "jobs": "cl
 SHARED = "engine.shared"
 LEAVES = (SHARED, "engine.shared.errors", "engine.shared.untrusted", "engine.shared.precisions",
           "engine.shared.trace_recorder")
+# what dumps and verify may import of the engine: the shared leaf, and ModelArgs (engine/models/args.py: plain data, no
+# torch, importing only the leaf), whose fields the trace's meta.model.args are (dumps/meta_fields.py derives their
+# checks from it, not from a copy)
+TRACE_VOCABULARY = LEAVES + ("engine.models.args",)
 THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf", "vllm")  # never imported by dumps or verify
 VLLM_WORKER = "engine.foreign.vllm_worker"  # runs in vLLM's own environment, as a script: the one module that imports vllm
 # our engine is one engine among the others: the registry loads it by its module's name (engine/registry.py), as it
 # loads every engine, and no other module imports it
 NATIVE = "engine.native"
-# the edges into our engine that remain: RunConfig is made of our engine's numerics and cache settings (plain data)
-INTO_NATIVE = {("engine.config", "engine.native.settings")}
+# the edges into our engine that remain: none (the registry loads its module and its options by name)
+INTO_NATIVE = set()
 # the engine's vocabulary and its leaf, beneath every engine: they import no engine
 BENEATH_ENGINES = ("engine.models", SHARED)
 ENGINES = (NATIVE, "engine.foreign")
@@ -117,8 +121,15 @@ def test_nothing_imports_from_a_package_to_its_right():
 @pytest.mark.parametrize("pkg", ["dumps", "verify"])
 def test_dumps_and_verify_import_neither_torch_nor_the_engine(pkg):
     bad = [f"{m} (line {ln}) imports {t}" for m, deps in imports().items() if m.split(".")[0] == pkg
-           for t, ln in deps.items() if t in THIRD_PARTY_HEAVY or (t.startswith("engine") and t not in LEAVES)]
+           for t, ln in deps.items()
+           if t in THIRD_PARTY_HEAVY or (t.startswith("engine") and t not in TRACE_VOCABULARY)]
     assert not bad, "\n".join(bad)
+
+
+def test_what_dumps_may_import_of_the_models_imports_only_the_shared_leaf():
+    for mod in TRACE_VOCABULARY:
+        outside = [t for t in project_edges().get(mod, ()) if not t.startswith(SHARED)]
+        assert not outside, (mod, outside)
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_a_chunked_run_says_its_budget_and_each_samples_steps(run_cli, tmp_path,
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'preset = "chunked"\n[run]\nbatching = "{batching}"\n')
     rep, out = _run(run_cli, tmp_path, cfg)
-    chunk = load_side("chunked").run.cache.chunk_size
+    chunk = load_side("chunked").run.chunk_size
     cand = rep["candidate"]["prefill"]
     assert (cand["token_budget"], cand["budget_per"]) == (chunk, "sample")
     assert rep["candidate"]["engine"]["chunk_size"] == chunk

@@ -44,7 +44,8 @@ def precisions(meta: dict) -> dict:
     dtype = str(eng.get("dtype") or "float32")
     side = meta.get("side") if isinstance(meta.get("side"), dict) else {}
     run = side.get("run") if isinstance(side.get("run"), dict) else {}
-    num = run.get("numerical") if isinstance(run.get("numerical"), dict) else {}
+    # the run's weight quantisation: at the top of the recorded run (format 1.3), under numerical before
+    num = run.get("numerical") if isinstance(run.get("numerical"), dict) else run
     rec = meta.get("record") if isinstance(meta.get("record"), dict) else {}
     # a foreign engine names its weights' quantisation in engine.weight_quant (llama.cpp: the GGUF's type, e.g.
     # Q4_1) while its run config says "none": the trace's own word wins

@@ -95,23 +95,6 @@ def check(prep) -> None:
     if run.tp > 1 and not prep.snapshot.source.startswith("hf:"):
         raise ConfigError("transformers' tensor parallelism loads a checkpoint with from_pretrained: give "
                           f"--model hf:DIR (got model {prep.snapshot.source!r})")
-    unsupported = []
-    if run.batching not in ("unbatched", "left", "right"):
-        unsupported.append(f"batching={run.batching}")
-    if run.reuse is not None:
-        unsupported.append("prefix reuse")
-    if run.cache.chunk_size:
-        unsupported.append("chunked prefill")
-    if run.numerical.weight_quant != "none":
-        unsupported.append("weight quantisation")
-    if run.numerical.compile:
-        unsupported.append("compile = true")
-    lay = run.cache.layout
-    if lay.kind != "contiguous" or lay.key_rotation != "post" or lay.dtype not in (None, run.numerical.dtype):
-        unsupported.append("a non-default cache layout")
-    if unsupported:
-        raise ConfigError("the transformers engine runs the model as transformers does; it does not support "
-                          + ", ".join(unsupported) + " (use engine = \"native\" for those)")
 
 
 def _moe_config(args, common: dict):
@@ -264,8 +247,6 @@ def build_model(snapshot, dtype: str, attn: str):
         from transformers import AutoModelForCausalLM  # optional: imported when used
     except ImportError:
         raise ModelLoadError("the transformers engine needs transformers: pip install 'prefill-diff[hf]'") from None
-    if snapshot.adapter is not None:
-        raise ConfigError("the transformers engine does not apply our LoRA adapters")
     tdt = torch_dtype(dtype)
     src = snapshot.source
     tp = current()
@@ -512,7 +493,7 @@ def execute(prep, recorder):
     """Runs every call, then yields each layer (the forwards are done by then)."""
     run = prep.side.run
     check(prep)
-    model = build_model(prep.snapshot, run.numerical.dtype, run.options.attn_implementation)
+    model = build_model(prep.snapshot, run.dtype, run.options.attn_implementation)
     absent = {}
     if prep.routing:  # routing replay: the trace says where its router was overruled
         prep.record["routing_forced"] = forced_list(prep.routing)

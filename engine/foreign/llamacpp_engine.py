@@ -47,33 +47,8 @@ FLASH = {True: 1, False: 0, "auto": -1}
 
 
 def check(prep) -> None:
-    """What the llama.cpp engine runs; anything else is refused in one line, before any work."""
-    run, snap = prep.side.run, prep.snapshot
-    num = run.numerical
-    no = []
-    if run.batching in ("left", "right"):
-        raise ConfigError(f"the llama.cpp engine batches sequences without padding (batching={run.batching!r}): "
-                          "use batching = \"packed\" (several seq_ids in one llama_batch) or \"unbatched\"")
-    if run.reuse is not None:
-        no.append("prefix reuse")
-    if run.cache.chunk_size:
-        no.append("chunked prefill (use n_batch / n_ubatch)")
-    if num.dtype != "float32":
-        no.append(f"dtype={num.dtype} (llama.cpp computes in float32; its weights' type is the GGUF's)")
-    if num.weight_quant != "none":
-        no.append("weight_quant (quantize the GGUF instead)")
-    if num.kernel != "eager":
-        no.append(f"kernel={num.kernel} (use flash_attn)")
-    if num.training or num.dropout_seed is not None:
-        no.append("training mode")
-    lay = run.cache.layout
-    if lay.kind != "contiguous" or lay.key_rotation != "post" or lay.dtype is not None:
-        no.append("[cache] settings (use type_k / type_v)")
-    if snap.adapter is not None:
-        no.append("a LoRA adapter")
-    if no:
-        raise ConfigError("the llama.cpp engine runs the model as llama.cpp does; it does not support "
-                          + ", ".join(no))
+    """What the llama.cpp engine needs beyond its registry entry: a model it can convert to a GGUF file."""
+    snap = prep.snapshot
     if not (snap.source == "smollm2" or snap.source.startswith("gguf:")):
         check_convertible(snap)
 

@@ -48,39 +48,8 @@ class WorkerFailed(PrefillDiffError):
 # -- check and plan: before either side does any work ---------------------------------------------------
 
 def check(prep) -> None:
-    """What vLLM runs as prefill-diff drives it; anything else is refused in one line."""
-    run, snap = prep.side.run, prep.snapshot
-    num, lay, opts = run.numerical, run.cache.layout, run.options
-    no = []
-    if run.batching not in ("packed", "unbatched"):
-        no.append(f"batching={run.batching!r} (vLLM never pads: \"packed\" submits every prompt to one engine, "
-                  "\"unbatched\" one at a time)")
-    if run.reuse is not None:
-        no.append("[reuse] (vLLM's own prefix cache: [run.vllm] prefix_caching = true, warm = true)")
-    if run.cache.chunk_size:
-        no.append("chunk_size (vLLM's chunked prefill: [run.vllm] engine_args = { max_num_batched_tokens = N })")
-    if num.dtype not in ("float32", "bfloat16", "float16"):
-        no.append(f"dtype={num.dtype!r} (vLLM runs float32, bfloat16 or float16)")
-    if num.weight_quant != "none":
-        no.append("weight_quant (a quantized checkpoint is vLLM's own business)")
-    if num.kernel != "eager":
-        no.append(f"kernel={num.kernel!r} (vLLM's attention backend is its own)")
-    if num.training or num.dropout_seed is not None or num.compile:
-        no.append("training mode or compile")
-    cache = None if lay.dtype in (None, num.dtype) else lay.dtype
-    if cache not in VLLM_KV_DTYPE or lay.key_rotation != "post":
-        no.append(f"[cache] dtype={lay.dtype!r} key_rotation={lay.key_rotation!r} (vLLM's KV cache holds the "
-                  "activation dtype, fp8_e4m3 or fp8_e5m2, keys after RoPE)")
-    if snap.adapter is not None:
-        no.append("a LoRA adapter")
-    if snap.args.norm_placement == "post":
-        no.append(f"a model of the {snap.args.arch} family (vLLM has no OLMo 2 class of its own: it runs it "
-                  "through its transformers backend, whose layers the worker does not read)")
-    if prep.side.inputs.positions is not None and any(
-            list(p) != list(range(len(t))) for p, t in zip(prep.side.inputs.positions, prep.tokens)):
-        no.append("explicit position ids (vLLM numbers positions itself, from 0)")
-    if no:
-        raise ConfigError("the vllm engine runs vLLM as vLLM runs; it does not support " + "; ".join(no))
+    """What vLLM needs beyond its registry entry: room for its KV cache and weights, a packed run to warm."""
+    run, snap, opts = prep.side.run, prep.snapshot, prep.side.run.options
     budget.check(f"vLLM ([run.vllm] kv_cache_mib = {opts.kv_cache_mib})", (opts.kv_cache_mib << 20) +
                  budget.model_bytes(snap.args), "its KV cache space plus the model's weights, in its own process")
     if opts.warm and run.batching != "packed":
@@ -172,7 +141,7 @@ def execute(prep, recorder):
 def request(prep, model_dir: str) -> dict:
     """What the worker runs: the prompts, how to schedule them, vLLM's arguments, any fault."""
     run, opts = prep.side.run, prep.side.run.options
-    lay, dtype = run.cache.layout, run.numerical.dtype
+    dtype = run.dtype
     block = opts.block_size
     f = run.fault
     fault = None
@@ -182,7 +151,7 @@ def request(prep, model_dir: str) -> dict:
                  "position": f.token % len(prep.tokens[f.sample])}
     longest = max(len(t) for t in prep.tokens)
     return {"model_dir": model_dir, "dtype": dtype,
-            "kv_cache_dtype": VLLM_KV_DTYPE[None if lay.dtype in (None, dtype) else lay.dtype],
+            "kv_cache_dtype": VLLM_KV_DTYPE[None if run.cache_dtype in (None, dtype) else run.cache_dtype],
             "prompts": [list(t) for t in prep.tokens], "schedule": "together" if run.batching == "packed" else "alone",
             "prefix_caching": opts.prefix_caching, "block_size": block,
             "warm": [list(t[:len(t) // block * block]) for t in prep.tokens] if opts.warm else None,
@@ -382,13 +351,13 @@ def _run_meta(recorder, prep, meta: dict, samples: list) -> None:
         "samples": [{"sample": h["index"], "tokens": len(prep.tokens[h["index"]]), "from_cache": h["num_cached_tokens"],
                      "computed": int(a["positions"].shape[0]), "steps": h["steps"]} for h, a in samples]}
     m = recorder.meta
-    kv = VLLM_KV_DTYPE[None if run.cache.layout.dtype in (None, run.numerical.dtype) else run.cache.layout.dtype]
+    kv = VLLM_KV_DTYPE[None if run.cache_dtype in (None, run.dtype) else run.cache_dtype]
     recorder.update_meta(  # chunk_size null: vLLM chunks by its scheduler's budget (record.prefill), not ours
         engine={**m.get("engine", {}), "kernel": meta.get("attention_backend"), "batching": run.batching,
                 "chunk_size": None},
         layout={**m.get("layout", {}), "kind": "paged", "page_size": int(eff.get("block_size") or
                                                                          run.options.block_size),
-                "dtype": run.numerical.dtype if kv == "auto" else kv},
+                "dtype": run.dtype if kv == "auto" else kv},
         model={**m.get("model", {}), "args": _effective_args(m.get("model", {}).get("args") or {}, eff)},
         record=dict(prep.record))
 

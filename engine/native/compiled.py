@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from .settings import cache_config
+
 
 def compile_layers(model) -> None:
     for block in model.layers:
@@ -30,6 +32,6 @@ def warm_up(prep) -> float:
     t0 = time.perf_counter()
     with torch.no_grad():
         for c in prep.calls:
-            prep.engine.prefill(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,
+            prep.engine.prefill(c.ids, c.mask, c.positions, cache_config(run), segments=c.segments, history=c.history,
                                 faults=c.faults)
     return time.perf_counter() - t0

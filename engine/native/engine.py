@@ -18,10 +18,12 @@ from .kv_cache import PrefixKV
 from ..calls import Call, Faults, Placement, SkippedKV, call_routing, forced_list, plan_calls
 from .compiled import warm_up
 from ..config import ROUTER_FAULTS, RunConfig
+from ..prepared import set_deterministic
 from ..shared.errors import ConfigError
 from .ledger import ledger  # the shape ledger of contract §2.8 of a side this engine planned (`prefill-diff ledger`)
 from ..models.adapter import seeded_adapter
 from .prefill import Engine
+from .settings import cache_config, numerical_config
 from .reuse import PrefixCache
 from ..models.snapshot import Snapshot
 
@@ -32,6 +34,11 @@ def check(prep) -> None:
     run, args = prep.side.run, prep.snapshot.args
     if run.tp > 1 and args.hidden_dim % run.tp:
         raise ConfigError(f"tp={run.tp} must divide the MLP width (got hidden_dim={args.hidden_dim})")
+    if run.tp > 1 and run.options.compile:
+        raise ConfigError("compile = true and tp > 1 together are not supported (compile one rank's layers, or "
+                          "shard an eager model)")
+    if run.options.compile:  # inductor's deterministic flag too (set_deterministic's docstring)
+        set_deterministic(run.deterministic, compiling=True)
     if run.fault is not None:
         prep.record["fault"]["cannot_show"] = fault_note(run, prep.snapshot, prep.tokens)
 
@@ -72,7 +79,7 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
 def plan(prep, positions, pad: int, tp) -> None:
     """Build the engine, serve any reused prefixes, plan the calls and their faults."""
     run, snapshot, tokens = prep.side.run, prep.snapshot, prep.tokens
-    engine = Engine(snapshot, run.numerical, tp=tp)  # checks §2.1(4) and (5) on the built model
+    engine = Engine(snapshot, numerical_config(run), tp=tp)  # checks §2.1(4) and (5) on the built model
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
     rows, pos, history = [list(t) for t in tokens], positions, {}
@@ -119,7 +126,7 @@ def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults
 
 
 def _reuse_meta(engine: Engine, run: RunConfig, tenant: str) -> dict:
-    layout = run.cache.layout.resolved(engine.numerical.dtype)
+    layout = cache_config(run).layout.resolved(engine.numerical.dtype)
     ident = engine.identity(layout)
     return {**ident, "position_numbering": "absolute, from 0", "mask_semantics": engine.args.attention_rule,
             "tenant": tenant}
@@ -143,9 +150,9 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
         if len(toks) <= k:
             continue
         res = builder.prefill(torch.tensor([toks[:k]]), torch.ones(1, k, dtype=torch.long),
-                              torch.tensor([positions[s][:k]]), run.cache, routing=call_routing(routing, [s]))
+                              torch.tensor([positions[s][:k]]), cache_config(run), routing=call_routing(routing, [s]))
         kv = PrefixKV([res.kv_cache.stored(layer, 0) for layer in range(snapshot.args.n_layers)],
-                      builder.identity(run.cache.layout.resolved(builder.numerical.dtype)))
+                      builder.identity(cache_config(run).layout.resolved(builder.numerical.dtype)))
         pcache.insert(toks[:k], kv, _reuse_meta(builder, run, cache_tenant), cache_tenant,
                       share=reuse.allow_cross_tenant)
     meta = _reuse_meta(engine, run, reuse.tenant)
@@ -163,12 +170,12 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
 def execute(prep, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
-    if run.numerical.compile:  # compile every shape the calls will see, timed apart from the recorded run
+    if run.options.compile:  # compile every shape the calls will see, timed apart from the recorded run
         prep.record["timing"] = {"compile_s": warm_up(prep)}
     if prep.routing:  # routing replay: the trace says where its router was overruled
         prep.record["routing_forced"] = forced_list(prep.routing)
     t0 = time.perf_counter()
-    gens = [prep.engine.steps(c.ids, c.mask, c.positions, run.cache, segments=c.segments, history=c.history,
+    gens = [prep.engine.steps(c.ids, c.mask, c.positions, cache_config(run), segments=c.segments, history=c.history,
                               recorder=Placement(recorder, c.runs, c.samples), faults=c.faults,
                               routing=call_routing(prep.routing, c.samples))
             for c in prep.calls]
@@ -185,7 +192,7 @@ def execute(prep, recorder):
             raise RuntimeError("prefill yielded more layers than the model has")
         except StopIteration as stop:
             results[i] = stop.value
-    if run.numerical.compile:
+    if run.options.compile:
         prep.record["timing"]["prefill_s"] = time.perf_counter() - t0
     for call, res in zip(prep.calls, results):
         for v in res.cache_metadata["invariant_violations"]:

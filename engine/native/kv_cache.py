@@ -17,7 +17,7 @@ import torch
 # storage dtypes of a KV cache (FP8_TORCH, torch_dtype); fp8 as vLLM stores it: the value divided by the layer's
 # scale (1.0 unless calibrated), cast to the fp8 format, read back times the scale
 from ..models.dtypes import FP8_TORCH, torch_dtype
-from .settings import CacheLayout  # plain data (no torch)
+from ..models.cache_layout import CacheLayout  # plain data (no torch)
 
 
 @dataclass

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .settings import cache_config
+
 
 @dataclass
 class _Shapes:
@@ -47,7 +49,7 @@ def ledger(prep) -> list[Ledger]:
     out = []
     for call in prep.calls:
         sh = _Shapes()
-        prep.engine.prefill(call.ids, call.mask, call.positions, prep.side.run.cache, segments=call.segments,
+        prep.engine.prefill(call.ids, call.mask, call.positions, cache_config(prep.side.run), segments=call.segments,
                             history=call.history, recorder=sh, faults=call.faults, shapes=sh)
         s = sh.seen
         rows = [("layer-input residual R_l", s["layer_input"]), ("query Q", s["q"]), ("key K", s["k"]),

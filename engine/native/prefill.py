@@ -21,7 +21,7 @@ import torch
 
 from .. import contract
 from .attention import AttentionMask, get_kernel, standard_head_map
-from .kv_cache import CacheLayout, KVCache, check_invariants
+from .kv_cache import KVCache, check_invariants
 from .compiled import compile_layers
 from ..calls import Faults
 from ..coords import CacheWrite, Cell, SeqRun
@@ -29,6 +29,7 @@ from ..shared.errors import CacheInvariantError, ConfigError
 from .faults import gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
 from .model import apply_rope, rope_cos_sin
 from .settings import CacheConfig, NumericalConfig  # plain data (no torch)
+from ..models.cache_layout import CacheLayout
 from .sharding import kv_for_attention, shard
 from .skeleton import build
 from ..models.dtypes import torch_dtype

@@ -1,60 +1,51 @@
-"""Our engine's settings as plain data, with no torch: the numerics (``NumericalConfig``), the KV layout
-(``CacheLayout``, ``CacheConfig``). The model's shape is the shared vocabulary of engine/models/args.py.
+"""Our engine's settings as plain data, with no torch: its options (``NativeOptions``, the table ``[run.native]``)
+and what it builds from them and a run's neutral settings — the numerics (``NumericalConfig``) and the KV cache
+(``CacheConfig``), the contract's ``numerical_config`` and ``cache_config``. The model's shape is the shared
+vocabulary of engine/models/args.py, the layout's engine/models/cache_layout.py.
 
 A config file is checked against these (engine/config.py) before anything imports torch, so a typo or a bad
 value is answered at once; ``prefill.py`` and ``kv_cache.py`` build on them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from ..shared.errors import ConfigError, did_you_mean
-from ..shared.precisions import ACT_DTYPES, CACHE_DTYPES, DTYPE_ALIASES, FP8_DTYPES
+from ..shared.errors import ConfigError
+from ..shared.precisions import ACT_DTYPES, WEIGHT_QUANTS
+from ..models.cache_layout import CACHE_KINDS, CacheLayout, one_of
 
 KERNELS = ("eager", "sdpa", "tiled")  # attention.py's kernels
-WEIGHT_QUANTS = ("none", "int8")
-CACHE_KINDS = ("contiguous", "paged")
-LAYOUT_VERSION = 1
-
-
-def _one_of(name: str, value, allowed) -> None:
-    """Refuse ``value`` unless it is one of ``allowed``, naming them and the closest."""
-    if value not in allowed:
-        near = DTYPE_ALIASES.get(value) if isinstance(value, str) and DTYPE_ALIASES.get(value) in allowed else None
-        hint = f"; did you mean {near}?" if near else did_you_mean(value, allowed, "; did you mean {}?")
-        raise ConfigError(f"{name} must be one of {', '.join(allowed)} (got {value!r}{hint})")
 
 
 @dataclass(frozen=True)
-class CacheLayout:
-    kind: str = "contiguous"
-    dtype: str | None = None  # storage dtype; None = the activation dtype
-    key_rotation: str = "post"  # "post": keys after RoPE (as attention used them); "pre": rotated on read
+class NativeOptions:
+    """[run.native]: our engine's own settings — the attention kernel, training mode, compilation and its KV
+    cache's layout (the cache's dtype is the run's, [cache] dtype)."""
+    kernel: str = "eager"
+    block_size: int = 16  # the tiled kernel's block
+    training: bool = False
+    dropout_seed: int | None = None
+    compile: bool = False  # torch.compile (inductor) each layer's norms and MLP (engine/native/compiled.py)
+    cache_kind: str = "contiguous"  # contiguous | paged
     page_size: int = 16
-    int8_scales: str = "per-token"  # or "per-head" (one scale per head and write)
-    version: int = LAYOUT_VERSION
+    key_rotation: str = "post"  # post: keys after RoPE; pre: the cache rotates them on read
+    invariants: str = "record"  # the cache invariants broken: "record" them and go on, or "raise"
 
     def __post_init__(self):
-        _one_of("kind", self.kind, CACHE_KINDS)
-        if self.dtype is not None:
-            _one_of("dtype", self.dtype, CACHE_DTYPES)
-        if self.key_rotation not in ("post", "pre"):
-            raise ConfigError(f"key_rotation must be 'post' or 'pre' (got {self.key_rotation!r})")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ConfigError(f"page_size must be a positive integer (got {self.page_size!r})")
-        if self.int8_scales not in ("per-token", "per-head"):
-            raise ConfigError(f"int8_scales must be 'per-token' or 'per-head' (got {self.int8_scales!r})")
+        one_of("kernel", self.kernel, KERNELS)
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ConfigError(f"block_size must be a positive integer (got {self.block_size!r})")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be true or false (got {self.compile!r})")
+        one_of("cache_kind", self.cache_kind, CACHE_KINDS)
+        if self.invariants not in ("raise", "record"):
+            raise ConfigError(f"invariants must be 'raise' or 'record' (got {self.invariants!r})")
+        self.layout_fields()  # the layout's own checks (page_size, key_rotation)
 
-    def resolved(self, act_dtype: str) -> "CacheLayout":
-        return self if self.dtype else CacheLayout(**{**asdict(self), "dtype": act_dtype})
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def plain(self) -> bool:
-        """True when the cache holds exactly what attention used, contiguously (no read-through needed)."""
-        return self.kind == "contiguous" and self.key_rotation == "post" and self.dtype not in ("int8", *FP8_DTYPES)
+    def layout_fields(self) -> dict:
+        """The cache layout these options choose (engine/models/cache_layout.py's fields)."""
+        lay = CacheLayout(kind=self.cache_kind, key_rotation=self.key_rotation, page_size=self.page_size)
+        return {"kind": lay.kind, "key_rotation": lay.key_rotation, "page_size": lay.page_size}
 
 
 @dataclass(frozen=True)
@@ -70,9 +61,9 @@ class NumericalConfig:
     compile: bool = False  # torch.compile (inductor) each layer's norms and MLP (engine/native/compiled.py)
 
     def __post_init__(self):
-        _one_of("dtype", self.dtype, ACT_DTYPES)
-        _one_of("kernel", self.kernel, KERNELS)
-        _one_of("weight_quant", self.weight_quant, WEIGHT_QUANTS)
+        one_of("dtype", self.dtype, ACT_DTYPES)
+        one_of("kernel", self.kernel, KERNELS)
+        one_of("weight_quant", self.weight_quant, WEIGHT_QUANTS)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ConfigError(f"block_size must be a positive integer (got {self.block_size!r})")
         if not isinstance(self.compile, bool):
@@ -91,3 +82,18 @@ class CacheConfig:
             raise ConfigError(f"chunk_size must be a non-negative integer (got {self.chunk_size!r})")
         if self.invariants not in ("raise", "record"):
             raise ConfigError(f"invariants must be 'raise' or 'record' (got {self.invariants!r})")
+
+
+def numerical_config(run) -> NumericalConfig:
+    """The numerics our engine runs a RunConfig (engine/config.py) with: its precisions and our options."""
+    o = run.options
+    return NumericalConfig(dtype=run.dtype, kernel=o.kernel, block_size=o.block_size, weight_quant=run.weight_quant,
+                           deterministic=run.deterministic, training=o.training, dropout_seed=o.dropout_seed,
+                           compile=o.compile)
+
+
+def cache_config(run) -> CacheConfig:
+    """The KV cache our engine builds for a RunConfig: the run's cache dtype and chunks, our options' layout."""
+    o = run.options
+    layout = CacheLayout(dtype=run.cache_dtype, int8_scales=run.int8_scales, **o.layout_fields())
+    return CacheConfig(layout, run.chunk_size, o.invariants)

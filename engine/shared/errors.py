@@ -49,3 +49,9 @@ def did_you_mean(word, choices, fmt: str = " (did you mean {}?)") -> str:
 
 
 INTERRUPT = {"seen": False}  # set by the CLI's SIGINT handler (read between layers by the trace recorder)
+
+
+def check_positive(name: str, v, limit: int = 2 ** 31 - 1) -> None:
+    """Refuse ``v`` unless it is an integer from 1 to ``limit`` (a bool is not an integer here)."""
+    if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
+        raise ConfigError(f"{name} must be an integer from 1 to {limit} (got {v!r})")

@@ -9,3 +9,5 @@ CACHE_DTYPES = ACT_DTYPES + ("int8",) + FP8_DTYPES  # what a KV cache may store
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
                  "half": "float16", "float": "float32", "double": "float64"}
 PRECISION_ORDER = ("fp8_e5m2", "fp8_e4m3", "int8", "float16", "bfloat16", "float32", "float64")  # coarsest first
+WEIGHT_QUANTS = ("none", "int8")  # a weight quantisation an engine may apply on request
+INT8_SCALES = ("per-token", "per-head")  # an int8 KV cache's scales: one per token and head, or per head and write

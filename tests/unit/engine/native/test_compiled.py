@@ -16,7 +16,9 @@ from prefill_diff.engine.models.synthetic import synthetic_state
 from prefill_diff.engine.native.compiled import compile_layers, warm_up
 from prefill_diff.engine.calls import Faults
 from prefill_diff.engine.models.args import MODEL_PRESETS
-from prefill_diff.engine.native.prefill import CacheConfig, Engine, NumericalConfig
+from prefill_diff.engine.config import RunConfig
+from prefill_diff.engine.native.prefill import Engine, NumericalConfig
+from prefill_diff.engine.native.settings import cache_config
 from prefill_diff.engine.native import skeleton
 from prefill_diff.engine.shared.errors import ConfigError, PreconditionError
 
@@ -61,8 +63,8 @@ class FakeEngine:
         time.sleep(self.delay)
 
 
-def prep_of(engine, calls, cache):
-    return SimpleNamespace(side=SimpleNamespace(run=SimpleNamespace(cache=cache)), calls=calls, engine=engine)
+def prep_of(engine, calls, run=RunConfig()):
+    return SimpleNamespace(side=SimpleNamespace(run=run), calls=calls, engine=engine)
 
 
 def test_warm_up_runs_every_planned_call_once_without_recording_and_times_it():
@@ -72,15 +74,16 @@ def test_warm_up_runs_every_planned_call_once_without_recording_and_times_it():
     calls = plan_calls([[3, 4, 5], [6, 7], [8, 9, 10, 11]], [[0, 1, 2], [0, 1], [0, 1, 2, 3]], [0, 1, 2],
                        "unbatched", 0, {1: "prefix"})
     calls[2].faults = Faults(last_column=True)
-    cache = CacheConfig(chunk_size=2)
+    run = RunConfig(chunk_size=2)
+    cache = cache_config(run)
     eng = FakeEngine(0.02)
     grad_before = torch.is_grad_enabled()  # another test's suspended engine generator may hold no_grad
     t0 = time.perf_counter()
-    took = warm_up(prep_of(eng, calls, cache))
+    took = warm_up(prep_of(eng, calls, run))
     wall = time.perf_counter() - t0
     assert len(eng.seen) == len(calls)
     for (ids, mask, pos, c, kw, grad), call in zip(eng.seen, calls):
-        assert ids is call.ids and mask is call.mask and pos is call.positions and c is cache
+        assert ids is call.ids and mask is call.mask and pos is call.positions and c == cache
         assert kw == {"segments": call.segments, "history": call.history, "faults": call.faults}
         assert not grad
     assert 0.02 * len(calls) <= took <= wall
@@ -94,7 +97,7 @@ def test_warm_up_lets_a_refused_call_through():
     eng = Engine(Snapshot("seed-2.8", args, synthetic_state(args, 0)))
     calls = plan_calls([[1, 2], [3, args.vocab_size]], [[0, 1], [0, 1]], [0, 1], "left", 0)
     with pytest.raises(PreconditionError, match=r"2\.1\(1\)"):
-        warm_up(prep_of(eng, calls, CacheConfig()))
+        warm_up(prep_of(eng, calls))
 
 
 def test_compiled_engine_records_what_eager_records_and_compiles_only_in_warm_up():
@@ -110,7 +113,7 @@ def test_compiled_engine_records_what_eager_records_and_compiles_only_in_warm_up
     (call,) = calls
     compiled = Engine(snap, NumericalConfig(dtype="float64", compile=True))
     frames = counters["frames"]["total"]
-    warm_up(prep_of(compiled, calls, CacheConfig()))
+    warm_up(prep_of(compiled, calls))
     assert counters["frames"]["total"] > frames  # the warm-up compiled
     frames = counters["frames"]["total"]
     cap = Capture()
