@@ -338,11 +338,21 @@ PRESETS: dict[str, tuple[str, dict]] = {
 
 TRACE_SUFFIXES = (".h5", ".hdf5")  # a name ending so is a trace file, never a preset
 _SECTIONS = {"preset", "model", "inputs", "run", "cache", "reuse", "fault"}
-_TABLES = {e.table: e for e in registry.ENGINES.values() if e.table}  # [run.<table>]: an engine's options
-_RUN_KEYS = set(_NEUTRAL_RUN) | set(_TABLES)
 _CACHE_KEYS = {"dtype", "int8_scales"}  # the KV cache's precision; its layout is an engine's option
-# an engine option written directly in [run], as configs did before the options had tables of their own
-_MOVED = {k: e for e in _TABLES.values() for k in registry.option_names(e)}
+
+
+def _tables() -> dict:
+    """[run.<table>] -> the engine whose options it holds (read from the registry as it is now)."""
+    return {e.table: e for e in registry.ENGINES.values() if e.table}
+
+
+def _run_keys() -> set:
+    return set(_NEUTRAL_RUN) | set(_tables())
+
+
+def _moved() -> dict:
+    """An engine option written directly in [run], as configs did before the options had tables of their own."""
+    return {k: e for e in _tables().values() for k in registry.option_names(e)}
 _MODEL_KEYS = {"source", "seed", "adapter"}
 
 
@@ -448,11 +458,12 @@ def parse_run(conf: dict, where: str, name: str) -> RunConfig:
                           + (did_you_mean(engine, set(registry.ENGINES)) if isinstance(engine, str) else ""))
     info = registry.engine(engine)
     _moved_keys(run, cache, info, where)
-    for k in sorted(set(run) & set(_MOVED) - _RUN_KEYS):
-        e = _MOVED[k]
+    moved, run_keys = _moved(), _run_keys()
+    for k in sorted(set(run) & set(moved) - run_keys):
+        e = moved[k]
         raise ConfigError(f"{where}: [run] {k} is an option of {e.words}: set it in its own table, "
                           f"[run.{e.table}] {k} = {_toml(run[k])}")
-    _check_keys("run", run, _RUN_KEYS, where)
+    _check_keys("run", run, run_keys, where)
     _check_keys("cache", cache, _CACHE_KEYS, where)
     options = _engine_options(run, info, where)
     _check_types("run", run, RunConfig, where)
@@ -521,12 +532,13 @@ def _toml(v) -> str:
 def _engine_options(run: dict, info: registry.EngineInfo, where: str):
     """The [run.<table>] tables popped from ``run``: the engine's own, checked key by key and by type, becomes its
     options; another engine's table is refused."""
-    tables = {k: run.pop(k) for k in list(run) if k in _TABLES}
+    known = _tables()
+    tables = {k: run.pop(k) for k in list(run) if k in known}
     for table, value in tables.items():
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: run.{table} must be a [run.{table}] table (got {value!r})")
         if table != info.table:
-            raise ConfigError(f"{where}: [run.{table}] sets options of engine = \"{_TABLES[table].name}\" (engine "
+            raise ConfigError(f"{where}: [run.{table}] sets options of engine = \"{known[table].name}\" (engine "
                               f"is {info.name!r})")
     given = tables.get(info.table) or {}
     if info.options_class is None:
