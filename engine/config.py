@@ -16,20 +16,18 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     positions = [[0, 1, 2], [0, 1]]  # optional explicit position ids
     segments = [[[0, 2]], []]        # optional spans a reuse boundary may not cut
 
-    [run]                            # how: execution path and numerics
-    engine = "native"                # an engine of engine/registry.py: native | transformers | llama.cpp
+    [run]                            # how, in what every engine means the same way
+    engine = "native"                # an engine of engine/registry.py: native | transformers | llama.cpp | vllm
     batching = "unbatched"           # unbatched | left | right | packed
-    kernel = "eager"                 # eager | sdpa | tiled
     dtype = "float32"                # float64 | float32 | bfloat16 | float16
     chunk_size = 0
-    [run.llamacpp]                   # the engine's own options, one table per engine (registry's options):
-    flash_attn = false               #   [run.transformers] attn_implementation; [run.llamacpp] flash_attn,
-    type_k = "f32"                   #   n_ubatch, n_batch, type_k, type_v, n_threads, gguf_type
+    [run.native]                     # the engine's own options, one table per engine (registry's options):
+    kernel = "eager"                 #   [run.native] kernel, block_size, training, dropout_seed, compile,
+    cache_kind = "contiguous"        #   invariants, cache_kind, page_size, key_rotation; [run.llamacpp] flash_attn,
+    key_rotation = "post"            #   n_ubatch, n_batch, type_k, ...; [run.transformers] attn_implementation
 
-    [cache]                          # KV layout
-    kind = "contiguous"              # contiguous | paged
-    dtype = "int8"                   # default: the activation dtype
-    key_rotation = "post"            # post | pre (rotate on read)
+    [cache]                          # the KV cache's precision
+    dtype = "int8"                   # default: the activation dtype; int8_scales = "per-token" | "per-head"
 
     [reuse]                          # prefix KV reuse (contract §2.9)
     prefix_len = 4
@@ -37,8 +35,8 @@ A config file is TOML. Every key is checked; an unknown key is an error, never i
     [fault]                          # one §2.11 fault
     name = "gqa-mapping"
 
-This module imports no torch (its dataclasses are engine/models/args.py's and engine/native/settings.py's, the
-engines' table is engine/registry.py): a config is read and checked, and a typo or a bad value said with the file
+This module imports no torch (the model's vocabulary is engine/models/, the engines and their options classes are
+engine/registry.py's): a config is read and checked, and a typo or a bad value said with the file
 and the section, before any engine loads.
 """
 from __future__ import annotations
