@@ -371,7 +371,7 @@ def presets():
     Example:
         prefill-diff presets
     """
-    from ..engine.config import PRESETS  # plain data: no torch
+    from ..engine.presets import PRESETS  # plain data: no torch
     width = max(len(name) for name in PRESETS)
     cols = shutil.get_terminal_size((0, 0)).columns if sys.stdout.isatty() else 0
     for name, (desc, _) in PRESETS.items():

@@ -71,7 +71,7 @@ def metric_kernels(request):
 def spawning_presets() -> set:
     """Presets that start processes (tp > 1, vLLM's worker) or compile with inductor (seconds each): the loops over
     every preset leave them out; tests/test_parallel.py and tests/test_vllm.py run each of them once."""
-    from prefill_diff.engine.config import PRESETS
+    from prefill_diff.engine.presets import PRESETS
     return {name for name, (_, conf) in PRESETS.items()
             if conf.get("run", {}).get("tp", 1) > 1 or conf.get("run", {}).get("compile")
             or conf.get("run", {}).get("engine") == "vllm"}

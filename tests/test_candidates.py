@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine.config import PRESETS
+from prefill_diff.engine.presets import PRESETS
 from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 from prefill_diff.dumps.schema import TOL_KINDS

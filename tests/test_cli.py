@@ -134,7 +134,7 @@ def test_ledger_default_is_the_seed_table(run_cli):
 
 
 def test_presets_lists_every_preset(run_cli):
-    from prefill_diff.engine.config import PRESETS
+    from prefill_diff.engine.presets import PRESETS
     res = run_cli("presets")
     assert res.exit_code == 0
     lines = res.output.splitlines()

@@ -16,7 +16,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from prefill_diff.engine import prepared
-from prefill_diff.engine.config import PRESETS, load_side
+from prefill_diff.engine.config import load_side
+from prefill_diff.engine.presets import PRESETS
 from prefill_diff.engine.foreign.vllm_engine import ENV
 from prefill_diff.engine.foreign.vllm_worker import SUPPORTED
 from prefill_diff.engine.registry import ENGINES, MissingPackage

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine.config import PRESETS, Inputs
+from prefill_diff.engine.config import Inputs
+from prefill_diff.engine.presets import PRESETS
 from prefill_diff.engine.models.sources import load_snapshot
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.engine.native.skeleton import build

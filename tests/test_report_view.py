@@ -500,7 +500,7 @@ def pty_run(args, cols):
 
 @pytest.mark.slow
 def test_presets_wrap_at_word_boundaries_on_a_narrow_terminal():
-    from prefill_diff.engine.config import PRESETS
+    from prefill_diff.engine.presets import PRESETS
     rc, out = pty_run(["presets"], 60)
     assert rc == 0
     lines = out.replace("\r", "").splitlines()

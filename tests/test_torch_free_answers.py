@@ -66,7 +66,7 @@ def test_a_usage_error_is_said_without_importing_torch(tmp_path, args, said):
 
 
 def test_presets_lists_every_preset_without_importing_torch():
-    from prefill_diff.engine.config import PRESETS
+    from prefill_diff.engine.presets import PRESETS
     got = invoke_fresh("presets")
     assert got["code"] == 0
     assert [line.split()[0] for line in got["output"].splitlines()] == list(PRESETS)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from prefill_diff.dumps.reader import Trace
-from prefill_diff.engine.config import PRESETS
+from prefill_diff.engine.presets import PRESETS
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces

@@ -148,7 +148,7 @@ def test_a_family_an_engine_does_not_run_is_refused_with_why():
 
 def test_every_engine_runs_its_own_presets_as_declared():
     """No built-in preset asks of its engine what the engine does not declare (else it could never run)."""
-    from prefill_diff.engine.config import PRESETS
+    from prefill_diff.engine.presets import PRESETS
     from prefill_diff.engine.models.args import MODEL_PRESETS
     for name in PRESETS:
         run = load_side(name).run
