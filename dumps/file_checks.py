@@ -17,7 +17,8 @@ import numpy as np
 from ..engine.shared.errors import PrefillDiffError
 from ..engine.shared.untrusted import visible
 from . import schema as sc
-from .metacheck import MetaError, check_meta, check_meta_against_file
+from .meta_fields import MetaError, value
+from .metacheck import check_meta, check_meta_against_file
 from .schema import (CACHE_TENSORS, FORMAT_NAME, META_LIMIT, READABLE_MAJOR, REQUIRED_STATES, TENSOR, STAT_COLUMNS,
                      STATES, layer_group)
 
@@ -268,7 +269,7 @@ class CheckedTrace:
         layers = f.get("layers")
         names = sorted(layers.keys()) if isinstance(layers, h5py.Group) else []
         self.n_layers = len(names)
-        declared = self.meta.get("model", {}).get("args", {}).get("n_layers")
+        declared = value(self.meta, "meta.model.args.n_layers")
         if declared is not None and (not isinstance(declared, int) or isinstance(declared, bool) or
                                      not 0 < declared <= max(self.n_layers, 1000)):
             raise TraceError(f"{where}: metadata declares n_layers={str(declared)[:40]}, the file holds "

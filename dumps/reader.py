@@ -18,6 +18,7 @@ from ..engine.shared.errors import PrefillDiffError
 from ..engine.shared.untrusted import regular_file, visible
 from . import schema as sc
 from .file_checks import DAMAGE, CheckedTrace, TraceError, check_trace_meta, guarded, json_attr
+from .meta_fields import value
 from .rows import RowReading
 from .schema import FORMAT_VERSION, STAT_COLUMNS, STATES, layer_group
 
@@ -237,7 +238,7 @@ class LiveTrace(Trace):
         self.f = recorder.written()  # with the inputs, which the recorder keeps in memory until it closes
         self._check_header(require_complete=False)
         self._check_inputs()
-        self.n_layers = int(self.meta.get("model", {}).get("args", {}).get("n_layers", 0))
+        self.n_layers = int(value(self.meta, "meta.model.args.n_layers", 0))
         self._checked = set()
 
     def layer(self, i: int) -> LayerView:

@@ -275,12 +275,12 @@ def test_sampled_channels_attribute_is_checked(run_cli, sampled, tmp_path, damag
 def test_schema_agrees_with_the_code_it_mirrors():
     """The reader cannot import the engine (torch) or verify/: its copies of their names must stay equal."""
     from dataclasses import fields
-    from prefill_diff.dumps import metacheck
+    from prefill_diff.dumps import meta_fields
     from prefill_diff.engine.models.args import ModelArgs
     from prefill_diff.verify import tolerance
-    assert set(metacheck.MODEL_ARGS) == {f.name for f in fields(ModelArgs)}
-    assert set(metacheck.PRECISION_ORDER) == set(tolerance.DTYPE_DEFAULTS)
-    assert metacheck.TOL_FIELDS == tolerance.TOL_FIELDS and metacheck.TOL_KINDS == tolerance.TOL_KINDS
+    assert set(meta_fields.MODEL_ARGS) == {f.name for f in fields(ModelArgs)}
+    assert set(meta_fields.PRECISION_ORDER) == set(tolerance.DTYPE_DEFAULTS)
+    assert meta_fields.TOL_FIELDS == tolerance.TOL_FIELDS and meta_fields.TOL_KINDS == tolerance.TOL_KINDS
 
 
 # -- property test: every metadata field mutated by type and range ---------------------------------------

@@ -322,15 +322,15 @@ def test_the_consumers_import_the_declared_names():
 def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.verify.formats.terminal import COLUMNS
-    from prefill_diff.dumps import metacheck
+    from prefill_diff.dumps import meta_fields, metacheck
     from prefill_diff.engine.native import settings
     from prefill_diff.engine import registry
     from prefill_diff.verify import breaks, calibrate, comparator, tolerance
     from prefill_diff.verify.formats import plot
     assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
-    assert tolerance.TOL_KINDS is sc.TOL_KINDS is metacheck.TOL_KINDS and tolerance.TOL_KIND is sc.TOL_KIND
-    assert tuple(f.name for f in fields(tolerance.Tolerance)) == sc.TOL_FIELDS == metacheck.TOL_FIELDS
-    assert tolerance.PRECISION_ORDER is metacheck.PRECISION_ORDER is precisions.PRECISION_ORDER
+    assert tolerance.TOL_KINDS is sc.TOL_KINDS is meta_fields.TOL_KINDS and tolerance.TOL_KIND is sc.TOL_KIND
+    assert tuple(f.name for f in fields(tolerance.Tolerance)) == sc.TOL_FIELDS == meta_fields.TOL_FIELDS
+    assert tolerance.PRECISION_ORDER is meta_fields.PRECISION_ORDER is precisions.PRECISION_ORDER
     assert set(tolerance.DTYPE_DEFAULTS) == set(precisions.PRECISION_ORDER) == set(precisions.CACHE_DTYPES)
     # tables keyed by the vocabulary cover all of it
     assert set(calibrate.UNIT_ROUNDOFF) == set(precisions.PRECISION_ORDER)
