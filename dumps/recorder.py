@@ -23,7 +23,7 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
             rec.final(s, norm_last[s], logits[s], column=last_col[s], token_index=last_tok[s])  # (dim,), (vocab,)
     # leaving the block closes the file and renames it into place; an exception removes it
 
-``meta`` (a JSON object; docs/trace-format.md has the full table):
+``meta`` (a JSON object; every key is declared in dumps/meta_fields.py, docs/trace-format.md has the table):
 
     required
       model.args.dim, .n_layers, .n_heads, .n_kv_heads, .head_dim, .vocab_size   positive integers, n_heads a
@@ -32,21 +32,9 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
           tolerance policy (the coarser side's), so a bfloat16 engine that says float32 fails on noise
     required when layout.key_rotation is "pre"
       model.rope_inv_freq   head_dim/2 inverse frequencies: the reader rotates pre-RoPE keys with them
-    optional (compared or shown when present)
-      model.args.hidden_dim, .norm_eps, .rope_theta, .rope_scaling (table), .hidden_act, .qkv_bias,
-          .o_bias, .mlp_bias, .qk_norm, .norm_placement, .norm_scale, .sliding_window, .layer_types,
-          .attention_multiplier, .embedding_multiplier, .residual_multiplier, .logits_scaling, .lm_head_bias,
-          .tie_embeddings, .arch
-          the model's identity: a difference is an identity break
-      model.source, model.spec, model.weights_digest ("sha256:..."), model.adapter ({id, digest, rank})
-      engine.name, .kernel, .batching, .chunk_size
-      layout.kind, .dtype (the KV-cache dtype, picks the cache tolerance), .key_rotation ("post": keys as
-          attention used them, the default; "pre": before RoPE), .page_size
-      side.origin (shown as the side's name), tolerance (a declared policy), record (reuse decisions,
-          invariant violations, fault, quantized_weights_digest), repro, texts, token_text
-      provenance (version, argv, time): written by ``begin`` unless given
-      every one of model, side, engine, layout, tolerance, record, repro, run, token_text, provenance is a JSON
-          object
+    optional: every other declared key (compared or shown when present); provenance (version, argv, time) is
+      written by ``begin`` unless given. An engine's own record (meta.record.vllm, ...) is checked against the
+      declaration it registered when ``declare_record`` was called.
 
 States (``state(layer, name, ...)``), per layer: layer_input R_l, attn_update (the attention output after
 the output projection), mid U_l = R_l + attn_update, mlp_update, layer_output R_l+1 (all (columns, dim),
@@ -74,6 +62,7 @@ import numpy as np
 from . import metacheck
 from . import schema as sc
 from .h5write import text_attr
+from .meta_fields import REQUIRED_ARGS, MetaError, value
 from .layer_store import LayerStore
 from .placement import check_interrupt
 from .provenance import provenance
@@ -95,7 +84,7 @@ def _check_as_read(meta: dict, n_samples: int | None = None, lengths=None) -> No
     """metacheck.check_as_read, refused as the recorder refuses."""
     try:
         metacheck.check_as_read(meta, n_samples, lengths)
-    except metacheck.MetaError as e:
+    except MetaError as e:
         raise RecorderError(f"the trace's metadata breaks its schema, so its reader would refuse it: {e}") from None
 
 
@@ -141,6 +130,7 @@ class Recorder:
         self._final: dict | None = None  # FINAL element name -> its array, made on the first final()
         self._final_sources: dict = {}  # norm_last, logits -> the source dtype
         self._cells: dict = {}  # sampled level: (sample, col, T) -> the rows and slots of its sampled tokens
+        self._sections: dict = {}  # meta.record key -> (its engine, the check of its declaration)
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -176,7 +166,7 @@ class Recorder:
         S = len(samples)
         if S == 0 or n_cols < 1:
             raise RecorderError(f"a trace needs at least one sample and one column (got {S}, {n_cols})")
-        self.args = {k: int(v) for k, v in _required_args(meta).items() if k in metacheck.REQUIRED_ARGS}
+        self.args = {k: int(v) for k, v in _required_args(meta).items() if k in REQUIRED_ARGS}
         if any(len(s) == 0 for s in samples):
             raise RecorderError("every sample needs at least one token (got an empty sample)")
         self.n_samples, self.n_cols = S, n_cols
@@ -199,7 +189,7 @@ class Recorder:
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
         self.meta = {**meta, "provenance": meta.get("provenance") or provenance()}
-        _check_as_read(self.meta)
+        self._check_meta()
         self._write_meta()
         self._sampled_toks = [select_tokens(int(n), self.sample_tokens) for n in self.lengths]
         self._slot_of_tok = []  # per sample: token index -> sampled slot, -1 if not sampled
@@ -223,7 +213,7 @@ class Recorder:
         """Bytes this trace will take, from its sizes alone (an upper bound: every state at every cell, the
         cache at every slot, in float64 where the run is float64): what the file system must have free."""
         d, S, C, N = self.dims["dim"], self.dims["S"], self.dims["C"], self.dims["N"]
-        item = 8 if (self.meta.get("engine") or {}).get("dtype") == "float64" else 4
+        item = 8 if value(self.meta, "meta.engine.dtype") == "float64" else 4
         width = max(d, self.args["n_heads"] * self.args["head_dim"])
         if self.level == "full":
             per_layer = len(STATES) * S * C * width + 2 * S * self.dims["H"] * N * self.dims["D"] + \
@@ -512,6 +502,21 @@ class Recorder:
         empty before the first ``final``."""
         return [] if self._final is None else self._final["topk_ids"].ravel().tolist()
 
+    def declare_record(self, key: str, declared, engine: str) -> None:
+        """The engine's own record, ``meta.record.<key>``, as that engine declares it (its rows: dumps/meta_fields.py
+        ``section_fields``; the job hands over what engine/registry.py registers): checked strictly, like the rest of
+        the metadata, when ``begin`` and ``close`` check it, and refused naming the field."""
+        self._sections[key] = (engine, metacheck.section_check(key, declared, engine))
+
+    def _check_meta(self, n_samples: int | None = None, lengths=None) -> None:
+        _check_as_read(self.meta, n_samples, lengths)
+        for key, (engine, check) in self._sections.items():
+            try:
+                metacheck.check_section(self.meta, key, check)
+            except MetaError as e:
+                raise RecorderError(f"the {engine} engine's record breaks the declaration it registered "
+                                    f"(engine/registry.py record_section): {e}") from None
+
     def update_meta(self, **items) -> None:
         """Add or replace top-level keys of the trace's meta (written now, and again on close)."""
         self.meta.update(items)
@@ -525,7 +530,7 @@ class Recorder:
         try:
             self._need_begin()
             self._check_complete()
-            _check_as_read(self.meta, self.n_samples, self.lengths)
+            self._check_meta(self.n_samples, self.lengths)
         except RecorderError:
             self.abort()  # nothing is left that looks like a trace
             raise

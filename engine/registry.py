@@ -101,6 +101,8 @@ class EngineInfo:
     # (section, key, option): its options that configs and traces written before the [run.<table>] tables kept in
     # [run] or [cache], read back into its table (engine/config.py's shim)
     legacy_keys: tuple = ()
+    # (key, module, attribute): its own record in a trace, meta.record.<key>, declared as plain data beside it
+    record_section: tuple | None = None
 
     @property
     def words(self) -> str:
@@ -160,7 +162,8 @@ ENGINES = {e.name: e for e in (
                       ("weight_quant", "quantize the GGUF instead"),
                       ("cache_dtype", "use [run.llamacpp] type_k / type_v")),
                no_tp="llama.cpp runs the whole model in one process",
-               needs=(("llama_cpp", "llamacpp"), ("gguf", "llamacpp"))),
+               needs=(("llama_cpp", "llamacpp"), ("gguf", "llamacpp")),
+               record_section=("llama_cpp", "foreign.llamacpp_record", "RECORD")),
     EngineInfo("vllm", "foreign.vllm_engine", "vLLM (its scheduler, paged KV cache, prefix cache, chunked prefill, "
                "kernels), run in the user's own environment and captured through hooks",
                "foreign.vllm_options:VllmOptions", "vllm",
@@ -179,7 +182,8 @@ ENGINES = {e.name: e for e in (
                no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
                cache_kinds=("paged",), unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
-               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run"),
+               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run",
+               record_section=("vllm", "foreign.vllm_record", "RECORD")),
 )}
 OURS = "native"
 

@@ -7,6 +7,7 @@ runs, so that comparing two trace files never loads torch.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import secrets
 import shutil
@@ -43,11 +44,23 @@ def capture(prep: Prepared, recorder: Recorder, extra_meta: dict | None = None) 
 
     Returns the run record (also written into the trace's meta).
     """
+    section = record_section(prep.side.run.info)
+    if section is not None:  # the engine's own record, checked against its declaration
+        recorder.declare_record(*section)
     recorder.begin([list(t) for t in prep.tokens], prep.n_cols, {**trace_meta(prep), **(extra_meta or {})})
     record = yield from _layers(execute(prep, recorder), recorder)
     ids = [t for row in prep.tokens for t in row] + recorder.final_top_ids()
     recorder.update_meta(record=record, token_text=token_texts(prep, ids))
     return record
+
+
+def record_section(info) -> tuple | None:
+    """(key, declared rows, engine name) of the engine's own record, ``meta.record.<key>``, from the declaration its
+    registry entry points to (``record_section``: key, module, attribute); None when it has none."""
+    if info.record_section is None:
+        return None
+    key, module, attribute = info.record_section
+    return key, getattr(importlib.import_module(f"prefill_diff.engine.{module}"), attribute), info.name
 
 
 def _layers(steps, recorder: Recorder):
