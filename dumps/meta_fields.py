@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from ..engine.models.args import ModelArgs
-from ..engine.shared.precisions import PRECISION_ORDER
+from ..engine.shared.precisions import ACT_DTYPES, PRECISION_ORDER
 from .schema import TOL_FIELDS, TOL_KINDS
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -334,6 +334,13 @@ FIELDS = (
     Field("meta.side.model", obj(none=True), "the [model] table"),
     Field("meta.side.inputs", obj(none=True), "the [inputs] table"),
     Field("meta.side.run", Obj(none=True), "the [run] table (its other keys: engine/config.py)"),
+    Field("meta.side.run.dtype", text(choices=ACT_DTYPES), "the activation and weight dtype asked for", "1.3"),
+    Field("meta.side.run.weight_quant", text(), "the weight quantisation asked for", "1.3"),
+    Field("meta.side.run.cache_dtype", text(none=True), "the KV cache dtype asked for (null: the activation dtype)",
+          "1.3"),
+    Field("meta.side.run.int8_scales", text(), "an int8 KV cache's scales", "1.3"),
+    Field("meta.side.run.chunk_size", integer(0), "the chunk size asked for (0: none)", "1.3"),
+    Field("meta.side.run.deterministic", boolean(), "whether deterministic algorithms were asked for", "1.3"),
     Field("meta.side.run.reuse", obj(none=True), "the [reuse] table"),
     Field("meta.side.run.fault", obj(none=True), "the [fault] table"),
     Field("meta.engine", Obj(none=True), "the engine that ran"),

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 FORMAT_NAME = "prefill-diff-trace"
-FORMAT_VERSION = "1.2"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes);
-# 1.2: a mixture of experts' routing (layers/NNN/routing)
+FORMAT_VERSION = "1.3"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes);
+# 1.2: a mixture of experts' routing (layers/NNN/routing); 1.3: the recorded run in engine-neutral words
+# (meta.side.run: the neutral settings, then one table of the engine's own options)
 READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds optional items
 
 LEVELS = ("full", "sampled", "stats")
