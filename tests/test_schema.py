@@ -323,8 +323,9 @@ def test_the_consumers_read_the_declaration():
     from dataclasses import fields
     from prefill_diff.verify.formats.terminal import COLUMNS
     from prefill_diff.dumps import meta_fields, metacheck
+    from prefill_diff.engine import config, registry
+    from prefill_diff.engine.models import cache_layout
     from prefill_diff.engine.native import settings
-    from prefill_diff.engine import registry
     from prefill_diff.verify import breaks, calibrate, comparator, tolerance
     from prefill_diff.verify.formats import plot
     assert comparator.STATES is sc.STATES and comparator.VALUE_ORDER is sc.VALUE_ORDER
@@ -337,7 +338,9 @@ def test_the_consumers_read_the_declaration():
     assert metacheck.ABSENTABLE is sc.ABSENTABLE
     assert (metacheck.ACT_DTYPES is calibrate.ACT_DTYPES is registry.ACT_DTYPES is settings.ACT_DTYPES
             is precisions.ACT_DTYPES)
-    assert settings.CACHE_DTYPES is precisions.CACHE_DTYPES
+    assert cache_layout.CACHE_DTYPES is precisions.CACHE_DTYPES
+    assert config.ACT_DTYPES is precisions.ACT_DTYPES and config.WEIGHT_QUANTS is settings.WEIGHT_QUANTS \
+        is precisions.WEIGHT_QUANTS
     assert precisions.FP8_DTYPES == tuple(d for d in precisions.CACHE_DTYPES if d.startswith("fp8"))
     # a policy's other names: the dtypes' short names (derived from DTYPE_ALIASES), then the int8 presets
     assert list(tolerance.POLICY_ALIASES.items()) == [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"),
