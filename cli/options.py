@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import click
 
@@ -99,11 +99,11 @@ POLICY_HELP = (f"Tolerance policy by precision: {', '.join(DTYPE_DEFAULTS)}, or 
 
 
 def model_options(f):
-    """--model, --prompt, --tokens: *what* to prefill (in run and compare, for both sides) unless a config sets
-    its own, as one ``what`` (Prefilled)."""
+    """--model, --prompt, --tokens, --response, --response-ids: *what* to prefill (in run and compare, for both
+    sides) unless a config sets its own, as one ``what`` (Prefilled)."""
     @functools.wraps(f)
-    def collect(*args, model, prompts, tokens, **kw):
-        return f(*args, what=Prefilled(model, prompts, tokens), **kw)
+    def collect(*args, model, prompts, tokens, responses, response_ids, **kw):
+        return f(*args, what=Prefilled(model, prompts, tokens, responses, response_ids), **kw)
     return _compose(
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
@@ -114,6 +114,12 @@ def model_options(f):
                           "model with a tokenizer."),
         click.option("--tokens", "tokens", multiple=True, metavar="IDS",
                      help="A prompt as comma-separated token ids (repeatable), e.g. --tokens 5,6,7."),
+        click.option("--response", "responses", multiple=True, metavar="TEXT",
+                     help="A response after the prompt (repeatable: one per prompt, or one for all): prompt + "
+                          "response is prefilled, or with [run] decode = true (preset decode) the response is "
+                          "written token by token, and a comparison judges its log-probs."),
+        click.option("--response-ids", "response_ids", multiple=True, metavar="IDS",
+                     help="A response as comma-separated token ids (repeatable, as --response)."),
         section="Model and prompts",
     )(collect)
 
@@ -226,19 +232,22 @@ class Prefilled:
     model: str | None = None
     prompts: tuple = ()
     tokens: tuple = ()
+    responses: tuple = ()
+    response_ids: tuple = ()
 
     def given(self) -> list[str]:
         """The options given, by name."""
-        return [f for f, v in (("--model", self.model), ("--prompt", self.prompts), ("--tokens", self.tokens)) if v]
+        return [f for f, v in (("--model", self.model), ("--prompt", self.prompts), ("--tokens", self.tokens),
+                               ("--response", self.responses), ("--response-ids", self.response_ids)) if v]
 
     def resolve(self):
         """(ModelSpec or None, Inputs or None)."""
-        return shared_inputs(self.model, self.prompts, self.tokens)
+        return shared_inputs(self.model, self.prompts, self.tokens, self.responses, self.response_ids)
 
 
-def shared_inputs(model, prompts, tokens):
-    """--model/--prompt/--tokens -> (ModelSpec or None, Inputs or None)."""
-    if not (model or prompts or tokens):
+def shared_inputs(model, prompts, tokens, responses=(), response_ids=()):
+    """--model/--prompt/--tokens/--response/--response-ids -> (ModelSpec or None, Inputs or None)."""
+    if not (model or prompts or tokens or responses or response_ids):
         return None, None
     if model:
         check_model_source(model, "--model")
@@ -249,24 +258,36 @@ def shared_inputs(model, prompts, tokens):
     for i, p in enumerate(prompts):
         if not p.strip():
             raise ConfigError(f"--prompt number {i + 1} is empty (got {p!r}); give some text")
-    ids = []
-    for t in tokens:
-        parts = t.replace(" ", "").split(",")
-        if parts and parts[-1] == "" and len(parts) > 1:
-            parts = parts[:-1]  # one trailing comma, as in a pasted list
-        row = []
-        for i, x in enumerate(parts):
-            if x == "":
-                if len(parts) == 1:
-                    break
-                raise ConfigError(f"--tokens {t!r}: id {i} is empty (two commas in a row, or a leading comma)")
-            try:
-                v = int(x)
-            except ValueError:
-                raise ConfigError(f"--tokens takes comma-separated integers (got {t!r}; id {i} is {x!r})") from None
-            row.append(check_int64(v, f"--tokens {t!r}: id {i}"))
-        ids.append(tuple(row))
-        if not ids[-1]:
-            raise ConfigError(f"--tokens needs at least one id (got {t!r})")
-    inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else None
-    return spec, inputs
+    if responses and response_ids:
+        raise ConfigError("give --response or --response-ids, not both")
+    responses = [as_given(p) for p in responses]
+    for i, p in enumerate(responses):
+        if not p.strip():
+            raise ConfigError(f"--response number {i + 1} is empty (got {p!r}); give some text")
+    ids = [_ids(t, "--tokens") for t in tokens]
+    inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else Inputs()
+    if responses or response_ids:
+        inputs = replace(inputs, response_texts=tuple(responses),
+                         responses=tuple(_ids(t, "--response-ids") for t in response_ids) or None)
+    return spec, (None if inputs == Inputs() else inputs)
+
+
+def _ids(t: str, flag: str) -> tuple:
+    """A comma-separated list of token ids, as --tokens and --response-ids take it."""
+    parts = t.replace(" ", "").split(",")
+    if parts and parts[-1] == "" and len(parts) > 1:
+        parts = parts[:-1]  # one trailing comma, as in a pasted list
+    row = []
+    for i, x in enumerate(parts):
+        if x == "":
+            if len(parts) == 1:
+                break
+            raise ConfigError(f"{flag} {t!r}: id {i} is empty (two commas in a row, or a leading comma)")
+        try:
+            v = int(x)
+        except ValueError:
+            raise ConfigError(f"{flag} takes comma-separated integers (got {t!r}; id {i} is {x!r})") from None
+        row.append(check_int64(v, f"{flag} {t!r}: id {i}"))
+    if not row:
+        raise ConfigError(f"{flag} needs at least one id (got {t!r})")
+    return tuple(row)

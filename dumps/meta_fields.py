@@ -412,6 +412,13 @@ FIELDS = (
     *(Field(f"meta.record.prefill.samples[].{k}", integer(0), what, "1.2") for k, what in (
         ("sample", "the sample"), ("tokens", "its length"), ("from_cache", "tokens served from a cache"),
         ("computed", "tokens computed"), ("steps", "forward steps"))),
+    Field("meta.record.response", Obj(none=True, required=("samples",)), "the response each sample carries", "1.3"),
+    Field("meta.record.response.chosen_by", text(choices=("given", "reference", "candidate")),
+          "who chose the response's tokens: given in the inputs, or one side's own greedy choice", "1.3"),
+    Field("meta.record.response.samples", List(), "per sample with a response", "1.3"),
+    Field("meta.record.response.samples[]", Obj(required=("sample", "prompt", "response")), "one sample's", "1.3"),
+    *(Field(f"meta.record.response.samples[].{k}", integer(lo), what, "1.3") for k, lo, what in (
+        ("sample", 0, "the sample"), ("prompt", 1, "its prompt's tokens"), ("response", 1, "its response's tokens"))),
     Field("meta.record.routing_forced", anything, "the (layer, sample, token) cells whose experts a replay forced",
           "1.2", OURS),
     Field("meta.record.vllm", Obj(none=True), "vLLM's own record (declared in engine/foreign/vllm_record.py)",

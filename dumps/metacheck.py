@@ -74,6 +74,13 @@ def check_meta_against_file(meta, n_samples: int, lengths) -> None:
                             o["tokens"])
         if o["from_cache"] + o["computed"] != o["tokens"]:
             raise MetaError(where, "must have from_cache + computed = tokens", show_value=False)
+    for i, o in enumerate((rec.get("response") or {}).get("samples") or ()):
+        where = f"meta.record.response.samples[{i}]"
+        if o["sample"] >= n_samples:
+            raise MetaError(f"{where}.sample", f"must name one of the {n_samples} samples", o["sample"])
+        if lengths is not None and o["prompt"] + o["response"] != int(lengths[o["sample"]]):
+            raise MetaError(where, f"must have prompt + response = sample {o['sample']}'s length "
+                            f"({int(lengths[o['sample']])})", show_value=False)
 
 
 # -- the write side: what the recorder is given ------------------------------------------------------------

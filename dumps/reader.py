@@ -203,6 +203,30 @@ class Trace(CheckedTrace, RowReading):
 
     @cached_property
     @guarded
+    def rows(self) -> dict:
+        """What each cell's forward was (phase, step, cache_len: schema ROWS, [S, C]); a trace without them (before
+        1.3, or a writer that does not say) reads as prefill cells whose cache length is not said (-1)."""
+        shape = (self.n_samples, self.n_cols)
+        return {k: self.read(self.f[el.path]) if isinstance(self.f.get(el.path), h5py.Dataset)
+                else np.full(shape, el.fill, dtype=el.dtype) for k, el in sc.ROWS.items()}
+
+    @cached_property
+    @guarded
+    def response(self) -> dict | None:
+        """A response's rows (schema RESPONSE: token_index [S, R], logits [S, R, vocab]); None without one."""
+        if not all(isinstance(self.f.get(el.path), h5py.Dataset) for el in sc.RESPONSE.values()):
+            return None
+        out = {k: self.read(self.f[el.path]) for k, el in sc.RESPONSE.items()}
+        ti, z = out["token_index"], out["logits"]
+        if ti.ndim != 2 or ti.shape[0] != self.n_samples or z.shape[:2] != ti.shape or \
+                z.shape[2] != int(self.args.get("vocab_size") or z.shape[2]) or \
+                ((ti < -1) | (ti >= self.lengths[:, None])).any():
+            raise TraceError(f"{self.name}: /{sc.RESPONSE['token_index'].path} and /{sc.RESPONSE['logits'].path} "
+                             "must be [samples, R] token indices in [-1, length) and [samples, R, vocab] logits")
+        return out
+
+    @cached_property
+    @guarded
     def final(self) -> dict:
         out = {k: self.read(self.f[el.path]) for k, el in sc.FINAL.items()
                if isinstance(self.f.get(el.path), h5py.Dataset)}

@@ -66,6 +66,7 @@ from .meta_fields import REQUIRED_ARGS, MetaError, value
 from .layer_store import LayerStore
 from .placement import check_interrupt
 from .provenance import provenance
+from .responses import ResponseRows
 from .reductions import is_torch, slab_stats, slot_rows, source_dtype, to_numpy, top_ids
 from .sampling import Sampled, gather, select_channels, select_tokens
 from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES
@@ -184,7 +185,11 @@ class Recorder:
         sc.TOKEN_IDS.create(self.f, self.dims, data=ids)
         sc.LENGTHS.create(self.f, self.dims, data=self.lengths)
         self._inputs = {name: np.full(el.shape_for(self.dims), el.fill, dtype=el.dtype)  # written by flush
-                        for name, el in sc.INPUTS.items()}
+                        for name, el in {**sc.INPUTS, **sc.ROWS}.items()}
+        said = (meta.get("record") or {}).get("response") or {}
+        self._response = ResponseRows(S, said.get("samples") or (), self.args["vocab_size"])
+        if self._response.R:
+            self.dims["R"] = self._response.R
         self._roots_dirty = True  # inputs or final outputs changed since the last flush
         self.valid = np.zeros((S, n_cols), dtype=bool)
         self.tok = np.full((S, n_cols), -1, dtype=np.int64)
@@ -244,8 +249,30 @@ class Recorder:
         inp["computed"][sl] = 1
         inp["positions"][sl] = to_numpy(positions)
         inp["token_index"][sl] = to_numpy(token_index)
+        inp["phase"][sl], inp["step"][sl], inp["cache_len"][sl] = 0, -1, -1  # until steps() says otherwise
         self.valid[sl], self.tok[sl] = v, to_numpy(token_index)
         self._cells = {}
+        self._roots_dirty = True
+
+    def steps(self, sample: int, col: int, phase, step, cache_len) -> None:
+        """What the forward of each of a sample's cells from column ``col`` was: its phase (schema PHASES' index),
+        decode step (-1 outside decode) and the cache length it read; three (T,) arrays, after ``inputs``."""
+        self._need_begin()
+        self._where(sample, col, phase, "steps")
+        T = _shape(phase)[0]
+        sl = np.s_[sample, col:col + T]
+        for name, x in (("phase", phase), ("step", step), ("cache_len", cache_len)):
+            _want(f"steps(sample {sample}) {name}", x, (T,))
+            self._inputs[name][sl] = to_numpy(x)
+        self._roots_dirty = True
+
+    def response_logits(self, sample: int, token_index, logits) -> None:
+        """The raw logits at a sample's tokens ``token_index`` (R,) whose next tokens are its response's: (R, vocab)."""
+        self._need_begin()
+        if not 0 <= int(sample) < self.n_samples:
+            raise RecorderError(f"response_logits: sample {sample} out of range (begin declared {self.n_samples} "
+                                "samples)")
+        self._response.add(int(sample), to_numpy(token_index), to_numpy(logits), source_dtype(logits))
         self._roots_dirty = True
 
     def _where(self, sample, col, x, what) -> None:
@@ -491,8 +518,10 @@ class Recorder:
         self.store.write_dirty()
         if not self._roots_dirty:  # a live reader flushes per layer; the inputs are written once
             return
-        for name, el in sc.INPUTS.items():
+        for name, el in {**sc.INPUTS, **sc.ROWS}.items():
             self.store.root_dataset(el, self._inputs[name])
+        for name, data, src in self._response.datasets():
+            self.store.root_dataset(sc.RESPONSE[name], data, src)
         for key, el in sc.FINAL.items() if self._final is not None else ():
             self.store.root_dataset(el, self._final[key], self._final_sources.get(key))
         self._roots_dirty = False
@@ -547,6 +576,7 @@ class Recorder:
             raise RecorderError(f"final() was never called for sample(s) {missing[:8]}"
                                 f"{' …' if len(missing) > 8 else ''}: every sample needs its final output "
                                 "(the trace was not written)")
+        self._response.check_complete()
         absent = self.meta.get("absent_states") or {}
         routed = [layer for layer in range(self.args["n_layers"]) if (layer, "routing") in self._seen]
         margs = self.meta["model"]["args"]

@@ -10,7 +10,7 @@ a recorded trace contains to one of them.
 
 Named dimensions (a shape entry is one of these, or a number):
 
-    S samples   C stored columns   N longest prompt   dim model width   W a state's width
+    S samples   C stored columns   N longest prompt   dim model width   W a state's width   R longest response
     vocab vocabulary size   k top ids kept   P sampled token slots   K sampled channels
     H KV heads   T longest cache   D head dimension   stat len(STAT_COLUMNS)
     A experts a token takes (top-k)   E experts
@@ -25,7 +25,8 @@ import numpy as np
 FORMAT_NAME = "prefill-diff-trace"
 FORMAT_VERSION = "1.3"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes);
 # 1.2: a mixture of experts' routing (layers/NNN/routing); 1.3: the recorded run in engine-neutral words
-# (meta.side.run: the neutral settings, then one table of the engine's own options)
+# (meta.side.run: the neutral settings, then one table of the engine's own options), each cell's phase, decode step
+# and cache length (inputs/phase, step, cache_len), a response's logits (response/)
 READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds optional items
 
 LEVELS = ("full", "sampled", "stats")
@@ -101,7 +102,8 @@ FINAL_KIND = {"logits": "logits", "norm_last": "residual"}
 TOL_KINDS = ("residual", "attn_update", "mlp_update", "cache_keys", "cache_values", "logits", "router")
 TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # a kind's tolerance (verify.tolerance.Tolerance's fields)
 TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND,
-            "router_logits": "router"}  # a MoE layer's router scores: the noise a routing flip is judged against
+            "router_logits": "router",  # a MoE layer's router scores: the noise a routing flip is judged against
+            "response_logits": "logits"}  # the logits at a response's tokens (format 1.3)
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")
@@ -198,6 +200,20 @@ INPUTS = {  # the cells one prefill laid out per sample; fill: what a never-comp
     "positions": Element("inputs/positions", "iu", ("S", "C"), "int64", LEVELS, fill=0),
     "token_index": Element("inputs/token_index", "iu", ("S", "C"), "int64", LEVELS, fill=-1),
 }
+# what each cell's forward was (format 1.3; optional: a trace without them reads as prefill cells, cache length
+# not said): its phase (PHASES), its decode step (-1 outside decode), the cache length its forward read (-1: not said)
+ROWS = {
+    "phase": Element("inputs/phase", "iu", ("S", "C"), "uint8", fill=0),
+    "step": Element("inputs/step", "iu", ("S", "C"), "int64", fill=-1),
+    "cache_len": Element("inputs/cache_len", "iu", ("S", "C"), "int64", fill=-1),
+}
+PHASES = ("prefill", "decode")
+# a response's logits (format 1.3, with meta.record.response): per sample, the raw logits at each token whose next
+# token is one of its response's (token_index -1: no such row), the figures RL frameworks compare
+RESPONSE = {
+    "token_index": Element("response/token_index", "iu", ("S", "R"), "int64", fill=-1),
+    "logits": Element("response/logits", "f", ("S", "R", "vocab"), None, attrs=(ATTR_SOURCE_DTYPE,), fill=np.nan),
+}
 SAMPLED_TOKENS = Element("sampled/token_index", "iu", ("S", "P"), "int64", ("sampled",), fill=-1)
 SAMPLED_GROUP = "sampled"  # carries ATTR_SEED
 FINAL = {  # the first-step output per sample (contract §2.7)
@@ -237,7 +253,7 @@ ROUTING = {
                       in_layer=True),
 }
 
-ELEMENTS = (TOKEN_IDS, LENGTHS, *INPUTS.values(), SAMPLED_TOKENS, *FINAL.values(), STATE, SAMPLED, STATS,
+ELEMENTS = (TOKEN_IDS, LENGTHS, *INPUTS.values(), *ROWS.values(), *RESPONSE.values(), SAMPLED_TOKENS, *FINAL.values(), STATE, SAMPLED, STATS,
             CHECKSUM, CACHE_POSITIONS, CACHE_LENGTHS, CACHE, *ROUTING.values())
 
 # the names each per-layer template may take

@@ -44,6 +44,15 @@ class Placement:
                 self.recorder.routing(layer, s, t0 + a - c0, ids[r, sl], weights[r, sl], margin[r, sl],
                                       scale[r, sl], None if logits is None else logits[r, sl])
 
+    def steps(self, phase, step, cache_len):
+        """What each cell's forward was (engine/native/decode.py): its phase, decode step and the cache length
+        it read, (B, n) each."""
+        for r, c0, c1, s, t0 in self.runs:
+            self.recorder.steps(s, t0, phase[r, c0:c1], step[r, c0:c1], cache_len[r, c0:c1])
+
+    def response_logits(self, seq, token_index, logits):
+        self.recorder.response_logits(self.sample_of_seq[seq], token_index, logits)
+
     def cache(self, layer, seq, keys, values, positions):
         self.recorder.cache(layer, self.sample_of_seq[seq], keys, values, positions)
 
@@ -87,6 +96,8 @@ class Faults:
     skip_kv: SkippedKV | None = None  # row 2: one cache entry not written
     window_shift: int = 0  # sliding-window layers see this many more keys (1: the window applied off by one)
     router: str | None = None  # a mixture of experts' router or shared expert computed wrongly (config ROUTER_FAULTS)
+    decode_position: bool = False  # a decode step uses the previous position
+    decode_stale_cache: bool = False  # a decode step reads the cache without its own new entry
 
 
 @dataclass

@@ -62,8 +62,10 @@ except ModuleNotFoundError:  # Python 3.10
 BATCHING = ("unbatched", "left", "right", "packed")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
           "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write",
-          "window-off-by-one", "router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped")
+          "window-off-by-one", "router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped",
+          "decode-position", "decode-stale-cache")
 ROUTER_FAULTS = ("router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped")  # MoE: in the MLP
+DECODE_FAULTS = ("decode-position", "decode-stale-cache")  # in decode steps only
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,16 @@ class Inputs:
     segments: tuple | None = None
     pad_id: int | None = None
     attention_mask: tuple | None = None  # per sample, aligned with token_ids: 0 marks padding in the row
+    # a response per sample, after its prompt: token ids, or texts for a model with a tokenizer. Both sides see
+    # prompt + response; a side with [run] decode = true writes the response token by token (decode steps)
+    responses: tuple | None = None
+    response_texts: tuple = ()
 
     def __post_init__(self):
         for i, p in enumerate(self.prompts if isinstance(self.prompts, (list, tuple)) else ()):
+            if isinstance(p, str):
+                check_prompt_text(p, i)
+        for i, p in enumerate(self.response_texts if isinstance(self.response_texts, (list, tuple)) else ()):
             if isinstance(p, str):
                 check_prompt_text(p, i)
 
@@ -135,6 +144,7 @@ class RunConfig:
     int8_scales: str = "per-token"  # an int8 KV cache's scales
     chunk_size: int = 0  # 0: each prompt in one forward; else chunks of this many tokens against the growing cache
     deterministic: bool = True  # deterministic algorithms where the engine's library has them
+    decode: bool = False  # the response written token by token, one decode step each against the cache
     reuse: ReuseConfig | None = None
     fault: FaultConfig | None = None
     tp: int = 1  # tensor-parallel ranks, one process each (engine/parallel.py)
@@ -157,8 +167,9 @@ class RunConfig:
         CacheLayout(dtype=self.cache_dtype, int8_scales=self.int8_scales)  # the cache's own checks
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 0:
             raise ConfigError(f"chunk_size must be a non-negative integer (got {self.chunk_size!r})")
-        if not isinstance(self.deterministic, bool):
-            raise ConfigError(f"deterministic must be true or false (got {self.deterministic!r})")
+        for key in ("deterministic", "decode"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be true or false (got {getattr(self, key)!r})")
 
     @property
     def info(self) -> registry.EngineInfo:
@@ -202,7 +213,7 @@ def in_float64(run: RunConfig, name: str) -> RunConfig:
     return at_precision(run, {"dtype": "float64", "weight_quant": "none", "cache_dtype": "float64"}, name)
 
 
-_NEUTRAL_RUN = ("engine", "batching", "dtype", "weight_quant", "chunk_size", "deterministic", "tp")
+_NEUTRAL_RUN = ("engine", "batching", "dtype", "weight_quant", "chunk_size", "deterministic", "decode", "tp")
 
 
 def run_from_dict(d: dict, where: str) -> RunConfig:
@@ -544,8 +555,19 @@ def parse_inputs(section: dict, where: str) -> Inputs:
                     check_int64(t, f"{where}: [inputs] {key} sample {b}, position {i}")
     if pad_id is not None:
         check_int64(pad_id, f"{where}: [inputs] pad_id")
+    responses = nested("responses", 2)
+    for b, row in enumerate(responses or ()):
+        for i, t in enumerate(row):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ConfigError(f"{where}: [inputs] responses must be integers (sample {b} has {t!r})")
+            check_int64(t, f"{where}: [inputs] responses sample {b}, token {i}")
+    texts = section.get("response_texts", ())
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(p, str) for p in texts):
+        raise ConfigError(f"{where}: [inputs] response_texts must be a list of strings (got {texts!r})")
+    if responses is not None and texts:
+        raise ConfigError(f"{where}: [inputs] sets both responses and response_texts; use one")
     return Inputs(ids, prompts, positions, nested("segments", 3), pad_id,
-                  nested("attention_mask", 2))
+                  nested("attention_mask", 2), responses, tuple(texts))
 
 
 def load_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None = None) -> Side:

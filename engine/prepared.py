@@ -100,6 +100,29 @@ def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | N
     return ids, tuple(prompts)
 
 
+def resolve_responses(inputs: Inputs, snapshot: Snapshot, n_samples: int) -> tuple | None:
+    """Each sample's response token ids (None when the inputs give none): ids as given, or texts tokenized as
+    prompts are; one per sample, or one for every sample."""
+    if inputs.responses is None and not inputs.response_texts:
+        return None
+    if inputs.responses is not None:
+        rows = tuple(tuple(r) for r in inputs.responses)
+    elif snapshot.tokenizer is None:
+        raise ConfigError(f"response texts need a tokenizer, and model {snapshot.source} has none "
+                          "(give [inputs] responses as token ids instead)")
+    else:
+        rows = tuple(tuple(snapshot.tokenizer.encode(t)) for t in inputs.response_texts)
+    if len(rows) == 1 and n_samples > 1:
+        rows = rows * n_samples
+    if len(rows) != n_samples:
+        raise ConfigError(f"a response must be given for every sample, or one for all (got {len(rows)} responses "
+                          f"for {n_samples} samples)")
+    for b, r in enumerate(rows):
+        if not r:
+            raise ConfigError(f"the response of sample {b} is empty (a response needs at least one token)")
+    return rows
+
+
 def sample_positions(inputs: Inputs, tokens) -> list[list[int]]:
     """The position descriptor per sample; §2.1(3): it must define every valid position."""
     if inputs.positions is None:
@@ -147,6 +170,7 @@ class Prepared:
     record: dict = field(default_factory=dict)
     extras: dict = field(default_factory=dict)  # what an engine's plan resolved for its execute (never recorded)
     routing: dict = field(default_factory=dict)  # routing replay: {layer: {(sample, token index): experts}} to force
+    prompt_lengths: tuple = ()  # per sample, its prompt's tokens; ``tokens`` beyond them are its response
 
     @property
     def n_cols(self) -> int:
@@ -165,7 +189,15 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
                                "not implement)")
     side = replace(side, inputs=apply_mask(side.inputs))
     tokens, texts = resolve_tokens(side.inputs, snapshot)
+    responses = resolve_responses(side.inputs, snapshot, len(tokens))
+    prompt_lengths = tuple(len(t) for t in tokens)
+    if responses is not None:
+        tokens = tuple(t + r for t, r in zip(tokens, responses))
+        if texts is not None and side.inputs.response_texts:
+            said = side.inputs.response_texts
+            texts = tuple(p + r for p, r in zip(texts, said * len(tokens) if len(said) == 1 else said))
     prep = Prepared(side, snapshot, tokens, texts)
+    prep.prompt_lengths = prompt_lengths
     prep.routing = routing or {}
     prep.record = {"fault": None if run.fault is None else {"name": run.fault.name, "cannot_show": None},
                    "reuse": None, "invariant_violations": [], "quantized_weights_digest": None, "prefill": None}
@@ -176,6 +208,12 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     tp = _tp_rank(run, snapshot)
     check_request(tokens, positions, snapshot)  # §2.1 (1)-(3), once, on the request whatever the engine
     refuse_unsupported(prep, positions)
+    if run.decode and responses is None:
+        raise ConfigError("decode = true writes a response token by token: give one (--response TEXT or "
+                          "[inputs] responses)")
+    if responses is not None:
+        prep.record["response"] = {"chosen_by": "given", "samples": [
+            {"sample": s, "prompt": p, "response": len(t) - p} for s, (t, p) in enumerate(zip(tokens, prompt_lengths))]}
     engine = run.info.load()
     engine.check(prep)  # what the engine cannot run is refused before either side does any work
     if run.tp > 1 and tp is None:  # the launcher: checked here, before any process starts; each rank plans
@@ -195,7 +233,8 @@ def refuse_unsupported(prep: Prepared, positions) -> None:
         can = ", ".join(info.faults) or "none"
         raise ConfigError(f"the {run.engine} engine cannot inject fault {run.fault.name} (it injects: {can})")
     given = any(list(p) != list(range(len(t))) for p, t in zip(positions, prep.tokens))
-    no = refusals(info, run, prep.snapshot.args, prep.snapshot.adapter is not None, given)
+    no = refusals(info, run, prep.snapshot.args, prep.snapshot.adapter is not None, given,
+                  any(len(t) > p for t, p in zip(prep.tokens, prep.prompt_lengths)))
     if no:
         raise ConfigError(f"{info.words} does not run " + "; ".join(no))
 

@@ -18,6 +18,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
               {"run": {"native": {"cache_kind": "paged", "page_size": 4}}}),
     "kv-int8": ("int8 KV cache with per-token scales; attention reads it dequantised", {"cache": {"dtype": "int8"}}),
     "rotate-on-read": ("cache stores keys before RoPE and rotates them on read", {"run": {"native": {"key_rotation": "pre"}}}),
+    "decode": ("the response written token by token: the prompt prefilled, then one decode step per response token "
+               "against the growing cache, all samples as one left-padded batch (needs a response: --response)",
+               {"run": {"decode": True, "batching": "left"}}),
+    "decode-paged": ("decode steps over a paged KV cache (4-token pages) read through the block table",
+                     {"run": {"decode": True, "batching": "left", "native": {"cache_kind": "paged", "page_size": 4}}}),
     "float64": ("weights and activations in float64", {"run": {"dtype": "float64"}}),
     "bf16": ("weights and activations in bfloat16", {"run": {"dtype": "bfloat16"}}),
     "fp16": ("weights and activations in float16", {"run": {"dtype": "float16"}}),
@@ -79,6 +84,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                      {"fault": {"name": "router-topk-off-by-one"}}),
     "fault:shared-gate-dropped": ("Qwen2-MoE's shared expert added without its sigmoid gate",
                                          {"fault": {"name": "shared-gate-dropped"}}),
+    "fault:decode-position": ("a decode step rotates and caches its token at the previous position (needs a "
+                              "response: --response)", {"run": {"decode": True, "batching": "left"},
+                                                         "fault": {"name": "decode-position"}}),
+    "fault:decode-stale-cache": ("a decode step reads the cache without the entry it has just written (needs a "
+                                 "response: --response)", {"run": {"decode": True, "batching": "left"},
+                                                            "fault": {"name": "decode-stale-cache"}}),
     "fault:tp-missing-allreduce": ("tensor parallel, 2 ranks: layer 0's attention output projection is not "
                                    "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
     "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",

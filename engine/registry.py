@@ -84,6 +84,7 @@ class EngineInfo:
     faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
     any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
+    responses: bool = False  # a response after the prompt: it records the logits at the response's tokens
     decode: bool = False  # decode steps after the prefill, against its own cache
     teacher_forcing: bool = False  # decode steps that write given tokens, not the ones it would choose
     op_states: tuple = ()  # the op-level states inside a layer it records (none yet: layer states only)
@@ -137,11 +138,12 @@ ENGINES = {e.name: e for e in (
     EngineInfo("native", "native.engine", "our engine: the contract's layer template, every execution path",
                "native.settings:NativeOptions", "native",
                computes=Computes(ACT_DTYPES, CACHE_DTYPES, ("none", "int8")), reuse=True, chunking=True,
-               adapters=True, explicit_positions=True, tp=True,
+               adapters=True, explicit_positions=True, responses=True, decode=True, tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
-                       "shared-gate-dropped"), replays_routing=True, cache_kinds=("contiguous", "paged"),
+                       "shared-gate-dropped", "decode-position", "decode-stale-cache"), replays_routing=True,
+               cache_kinds=("contiguous", "paged"),
                prefill_steps="plan", precisions_from_config=True, ledger=True, legacy_keys=_NATIVE_LEGACY),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                "foreign.hf_options:TransformersOptions", "transformers", Computes(ACT_DTYPES),
@@ -214,10 +216,11 @@ def option_default(info: EngineInfo, name: str):
     return f.default_factory() if f.default is MISSING else f.default
 
 
-def refusals(info: EngineInfo, run, args, adapter: bool, positions_given: bool) -> list[str]:
+def refusals(info: EngineInfo, run, args, adapter: bool, positions_given: bool, response: bool = False) -> list[str]:
     """What ``run`` (engine/config.py RunConfig) asks of its engine that the engine does not declare, each with the
     engine's hint: empty when it runs everything asked. ``args``: the model's ModelArgs; ``adapter``: the snapshot
-    carries one; ``positions_given``: the inputs set positions other than 0, 1, 2, ..."""
+    carries one; ``positions_given``: the inputs set positions other than 0, 1, 2, ...; ``response``: the inputs give
+    a response after the prompts."""
     asked = []
     if run.batching not in info.batching:
         asked.append(("batching", f"batching={run.batching!r}"))
@@ -236,6 +239,10 @@ def refusals(info: EngineInfo, run, args, adapter: bool, positions_given: bool) 
         asked.append(("adapters", "a LoRA adapter"))
     if positions_given and not info.explicit_positions:
         asked.append(("explicit_positions", "explicit position ids"))
+    if response and not info.responses:
+        asked.append(("responses", "a response after the prompt (--response, [inputs] responses)"))
+    if run.decode and not info.decode:
+        asked.append(("decode", "decode steps (decode = true)"))
     why = dict(info.families_not).get(args.arch)
     if why is not None:
         asked.append(("families", f"a model of the {args.arch} family ({why})"))
@@ -244,7 +251,7 @@ def refusals(info: EngineInfo, run, args, adapter: bool, positions_given: bool) 
         hint = info.hint(cap)
         if hint:
             out.append(f"{what} ({hint})")
-        elif cap in ("reuse", "chunking", "adapters", "explicit_positions"):
+        elif cap in ("reuse", "chunking", "adapters", "explicit_positions", "responses", "decode"):
             out.append(f"{what} ({having(cap)} runs it)")
         else:
             out.append(what)

@@ -87,6 +87,7 @@ class Capture:
 
     def __init__(self):
         self.states, self.caches, self.finals, self.inputs_ = {}, {}, {}, None
+        self.steps_, self.response_ = None, {}
 
     def inputs(self, ids, valid, positions, tok, seq):
         self.inputs_ = (ids.clone(), valid.clone(), positions.clone(), tok.clone(), seq.clone())
@@ -102,6 +103,12 @@ class Capture:
 
     def final(self, seq, h, logits, cell, tok):
         self.finals[seq] = (h.clone(), logits.clone(), cell, tok)
+
+    def steps(self, phase, step, cache_len):
+        self.steps_ = (phase.clone(), step.clone(), cache_len.clone())
+
+    def response_logits(self, seq, token_index, logits):
+        self.response_[seq] = (token_index.clone(), logits.clone())
 
 
 def padded(prompts, side="left", pad_id=0):

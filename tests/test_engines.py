@@ -15,6 +15,7 @@ class TraceCapture:
 
     def __init__(self):
         self.meta, self.states, self.caches, self.finals = {}, {}, {}, {}
+        self.steps_, self.response_ = {}, {}
 
     def inputs(self, sample, col, ids, valid, positions, token_index):
         pass
@@ -27,6 +28,12 @@ class TraceCapture:
 
     def final(self, sample, norm_last, logits, column, token_index):
         self.finals[sample] = (logits.clone(), column, token_index)
+
+    def steps(self, sample, col, phase, step, cache_len):
+        self.steps_[sample] = (col, phase.clone(), step.clone(), cache_len.clone())
+
+    def response_logits(self, sample, token_index, logits):
+        self.response_[sample] = (token_index.clone(), logits.clone())
 
     def update_meta(self, **items):
         self.meta.update(items)

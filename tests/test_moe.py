@@ -13,6 +13,7 @@ import torch
 from prefill_diff.jobs import run, run_lockstep
 from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.dumps.reader import Trace, TraceError
+from prefill_diff.dumps.schema import FORMAT_VERSION
 from prefill_diff.engine.shared.errors import ConfigError, ModelLoadError
 from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.native.model import MoE
@@ -199,7 +200,7 @@ def moe_trace(tmp_path_factory):
 def test_routing_is_recorded_for_the_moe_layers_only(moe_trace):
     args = MODEL_PRESETS["synthetic:qwen3-moe"]
     with Trace(moe_trace) as t:
-        assert t.version == "1.2"
+        assert t.version == FORMAT_VERSION
         for i in range(args.n_layers):
             lv = t.layer(i)
             if not args.moe(i):

@@ -75,6 +75,9 @@ def compare_final(ctx: Context, numerics: FinalResult | None = None) -> FinalRes
     """The final stage of two traces; numerics: the twin's own final stage against the reference (check 2)."""
     rf, cf = ctx.ref.final, ctx.cand.final
     tensors = tuple(_final_tensor(ctx, name) for name in FINAL_TENSORS)
+    response = _response_tensor(ctx)
+    if response is not None:
+        tensors += (response,)
     per_sample = tuple(SampleError(rs, float(np.abs(cf["logits"][cs].astype(np.float64) - rf["logits"][rs]).max()))
                        for rs, cs in ctx.pairs)
     top = _top_ids(ctx)
@@ -120,6 +123,37 @@ def _final_tensor(ctx: Context, name: str) -> TensorResult:
         acc.add(rf[name][rs:rs + 1], cf[name][cs:cs + 1], rs, last)
         if cal is not None:
             cal.add(cf[name][cs:cs + 1], tf[name][rs:rs + 1], gf[name][rs:rs + 1], rs, last)
+    return acc.result(name, "full", calib=None if cal is None else cal.result())
+
+
+def _response_tensor(ctx: Context) -> TensorResult | None:
+    """The logits at each response token both traces hold (None when neither has a response), as the final
+    logits are compared: row by row, at the token index the logits were taken at. A response one side has and the
+    other lacks is a shape break."""
+    name, rr, cr = "response_logits", ctx.ref.response, ctx.cand.response
+    if rr is None and cr is None:
+        return None
+    tol = ctx.value_tol(name)
+    if rr is None or cr is None:
+        which = "reference" if rr is None else "candidate"
+        return TensorResult(tensor=name, level="full", tol=tol,
+                            shape_detail=f"the {which} trace holds no response logits, the other does")
+    calib = ctx.calib
+    gr = None if calib is None else calib.golden.response
+    tr = None if calib is None else (rr if calib.twin is None else calib.twin.response)
+    acc, cal = Accumulator(tol, ctx.equal_nan), ctx.calib_acc()
+    for rs, cs in ctx.pairs:
+        rt, ct = rr["token_index"][rs], cr["token_index"][cs]
+        both = np.intersect1d(rt[rt >= 0], ct[ct >= 0])
+        if both.size == 0:
+            continue
+        ri, ci = np.searchsorted(rt[rt >= 0], both), np.searchsorted(ct[ct >= 0], both)
+        acc.add(rr["logits"][rs][rt >= 0][ri], cr["logits"][cs][ct >= 0][ci], rs, both)
+        if cal is not None and gr is not None and tr is not None:
+            gi = np.searchsorted(gr["token_index"][rs][gr["token_index"][rs] >= 0], both)
+            ti = np.searchsorted(tr["token_index"][rs][tr["token_index"][rs] >= 0], both)
+            cal.add(cr["logits"][cs][ct >= 0][ci], tr["logits"][rs][tr["token_index"][rs] >= 0][ti],
+                    gr["logits"][rs][gr["token_index"][rs] >= 0][gi], rs, both)
     return acc.result(name, "full", calib=None if cal is None else cal.result())
 
 

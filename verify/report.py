@@ -16,6 +16,7 @@ from .calibrate import below_float32, precisions, same_precisions
 from .comparator import Comparator, LayerResult
 from .diagnose import diagnose
 from .final import FinalResult
+from .logprobs import LogprobResult, compare_logprobs
 from .identity import differences, hint as identity_hint, note
 from .policy_file import default_policy_for
 from .tolerance import Policy
@@ -66,6 +67,8 @@ class Report:
     unreplayed: tuple = ()  # explained routing flips whose samples were not compared from their layer on
     replayed: tuple = ()  # the cells a routing replay forced the reference's experts at (dicts)
     replayed_flips: int = 0  # the explained flips that led to it
+    logprobs: LogprobResult | None = None  # the response's log-prob figures (verify/logprobs.py)
+    decode_steps: dict = field(default_factory=dict)  # (reference sample, token index) -> a side's decode step there
     timing: Timing = field(default=Timing(), compare=False)  # seconds, for JUnit; two equal verdicts are equal
     provenance: dict = field(default_factory=provenance, compare=False)  # who made the report, how, when
 
@@ -83,9 +86,11 @@ class Report:
         return None if not self.token_text else [self.token_text.get(str(int(i))) for i in ids]
 
     def line(self, b: Break) -> str:
-        """break_line, with the token's text beside its position when the model has a tokenizer."""
+        """break_line, with the token's text beside its position when the model has a tokenizer, and the decode
+        step that computed it when a side decoded there."""
         tok = self.token_at(b.sample, b.position)
-        return break_line(b, None if tok is None or tok[1] is None else tok[1])
+        return break_line(b, None if tok is None or tok[1] is None else tok[1],
+                          self.decode_steps.get((b.sample, b.position)))
 
     def __bool__(self) -> bool:
         return self.first_break is None and not self.failed_strict and not self.unreplayed
@@ -143,7 +148,9 @@ class Report:
             "provenance": self.provenance,
             "verdict": self.verdict,
             "verdict_line": self.verdict_line(),
-            "first_break": None if fb is None else {**fb.as_dict(), **self._token_fields(fb)},
+            "first_break": None if fb is None else {**fb.as_dict(), **self._token_fields(fb),
+                                                    "decode_step": self.decode_steps.get((fb.sample, fb.position))},
+            "logprobs": None if self.logprobs is None else self.logprobs.as_dict(),
             "diagnosis": self.diagnosis,
             "layers": [lr.as_dict() for lr in self.layers],
             "final": None if self.final is None else {
@@ -195,6 +202,19 @@ def _prefill(p: dict | None) -> dict | None:
         return None
     return {"token_budget": p.get("token_budget"), "budget_per": p.get("budget_per"),
             "samples": [{k: o.get(k) for k in PREFILL_KEYS} for o in p.get("samples") or ()]}
+
+
+def decode_steps(ref: Trace, cand: Trace, pairs) -> dict:
+    """{(reference sample, token index): decode step} of every cell either side computed in a decode step (the
+    candidate's step where both did)."""
+    out = {}
+    for t, mine in ((ref, lambda rs, cs: rs), (cand, lambda rs, cs: cs)):
+        rows, tok = t.rows, t.inputs["token_index"]
+        for rs, cs in pairs:
+            row = mine(rs, cs)
+            at = rows["step"][row] >= 0
+            out.update({(rs, int(i)): int(st) for i, st in zip(tok[row][at], rows["step"][row][at])})
+    return out
 
 
 def record_notes(t: Trace, side: str) -> tuple[list, list]:
@@ -307,7 +327,8 @@ class Session:
                                   **(self.ref.meta.get("token_text") or {})} or None,
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
                       calibration=self.rule, identity=self.identity, unreplayed=tuple(self.cmp.unreplayed),
-                      timing=self.seconds)
+                      timing=self.seconds, logprobs=compare_logprobs(self.ref, self.cand, self.cmp.pairs),
+                      decode_steps=decode_steps(self.ref, self.cand, self.cmp.pairs))
 
     def _notes(self) -> tuple[list, list]:
         """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,

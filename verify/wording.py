@@ -378,11 +378,12 @@ def failed(break_words: str) -> str:
 
 # -- the verdict line of a break ---------------------------------------------------------------------
 
-def break_line(b, token_text: str | None = None) -> str:
+def break_line(b, token_text: str | None = None, step: int | None = None) -> str:
     """One fixed wording per kind, e.g. 'layer 3 attn_update | sample 1 pos 7 | max_abs=3.1e-02 > tol=1.0e-03'.
 
     tol is the tolerance at the worst element: atol + rtol·|ref| + ntol·rms(ref row). With token_text
-    (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'".
+    (the reference's token at that position), the position reads e.g. "pos 7 ' Paris'"; with ``step`` (a side
+    computed that position in a decode step) "pos 73 (decode step 3)".
     """
     if b.kind == "coverage":
         return f"coverage | {b.message.split(COVERAGE_SPLIT, 1)[0]}{COVERAGE_SPLIT}{some('sample', b.samples)}"
@@ -395,7 +396,8 @@ def break_line(b, token_text: str | None = None) -> str:
            else f"sample {b.sample}" if b.sample is not None else "")
     loc = " ".join(x for x in (who,
                                f"pos {b.position}" if b.position is not None else "",
-                               repr(token_text) if token_text is not None and b.position is not None else "") if x)
+                               repr(token_text) if token_text is not None and b.position is not None else "",
+                               f"(decode step {step})" if step is not None and b.position is not None else "") if x)
     if loc:
         parts.append(loc)
     if b.kind == "value":
@@ -405,6 +407,23 @@ def break_line(b, token_text: str | None = None) -> str:
     else:
         parts.append(b.message.split(": ", 1)[-1] if b.message.startswith("sample ") else b.message)
     return " | ".join(parts)
+
+
+def logprob_lines(lp, text_of=None) -> list[str]:
+    """The response's log-prob figures (verify/logprobs.py) in lines: the figures, then the tokens that differ
+    most. ``text_of``: a token id's text, when the model has a tokenizer."""
+    if lp is None:
+        return []
+    pearson = "n/a" if lp.pearson_p is None else f"{lp.pearson_p:.6f}"
+    lines = [f"response log-probs ({lp.tokens} token{'s' if lp.tokens != 1 else ''}): mean |dlogp| "
+             f"{lp.mean_abs_dlogp:.3g}, max |dlogp| {lp.max_abs_dlogp:.3g}, mean |dp| {lp.mean_abs_dp:.3g}, "
+             f"k3 KL {lp.k3_kl:.3g}, Pearson(p) {pearson}, log-ppl diff {lp.log_ppl_diff:.3g}"]
+    for d in lp.largest[:3] if lp.max_abs_dlogp > 0 else ():
+        text = None if text_of is None else text_of(d["token_id"])
+        lines.append(f"  sample {d['sample']} pos {d['position']} id {d['token_id']}"
+                     + (f" {text!r}" if text is not None else "") +
+                     f": logp reference {d['reference']:.6g}, candidate {d['candidate']:.6g} (d {d['delta']:.3g})")
+    return lines
 
 
 def break_site(b) -> str:

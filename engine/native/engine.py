@@ -17,7 +17,7 @@ from .attention import standard_head_map
 from .kv_cache import PrefixKV
 from ..calls import Call, Faults, Placement, SkippedKV, call_routing, forced_list, plan_calls
 from .compiled import warm_up
-from ..config import ROUTER_FAULTS, RunConfig
+from ..config import DECODE_FAULTS, ROUTER_FAULTS, RunConfig
 from ..prepared import set_deterministic
 from ..shared.errors import ConfigError
 from .ledger import ledger  # the shape ledger of contract §2.8 of a side this engine planned (`prefill-diff ledger`)
@@ -37,6 +37,9 @@ def check(prep) -> None:
     if run.tp > 1 and run.options.compile:
         raise ConfigError("compile = true and tp > 1 together are not supported (compile one rank's layers, or "
                           "shard an eager model)")
+    if run.tp > 1 and "response" in prep.record:
+        raise ConfigError("a response (prompt + response, decode) with tp > 1 is not supported: its rank traces would "
+                          "not hold the response's logits; run it on one process")
     if run.options.compile:  # inductor's deterministic flag too (set_deterministic's docstring)
         set_deterministic(run.deterministic, compiling=True)
     if run.fault is not None:
@@ -73,6 +76,8 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
     if name in ("position-restart", "adapter-mismatch") and (
             run.reuse is None or all(len(t) <= run.reuse.prefix_len for t in tokens)):
         return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
+    if name in DECODE_FAULTS and not run.decode:
+        return f"fault:{name} cannot show here: the run writes no response token by token (decode = false)"
     return None
 
 
@@ -121,6 +126,8 @@ def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults
         return Faults(window_shift=1)
     if f.name in ROUTER_FAULTS:
         return Faults(router=f.name)
+    if f.name in DECODE_FAULTS:
+        return Faults(decode_position=f.name == "decode-position", decode_stale_cache=f.name == "decode-stale-cache")
     return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
                   last_column=f.name == "last-column")
 
@@ -167,6 +174,16 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
     return history, outcomes
 
 
+def response_rows(prep, call: Call) -> dict:
+    """A call's response rows in its sequences' terms: where each decodes from (a decoding run) and where the
+    logits predicting its response begin (every run with a response)."""
+    if "response" not in prep.record:
+        return {}
+    starts = {q: prep.prompt_lengths[s] for q, s in enumerate(call.samples)}
+    return {"decode_from": starts if prep.side.run.decode else None,
+            "logits_from": {q: t - 1 for q, t in starts.items()}}
+
+
 def execute(prep, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
@@ -177,7 +194,7 @@ def execute(prep, recorder):
     t0 = time.perf_counter()
     gens = [prep.engine.steps(c.ids, c.mask, c.positions, cache_config(run), segments=c.segments, history=c.history,
                               recorder=Placement(recorder, c.runs, c.samples), faults=c.faults,
-                              routing=call_routing(prep.routing, c.samples))
+                              routing=call_routing(prep.routing, c.samples), **response_rows(prep, c))
             for c in prep.calls]
     done = [-1] * len(gens)
     results = [None] * len(gens)

@@ -43,6 +43,24 @@ def rewire_heads(out, kernel, q_rot, keys, values, mask, head_map: list[int], st
         out[:, wrong] = kernel(q_rot[:, wrong], keys[:, kv], values[:, kv], mask)
 
 
+def decode_positions(positions, decoding, faults: Faults):
+    """decode-position: a decode step rotates and caches its token at the previous position (positions, as
+    given, elsewhere)."""
+    if decoding is None or not faults.decode_position:
+        return positions
+    return positions - decoding.to(positions.dtype)
+
+
+def stale_keys(k_tok, k_seq, q_tok, q_seq, decoding, faults: Faults):
+    """decode-stale-cache: a decode step reads the cache without the entry it has just written (its own token's
+    key is hidden from it); every other forward reads the cache as it is. A decode step is one column: one query
+    cell per row."""
+    if decoding is None or not faults.decode_stale_cache or not bool(decoding.any()):
+        return k_tok
+    own = decoding[:, :1] & (k_tok == q_tok[:, :1]) & (k_seq == q_seq[:, :1])
+    return torch.where(own, torch.full_like(k_tok, -1), k_tok)
+
+
 def gathered_cell(last: Cell, n_cols: int, faults: Faults) -> Cell:
     """gather_last_valid_position; row 1 takes the rectangle's last column instead."""
     return last._replace(col=n_cols - 1) if faults.last_column else last

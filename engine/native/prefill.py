@@ -26,10 +26,11 @@ from .compiled import compile_layers
 from ..calls import Faults
 from ..coords import CacheWrite, Cell, SeqRun
 from ..shared.errors import CacheInvariantError, ConfigError
-from .faults import gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep
+from .faults import decode_positions, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep, stale_keys
 from .model import apply_rope, rope_cos_sin
 from .settings import CacheConfig, NumericalConfig  # plain data (no torch)
 from ..models.cache_layout import CacheLayout
+from .decode import decoding_columns, forward_facts, forward_starts
 from .sharding import kv_for_attention, shard
 from .skeleton import build
 from ..models.dtypes import torch_dtype
@@ -102,15 +103,16 @@ class ForwardStep:
     """
 
     def __init__(self, engine: "Engine", cells: Cells, c0: int, c1: int, cache: KVCache, read_through: bool,
-                 faults: Faults, recorder, shapes, routing: dict | None = None):
+                 faults: Faults, recorder, shapes, routing: dict | None = None, decoding=None):
         self.engine, self.cache, self.read_through, self.faults = engine, cache, read_through, faults
         self.routing = routing or {}
         self.recorder, self.shapes, self.c0 = recorder, shapes, c0
+        self.decoding = decoding  # (B, c1 - c0): the cells that are decode steps (None: no sequence decodes)
         inv = engine.call_inv_freq(cells)
-        self.rope = rope_cos_sin(cells.positions[:, c0:c1], inv, engine.dtype, engine.rope_scale)
+        self.positions = decode_positions(cells.positions[:, c0:c1], decoding, faults)
+        self.rope = rope_cos_sin(self.positions, inv, engine.dtype, engine.rope_scale)
         self.rope_local = None if engine.inv_freq_local is None else rope_cos_sin(
-            cells.positions[:, c0:c1], engine.inv_freq_local, engine.dtype)
-        self.positions = cells.positions[:, c0:c1]
+            self.positions, engine.inv_freq_local, engine.dtype)
         self.row_seqs = cells.row_seqs
         self.writes = cells.writes(c0, c1)
         self.q_tok, self.q_seq = cells.tok[:, c0:c1], cells.seq[:, c0:c1]
@@ -153,7 +155,8 @@ class ForwardStep:
                 self._windowed[window] = self.mask.windowed(window)
             return k_rot, v, self._windowed[window]
         rows = self.cache.read_rows(layer, self.row_seqs, like=k_rot)
-        return rows.keys, rows.values, AttentionMask(self.q_tok, rows.k_tok, self.q_seq, rows.k_seq,
+        k_tok = stale_keys(rows.k_tok, rows.k_seq, self.q_tok, self.q_seq, self.decoding, self.faults)
+        return rows.keys, rows.values, AttentionMask(self.q_tok, k_tok, self.q_seq, rows.k_seq,
                                                      self.mask.sentinel, window=window)
 
     def _kernel(self, layer: int, q_rot, keys, values, mask):
@@ -265,9 +268,12 @@ class Engine:
 
     def steps(self, input_ids, attention_mask, positions, cache_config: CacheConfig = CacheConfig(), *,
               segments=None, history: dict | None = None, recorder=None, faults: Faults = Faults(), shapes=None,
-              routing: dict | None = None):
+              routing: dict | None = None, decode_from: dict | None = None, logits_from: dict | None = None):
         """Generator form of prefill: yields each layer index once that layer is complete. ``routing``: experts to
-        force, {layer: {(sequence, token index): expert ids}} (routing replay)."""
+        force, {layer: {(sequence, token index): expert ids}} (routing replay). ``decode_from``: {sequence: token
+        index} from which that sequence's tokens are decoded, one forward per column (decode.py);
+        ``logits_from``: {sequence: token index} from which on the logits at each of its tokens are recorded too
+        (those predicting a response's tokens)."""
         call = self._check(input_ids, attention_mask, positions, segments)
         if self.rng is not None:
             torch.manual_seed(self.rng)
@@ -280,12 +286,16 @@ class Engine:
             recorder.inputs(call.ids, call.valid, cells.positions, cells.tok, cells.seq)
         n = call.ids.shape[1]
         chunk = min(cache_config.chunk_size or n, n)  # a chunk longer than the prompt is the whole prompt
-        read_through = not layout.plain or bool(history) or chunk < n
+        decode_from = decode_from or {}
+        starts = forward_starts(cells.tok, cells.seq, n, chunk, decode_from)
+        read_through = not layout.plain or bool(history) or len(starts) > 1
+        if recorder is not None and len(starts) > 1:  # what each cell's forward was (one forward: the default)
+            recorder.steps(*forward_facts(cells.tok, cells.seq, starts, decode_from))
         ids = torch.where(call.valid, call.ids, torch.zeros_like(call.ids))
         with torch.no_grad():
-            x_last = yield from self._layers(ids, cells, cache, chunk, read_through, recorder, faults, shapes,
-                                             routing or {})
-            result = self._finish(cells, x_last, cache, faults, recorder, identity, history)
+            x_last = yield from self._layers(ids, cells, cache, starts, read_through, recorder, faults, shapes,
+                                             routing or {}, decode_from)
+            result = self._finish(cells, x_last, cache, faults, recorder, identity, history, logits_from or {})
         violations = result.cache_metadata["invariant_violations"]
         if violations and cache_config.invariants == "raise":
             raise CacheInvariantError("cache invariant broken after prefill: " + "; ".join(violations))
@@ -314,16 +324,16 @@ class Engine:
                 cache.write(layer, s, k, v, k, pos)
         return cache
 
-    def _layers(self, ids, cells: Cells, cache: KVCache, chunk: int, read_through: bool, recorder, faults, shapes,
-                routing: dict):
-        """The model over the prompt, whole or chunk by chunk; yields ℓ once layer ℓ (states and cache) is
-        complete, returns the last layer's output R_L, (B, n, dim)."""
+    def _layers(self, ids, cells: Cells, cache: KVCache, starts: list, read_through: bool, recorder, faults, shapes,
+                routing: dict, decode_from: dict):
+        """The model over the prompt, whole or forward by forward (chunks, decode steps: ``starts``); yields ℓ once
+        layer ℓ (states and cache) is complete, returns the last layer's output R_L, (B, n, dim)."""
         B, n = ids.shape
-        whole = chunk == n
+        whole = len(starts) == 1
         x_last = None
-        for c0 in range(0, n, chunk):
-            c1 = min(c0 + chunk, n)
-            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes, routing)
+        for c0, c1 in zip(starts, starts[1:] + [n]):
+            decoding = decoding_columns(cells.tok, cells.seq, c0, c1, decode_from) if decode_from else None
+            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes, routing, decoding)
             for layer, x in self.model.layer_by_layer(ids[:, c0:c1], step):
                 if whole:
                     self._emit_cache(recorder, cache, layer)
@@ -348,8 +358,11 @@ class Engine:
             if got is not None:
                 recorder.cache(layer, s, *got)
 
-    def _finish(self, cells: Cells, x_last, cache: KVCache, faults: Faults, recorder, identity, history):
+    def _finish(self, cells: Cells, x_last, cache: KVCache, faults: Faults, recorder, identity, history,
+                logits_from: dict):
         n = x_last.shape[1]
+        if recorder is not None:
+            self._response_logits(cells, x_last, recorder, logits_from)
         gather = [gathered_cell(cells.last[s], n, faults) for s in range(cells.n_seqs)]
         rows = torch.tensor([g.row for g in gather])
         cols = torch.tensor([g.col for g in gather])
@@ -371,6 +384,19 @@ class Engine:
                 b, c = gather[s]
                 recorder.final(s, h[s], logits[s], gather[s], int(cells.tok[b, c]))
         return PrefillResult(logits, cache, lengths, meta, h, gather)
+
+
+    def _response_logits(self, cells: Cells, x_last, recorder, logits_from: dict) -> None:
+        """The logits at each of a sequence's tokens from ``logits_from[seq]`` on, but its last (whose logits are
+        the first-step logits ``final`` records): those predicting its response's tokens."""
+        for r in cells.runs:
+            if r.seq not in logits_from:
+                continue
+            toks = cells.tok[r.row, r.c0:r.c1]
+            cols = ((toks >= logits_from[r.seq]) & (toks < cells.lengths[r.seq] - 1)).nonzero().flatten() + r.c0
+            if cols.numel():
+                h = self.model.norm(x_last[r.row, cols])  # (R, dim)
+                recorder.response_logits(r.seq, cells.tok[r.row, cols], self.model.unembed(h))
 
 
 def prefill(input_ids, attention_mask, position_descriptor, model_snapshot: Snapshot,

@@ -6,9 +6,9 @@ trace's: ``sample`` is a trace row, ``col`` a stored column. An engine reports i
 coordinates, (batch row, column), and engine/calls.py's ``Placement`` maps those onto these calls.
 
 Who calls what: the job drives the life cycle (``begin``; ``layer_done`` after each layer; ``flush`` for a
-reader of the file being recorded; ``close`` or ``abort``), the engine writes the values (``inputs``,
-``state``, ``routing``, ``cache`` per layer; ``final`` per sample; ``update_meta`` and ``meta`` at any time
-after ``begin``). A layer's statistics, cache positions and sampled values, the inputs and the final
+reader of the file being recorded; ``close`` or ``abort``), the engine writes the values (``inputs`` and
+``steps``; ``state``, ``routing``, ``cache`` per layer; ``final`` and ``response_logits`` per sample;
+``update_meta`` and ``meta`` at any time after ``begin``). A layer's statistics, cache positions and sampled values, the inputs and the final
 outputs are kept in memory until ``close``. Part of the shared leaf: it imports nothing heavy (an array is
 a numpy array or a torch tensor: llama.cpp hands over numpy arrays, the torch engines tensors).
 """
@@ -33,6 +33,8 @@ class TraceRecorder(Protocol):
     def inputs(self, sample: int, col: int, ids: Array, valid: Array, positions: Array,
                token_index: Array) -> None: ...
 
+    def steps(self, sample: int, col: int, phase: Array, step: Array, cache_len: Array) -> None: ...
+
     def state(self, layer: int, name: str, sample: int, col: int, x: Array) -> None: ...
 
     def routing(self, layer: int, sample: int, col: int, ids: Array, weights: Array, margin: Array,
@@ -43,6 +45,8 @@ class TraceRecorder(Protocol):
     def layer_done(self, layer: int) -> None: ...
 
     def final(self, sample: int, norm_last: Array, logits: Array, column: int, token_index: int) -> None: ...
+
+    def response_logits(self, sample: int, token_index: Array, logits: Array) -> None: ...
 
     def final_top_ids(self) -> list[int]: ...
 

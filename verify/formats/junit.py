@@ -109,6 +109,9 @@ def _properties(props, report: Report) -> None:
                  ("reference_origin", report.ref.get("origin")), ("candidate_origin", report.cand.get("origin"))):
         if v is not None:
             ET.SubElement(props, "property", name=k, value=visible(v))
+    for k, v in (report.logprobs.as_dict() if report.logprobs is not None else {}).items():
+        if k != "largest" and v is not None:  # the response's log-prob figures, as RL dashboards name them
+            ET.SubElement(props, "property", name=f"logprobs_{k}", value=repr(v) if isinstance(v, float) else str(v))
 
 
 def _side(d: dict) -> str:

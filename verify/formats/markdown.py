@@ -44,11 +44,19 @@ def to_markdown(report: Report, shown=None, columns=None) -> str:
                                   columns))
     if report.final is not None:
         parts.append(_final_table(report))
+    if report.logprobs is not None:
+        parts.append("\n".join(f"- {md(line.strip())}" for line in wording.logprob_lines(report.logprobs,
+                                                                                 token_text_of(report))))
     lines = ([f"- **INCONCLUSIVE:** {md(n)}" for n in report.inconclusive] + [f"- note: {md(n)}" for n in report.notes]
              + [f"- not checked: {md(n)}" for n in report.skipped])
     if lines:
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def token_text_of(report: Report):
+    """A token id's text under the model's tokenizer (None without one)."""
+    return (lambda i: report.token_text.get(str(int(i)))) if report.token_text else None
 
 
 def _head(report: Report) -> str:

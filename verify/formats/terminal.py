@@ -12,7 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ...dumps.schema import LAYER_TENSORS
-from .markdown import fmt_error
+from ..wording import logprob_lines
+from .markdown import fmt_error, token_text_of
 from .text import BAD, Fields, fitted_table, num, plain, print_line, span, token_repr
 
 # Per-layer table columns: tensor name (the one name used by the verdict, JSON and inspect), header
@@ -316,6 +317,8 @@ def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = 
         yield Text(f"error growth (max abs per layer, log scale): {spark}"), True
     if report.final is not None:
         yield final_table(report, width), False
+    for line in logprob_lines(report.logprobs, token_text_of(report)):
+        yield plain(line), True
     if verbose:
         for line in verbose_lines(report):
             yield line, True

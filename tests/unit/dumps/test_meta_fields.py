@@ -132,6 +132,8 @@ def test_the_reader_refuses_a_bad_value_in_every_declared_key_naming_it():
         if row.name.startswith("meta.record.prefill."):  # the keys an object requires, present
             meta["record"] = {"prefill": {"samples": [dict.fromkeys(("sample", "tokens", "from_cache", "computed",
                                                                      "steps"), 0)]}}
+        if row.name.startswith("meta.record.response."):
+            meta["record"] = {"response": {"samples": [{"sample": 0, "prompt": 1, "response": 1}]}}
         if row.name.startswith("meta.model.adapter."):
             meta["model"]["adapter"] = {"id": "a"}
         _put(meta, row.name, bad)

@@ -145,6 +145,7 @@ class TraceLog:
 
     def __init__(self):
         self.inputs_, self.states, self.routing_, self.caches, self.finals = {}, {}, {}, {}, {}
+        self.steps_, self.response_ = {}, {}
 
     def inputs(self, sample, col, ids, valid, positions, token_index):
         for j in range(len(ids)):
@@ -168,6 +169,12 @@ class TraceLog:
 
     def final(self, sample, norm_last, logits, column, token_index):
         self.finals[sample] = (norm_last, logits, column, token_index)
+
+    def steps(self, sample, col, phase, step, cache_len):
+        self.steps_[(sample, col)] = (phase.tolist(), step.tolist(), cache_len.tolist())
+
+    def response_logits(self, sample, token_index, logits):
+        self.response_[sample] = (token_index, logits)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 def test_the_run_config_holds_only_what_every_engine_means_the_same_way():
     neutral = {f.name for f in fields(RunConfig)} - {"name", "engine", "options"}
     assert neutral == {"batching", "dtype", "weight_quant", "cache_dtype", "int8_scales", "chunk_size",
-                       "deterministic", "reuse", "fault", "tp"}
+                       "deterministic", "decode", "reuse", "fault", "tp"}
     for info in registry.ENGINES.values():  # no engine's option is a neutral name
         assert not registry.option_names(info) & neutral, info.name
 
