@@ -73,8 +73,25 @@ def spawning_presets() -> set:
     every preset leave them out; tests/test_parallel.py and tests/test_vllm.py run each of them once."""
     from prefill_diff.engine.presets import PRESETS
     return {name for name, (_, conf) in PRESETS.items()
-            if conf.get("run", {}).get("tp", 1) > 1 or conf.get("run", {}).get("compile")
+            if conf.get("run", {}).get("tp", 1) > 1 or conf.get("run", {}).get("native", {}).get("compile")
             or conf.get("run", {}).get("engine") == "vllm"}
+
+
+DECODE_RESPONSE = ((11, 12, 13),)  # one short response after every prompt, for the presets that decode
+
+
+def decoding_presets() -> set:
+    """Presets that write a response token by token: a run of one needs a response (``with_response``)."""
+    from prefill_diff.engine.presets import PRESETS
+    return {name for name, (_, conf) in PRESETS.items() if conf.get("run", {}).get("decode")}
+
+
+def with_response(preset: str, inputs=None):
+    """``inputs`` with a response after every prompt when ``preset`` decodes, else as given (None: the built-in
+    prompts)."""
+    from dataclasses import replace
+    from prefill_diff.engine.config import Inputs
+    return replace(inputs or Inputs(), responses=DECODE_RESPONSE) if preset in decoding_presets() else inputs
 
 
 def examples(n: int) -> int:

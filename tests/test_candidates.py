@@ -12,7 +12,7 @@ from prefill_diff.verify.report import compare_traces
 from prefill_diff.dumps.schema import TOL_KINDS
 from prefill_diff.verify.tolerance import Policy, Tolerance
 
-from conftest import spawning_presets  # noqa: E402
+from conftest import spawning_presets, with_response  # noqa: E402
 
 NON_FAULT = [p for p in PRESETS if not p.startswith("fault:") and p != "reference" and p not in spawning_presets()]
 EXACT = Policy("exact", {k: Tolerance(0.0, 0.0) for k in TOL_KINDS})
@@ -39,7 +39,8 @@ def compare(a, b, policy=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", NON_FAULT)
 def test_every_candidate_agrees_with_reference(store, preset):
-    rep = compare(store("reference"), store(preset))
+    inputs = with_response(preset)  # a decoding preset writes a response: both sides get one
+    rep = compare(store("reference", None, inputs), store(preset, None, inputs))
     assert rep, f"{preset}: {rep.verdict_line()} ({rep.policy.name})"
     assert not rep.inconclusive
     assert len(rep.layers) == 4 and rep.final is not None

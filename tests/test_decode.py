@@ -115,6 +115,8 @@ def test_each_decode_fault_is_caught_at_a_decode_step_its_layer_and_kind(fault, 
     fb = json.loads((tmp_path / "r.json").read_text())["first_break"]
     assert res.exit_code == 1 and (fb["stage"], fb["layer"], fb["kind"]) == where, res.output
     assert fb["decode_step"] is not None and f"(decode step {fb['decode_step']})" in res.output
+    assert json.loads((tmp_path / "r.json").read_text())["diagnosis"].startswith(
+        f"The break's position was computed by the candidate in decode step {fb['decode_step']}")
     tok = PROMPTS[fb["sample"]] + RESPONSES[fb["sample"]]
     assert fb["position"] - len(PROMPTS[fb["sample"]]) == fb["decode_step"] and fb["position"] < len(tok)
 

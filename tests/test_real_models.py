@@ -17,7 +17,7 @@ from prefill_diff.engine.native.skeleton import build
 from prefill_diff.jobs.sides import prepare_side, record_side
 from prefill_diff.verify.report import compare_traces
 
-from conftest import spawning_presets  # noqa: E402
+from conftest import decoding_presets, spawning_presets, with_response  # noqa: E402
 
 import gguf  # noqa: E402,F401  (the test extras install both; a missing one must fail, never skip)
 import transformers  # noqa: E402,F401
@@ -234,7 +234,8 @@ def test_hf_checkpoint_loads_and_agrees_with_transformers(qwen_dir, tmp_path):
 @pytest.mark.parametrize("preset", [p for p in PRESETS if not p.startswith("fault:") and p not in spawning_presets()])
 def test_every_preset_runs_on_a_hf_checkpoint(qwen_dir, tmp_path, preset):
     spec = ModelSpec(f"hf:{qwen_dir}")
-    inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6), (8, 9, 10, 11, 12, 13)))
+    inputs = with_response(preset, Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6),
+                                                     (8, 9, 10, 11, 12, 13))))
     ref = record_side(prepare_side("reference", spec, inputs), tmp_path / "r.h5")
     cand = record_side(prepare_side(preset, spec, inputs), tmp_path / "c.h5")
     with Trace(ref) as a, Trace(cand) as b:
@@ -245,7 +246,8 @@ def test_every_preset_runs_on_a_hf_checkpoint(qwen_dir, tmp_path, preset):
 @pytest.mark.parametrize("fault", [p for p in PRESETS if p.startswith("fault:") and p not in spawning_presets()])
 def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
     spec = ModelSpec(f"hf:{qwen_dir}")
-    inputs = Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6), (8, 9, 10, 11, 12, 13)))
+    inputs = with_response(fault, Inputs(token_ids=((5, 17, 33, 250, 7, 9, 11, 12), (2, 3, 4, 5, 6),
+                                                    (8, 9, 10, 11, 12, 13))))
     ref = record_side(prepare_side("reference", spec, inputs), tmp_path / "r.h5")
     cand = record_side(prepare_side(fault, spec, inputs), tmp_path / "c.h5")
     with Trace(ref) as a, Trace(cand) as b:
@@ -254,7 +256,8 @@ def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
         assert rep.first_break is None and "INCONCLUSIVE" in rep.verdict_line(), rep.verdict_line()
         assert any(CANNOT_SHOW_ON_DENSE[fault] in note for note in rep.inconclusive), rep.inconclusive
     else:
-        assert not rep and "§2.11" in rep.diagnosis, rep.verdict_line()
+        assert not rep and ("decode step" if fault in decoding_presets() else "§2.11") in rep.diagnosis, \
+            rep.verdict_line()
 
 
 def test_unsupported_architecture_is_refused(tmp_path, run_cli):
@@ -460,14 +463,17 @@ def smol_reference(smol_dir):
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p not in spawning_presets()])
 def test_every_preset_runs_on_smollm2(smol_reference, tmp_path, preset):
-    cand = record(preset, tmp_path, "c", inputs=THREE)
+    cand = record(preset, tmp_path, "c", inputs=with_response(preset, THREE))
+    if with_response(preset, THREE) != THREE:  # a decoding preset: the reference prefills the same response
+        smol_reference = record("reference", tmp_path, "r", inputs=with_response(preset, THREE))
     with Trace(smol_reference) as a, Trace(cand) as b:
         rep = compare_traces(a, b)
     if preset in CANNOT_SHOW_ON_DENSE:  # SmolLM2 has neither a window nor experts: it says so
         assert rep.first_break is None and "INCONCLUSIVE" in rep.verdict_line(), rep.verdict_line()
         assert any(CANNOT_SHOW_ON_DENSE[preset] in note for note in rep.inconclusive), rep.inconclusive
     elif preset.startswith("fault:"):
-        assert not rep and "§2.11" in rep.diagnosis, rep.verdict_line()
+        assert not rep and ("decode step" if preset in decoding_presets() else "§2.11") in rep.diagnosis, \
+            rep.verdict_line()
     else:
         assert rep, f"{preset}: {rep.verdict_line()}"
 

@@ -49,7 +49,24 @@ def diagnose(fb, pairs, final, ref, cand, policy=None, layers=()) -> str | None:
     which say what agreed in the break's layer); one that cites the §2.11 table says where that table is."""
     lr = next((x for x in layers if fb is not None and x.layer == fb.layer), None) if fb is not None else None
     text = _hint(fb, pairs, final, ref, cand, policy, lr)
+    step = _decode_step(fb, pairs, cand)
+    if step is not None and text and fb.stage == "layer":
+        text = (f"The break's position was computed by the candidate in decode step {step}, one token alone against "
+                "its cache: a decode step's own position, the cache entries it reads (its own new one included) or "
+                "its mask differ from the prefill's. " + text)
     return f"{text} {CONTRACT}" if text and "§2.11" in text else text
+
+
+def _decode_step(fb, pairs, cand) -> int | None:
+    """The candidate's decode step at the break's (reference sample, position), None where it did not decode."""
+    if fb is None or fb.sample is None or fb.position is None:
+        return None
+    cs = dict(pairs).get(fb.sample)
+    if cs is None:
+        return None
+    at = cand.inputs["token_index"][cs] == fb.position
+    steps = cand.rows["step"][cs][at]
+    return int(steps[0]) if steps.size and steps[0] >= 0 else None
 
 
 def _hint(fb, pairs, final, ref, cand, policy=None, lr=None) -> str | None:
