@@ -23,6 +23,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
                {"run": {"decode": True, "batching": "left"}}),
     "decode-paged": ("decode steps over a paged KV cache (4-token pages) read through the block table",
                      {"run": {"decode": True, "batching": "left", "native": {"cache_kind": "paged", "page_size": 4}}}),
+    "transformers-decode": ("Hugging Face transformers' own model writing the response token by token with its own "
+                            "cache (past_key_values), all samples as one left-padded batch (needs a response)",
+                            {"run": {"engine": "transformers", "decode": True, "batching": "left"}}),
     "float64": ("weights and activations in float64", {"run": {"dtype": "float64"}}),
     "bf16": ("weights and activations in bfloat16", {"run": {"dtype": "bfloat16"}}),
     "fp16": ("weights and activations in float16", {"run": {"dtype": "float16"}}),

@@ -16,7 +16,7 @@ from prefill_diff.engine.calls import plan_calls
 from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.models.snapshot import Snapshot
 from prefill_diff.engine.models.synthetic import synthetic_state
-from prefill_diff.engine.native.decode import DECODE, PREFILL, forward_facts, forward_starts
+from prefill_diff.engine.decode import DECODE, PREFILL, forward_facts, forward_starts
 from prefill_diff.engine.native.prefill import Engine, NumericalConfig
 from prefill_diff.engine.native.settings import CacheConfig
 from prefill_diff.engine.models.cache_layout import CacheLayout
@@ -250,3 +250,32 @@ def test_response_logits_that_differ_fail_at_the_final_stage(decoded, run_cli, t
     fb = json.loads((tmp_path / "r.json").read_text())["first_break"]
     assert res.exit_code == 1 and (fb["stage"], fb["tensor"], fb["sample"]) == ("final", "response_logits", 1)
     assert fb["position"] == len(PROMPTS[1]) + 1 and fb["decode_step"] == 1, res.output
+
+
+# -- every engine that decodes, on the families ----------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["synthetic", "synthetic:qwen3", "synthetic:qwen3-moe"])
+@pytest.mark.parametrize("preset", ["decode", "transformers-decode"])
+def test_each_engines_decode_passes_against_one_prefill_on_the_families(preset, model, run_cli, tmp_path):
+    """float32, ten response tokens after each built-in prompt; a mixture of experts' routing is compared at every
+    token, decode steps included."""
+    res = run_cli("run", "reference", preset, "--model", model, "--response-ids", "31,32,33,34,35,36,37,38,39,40",
+                  "--json", tmp_path / "r.json", "--out", tmp_path)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 0 and rep["verdict"] == "pass", res.output
+    assert rep["logprobs"]["tokens"] == 30 and rep["logprobs"]["max_abs_dlogp"] < 1e-4
+    with Trace(tmp_path / "cand.h5") as t:
+        assert (t.rows["step"] >= 0).sum() == 30 and t.meta["engine"]["name"] == rep["candidate"]["engine"]["name"]
+    if model.endswith("moe"):
+        assert rep["routing"]["tokens_compared"] == 3 * sum(rep["reference"]["prefill"]["samples"][s]["tokens"]
+                                                             for s in range(3)) and rep["routing"]["flips"] == 0
+
+
+def test_a_bfloat16_decode_is_judged_calibrated_against_a_prefill_twin(run_cli, tmp_path):
+    """The golden and the twin prefill prompt + response (no decode in them: decode is what is tested)."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('preset = "decode"\n[run]\ndtype = "bfloat16"\n')
+    res = run_cli("run", "reference", cfg, "--response-ids", "31,32,33,34", "--json", tmp_path / "r.json")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 0 and rep["rule"].startswith("calibrated"), res.output
+    assert 1e-4 < rep["logprobs"]["max_abs_dlogp"] < 0.1

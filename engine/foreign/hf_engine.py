@@ -30,6 +30,7 @@ from ..models.hf_names import hf_state_dict
 from ..models.routing import router_margin
 from ..parallel import current
 from ..calls import Placement, call_routing, forced_list, plan_calls
+from ..decode import forward_facts, forward_starts, response_rows
 
 
 LOWEST = (5, 0)  # the oldest transformers release the engine runs: pyproject's [hf] extra, tested in CI
@@ -370,16 +371,18 @@ def _router(layer):
     return gate if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts") else None
 
 
-def _routing_hook(i, gate, rec, cells, forced: dict):
-    """Records a router's choices over the call's (B, S) cells, forcing ``forced`` {(seq, tok): experts} first:
-    the weights at a forced cell are the router's own probabilities there, renormalised as the model does."""
-    tok, seq = cells
-    B, S = tok.shape
+def _routing_hook(i, gate, rec, cells, forced: dict, at=(0,)):
+    """Records a router's choices over the forward's (B, S) cells (the call's from column ``at[0]``), forcing
+    ``forced`` {(seq, tok): experts} first: the weights at a forced cell are the router's own probabilities there,
+    renormalised as the model does."""
     k = gate.top_k
     renorm = bool(getattr(gate, "norm_topk_prob", True))  # Mixtral always renormalises
 
     def hook(mod, args, out):
         logits, scores, ids = out
+        B = cells[0].shape[0]
+        S = logits.shape[0] // B
+        tok, seq = cells[0][:, at[0]:at[0] + S], cells[1][:, at[0]:at[0] + S]
         if forced:
             f = torch.full((B, S, k), -1, dtype=torch.long)
             for (sq, t), experts in forced.items():
@@ -392,12 +395,13 @@ def _routing_hook(i, gate, rec, cells, forced: dict):
             ids, scores = torch.where(rows, f, ids), torch.where(rows, w.to(scores.dtype), scores)
         margin, scale = router_margin(logits, k)
         rec.routing(i, ids.reshape(B, S, k), scores.reshape(B, S, k), margin.reshape(B, S), scale.reshape(B, S),
-                    logits.reshape(B, S, -1), 0)
+                    logits.reshape(B, S, -1), at[0])
         return (logits, scores, ids) if forced else None
     return hook
 
 
-def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = None):
+def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = None, at=(0,)):
+    """The hooks that record a forward; ``at[0]``: the first column the forward computes (a decode step's)."""
     layers, final_norm = decoder(model)
     scale = getattr(model.config, "residual_multiplier", 1.0)  # Granite scales each update as it adds it
 
@@ -405,15 +409,15 @@ def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = N
         def hook(mod, args, kwargs, out):
             x = args[0] if args else kwargs["hidden_states"]
             a, m, parallel = _updates(x, states.pop(("calls", i)), scale)
-            rec.state(i, "layer_input", x, 0)
-            rec.state(i, "attn_update", a, 0)
+            rec.state(i, "layer_input", x, at[0])
+            rec.state(i, "attn_update", a, at[0])
             if parallel:  # attention and MLP both read the layer's input: U is not a state of this block
                 absent["mid"] = (f"{type(mod).__name__} adds attention and MLP to its input in parallel: there is "
                                  "no residual state between them")
             else:
-                rec.state(i, "mid", x + a, 0)
-            rec.state(i, "mlp_update", m, 0)
-            rec.state(i, "layer_output", _first(out), 0)
+                rec.state(i, "mid", x + a, at[0])
+            rec.state(i, "mlp_update", m, at[0])
+            rec.state(i, "layer_output", _first(out), at[0])
         return hook
 
     def called(i, name):
@@ -424,7 +428,7 @@ def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = N
 
     def heads(i):
         def hook(mod, args):
-            rec.state(i, "attn_heads", args[0], 0)
+            rec.state(i, "attn_heads", args[0], at[0])
         return hook
 
     def keep_norm(mod, args, out):
@@ -441,39 +445,64 @@ def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = N
             handles.append(out_proj.register_forward_pre_hook(heads(i)))
         gate = _router(layer)
         if gate is not None and cells is not None:
-            handles.append(gate.register_forward_hook(_routing_hook(i, gate, rec, cells, (forced or {}).get(i))))
+            handles.append(gate.register_forward_hook(_routing_hook(i, gate, rec, cells, (forced or {}).get(i), at)))
     handles.append(final_norm.register_forward_hook(keep_norm))
     return handles
 
 
-def forward_call(model, call, recorder, routing: dict | None = None, record_routing: bool = False) -> dict:
-    """One transformers forward over a padded rectangle, recorded through ``recorder`` (forward coordinates);
-    returns {state: why} for the states its layers do not have. ``routing``: experts to force, {layer: {(row,
-    token index): experts}} (routing replay)."""
+def forward_call(model, call, recorder, routing: dict | None = None, record_routing: bool = False,
+                 decode_from: dict | None = None, logits_from: dict | None = None) -> dict:
+    """A padded rectangle through transformers, recorded through ``recorder`` (forward coordinates): one forward,
+    or with ``decode_from`` ({row: token index}) the prompts in one forward, then one forward per column against
+    the model's own cache (its decode: past_key_values, the attention mask so far, the step's position ids).
+    ``logits_from`` ({row: token index}): the logits from that token on are recorded too (a response's). Returns
+    {state: why} for the states its layers do not have. ``routing``: experts to force, {layer: {(row, token
+    index): experts}} (routing replay)."""
     ids, mask, pos = call.ids, call.mask, call.positions
     valid = mask.bool()
     tok = torch.where(valid, mask.cumsum(-1) - 1, torch.full_like(ids, -1))
     seq = torch.where(valid, torch.arange(ids.shape[0])[:, None].expand_as(ids), torch.full_like(ids, -1))
     recorder.inputs(ids, valid, pos, tok, seq)
-    states, absent = {}, {}
-    handles = _hooks(model, recorder, states, absent, (tok, seq) if record_routing else None, routing)
+    n = ids.shape[1]
+    starts = forward_starts(tok, seq, n, n, decode_from or {})
+    if len(starts) > 1:
+        recorder.steps(*forward_facts(tok, seq, starts, decode_from))
+    states, absent, at = {}, {}, [0]
+    handles = _hooks(model, recorder, states, absent, (tok, seq) if record_routing else None, routing, at)
+    logits, norm, cache = [], [], None
+    given = cache_argument(model)
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.where(valid, ids, 0), attention_mask=mask, position_ids=pos, use_cache=True)
+            for a, b in zip(starts, starts[1:] + [n]):
+                at[0] = a
+                out = model(input_ids=torch.where(valid, ids, 0)[:, a:b], attention_mask=mask[:, :b],
+                            position_ids=pos[:, a:b], use_cache=True, **({given: cache} if cache is not None else {}))
+                cache = returned_cache(out)
+                logits.append(out.logits)
+                norm.append(states["norm"])
     finally:
         for h in handles:
             h.remove()
-    for layer, lc in enumerate(returned_cache(out).layers):
+    logits, norm = torch.cat(logits, 1), torch.cat(norm, 1)  # (B, n, V), (B, n, dim)
+    for b, t0 in (logits_from or {}).items():  # a response's rows: the logits before each of its tokens
+        cols = (valid[b] & (tok[b] >= t0) & (tok[b] < int(tok[b].max()))).nonzero().flatten()
+        recorder.response_logits(b, tok[b, cols], logits[b, cols])
+    for layer, lc in enumerate(cache.layers):
         first = ids.shape[1] - lc.keys.shape[2]  # a sliding-window layer keeps only the last W - 1 columns
         for b in range(ids.shape[0]):
             cols = valid[b].nonzero().flatten()
             cols = cols[cols >= first]
             recorder.cache(layer, b, lc.keys[b][:, cols - first], lc.values[b][:, cols - first], pos[b, cols])
-    norm = states["norm"]
     for b in range(ids.shape[0]):
         c = int(valid[b].nonzero().flatten()[-1])
-        recorder.final(b, norm[b, c], out.logits[b, c], (b, c), int(tok[b, c]))
+        recorder.final(b, norm[b, c], logits[b, c], (b, c), int(tok[b, c]))
     return absent
+
+
+def cache_argument(model) -> str:
+    """The name a model's forward takes the cache so far under: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (5.24 to 5.39 still take the old name, with a deprecation message)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def returned_cache(out):
@@ -502,7 +531,8 @@ def execute(prep, recorder):
     moe = prep.snapshot.foreign is None and prep.snapshot.args.n_experts > 0
     for call in prep.calls:
         absent.update(forward_call(model, call, Placement(recorder, call.runs, call.samples),
-                                   call_routing(prep.routing, call.samples), record_routing=moe))
+                                   call_routing(prep.routing, call.samples), record_routing=moe,
+                                   **response_rows(prep, call)))
     if absent:  # the trace says which states this model's layers do not have, and why
         recorder.update_meta(absent_states=absent)
     for layer in range(prep.snapshot.args.n_layers):

@@ -22,6 +22,7 @@ from ..prepared import set_deterministic
 from ..shared.errors import ConfigError
 from .ledger import ledger  # the shape ledger of contract §2.8 of a side this engine planned (`prefill-diff ledger`)
 from ..models.adapter import seeded_adapter
+from ..decode import response_rows
 from .prefill import Engine
 from .settings import cache_config, numerical_config
 from .reuse import PrefixCache
@@ -172,16 +173,6 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
         if found.hit:
             history[s] = found.kv
     return history, outcomes
-
-
-def response_rows(prep, call: Call) -> dict:
-    """A call's response rows in its sequences' terms: where each decodes from (a decoding run) and where the
-    logits predicting its response begin (every run with a response)."""
-    if "response" not in prep.record:
-        return {}
-    starts = {q: prep.prompt_lengths[s] for q, s in enumerate(call.samples)}
-    return {"decode_from": starts if prep.side.run.decode else None,
-            "logits_from": {q: t - 1 for q, t in starts.items()}}
 
 
 def execute(prep, recorder):

@@ -30,7 +30,7 @@ from .faults import decode_positions, gathered_cell, padding_visible_mask, rewir
 from .model import apply_rope, rope_cos_sin
 from .settings import CacheConfig, NumericalConfig  # plain data (no torch)
 from ..models.cache_layout import CacheLayout
-from .decode import decoding_columns, forward_facts, forward_starts
+from ..decode import decoding_columns, forward_facts, forward_starts
 from .sharding import kv_for_attention, shard
 from .skeleton import build
 from ..models.dtypes import torch_dtype

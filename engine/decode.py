@@ -1,4 +1,4 @@
-"""Decode as our engine runs it: the most extreme chunking there is, one column per forward against the cache.
+"""Decode as the torch engines run it: the most extreme chunking there is, one column per forward against the cache.
 
 A call's columns are computed in forwards: the whole rectangle at once, chunks of ``chunk_size`` columns, or —
 for a sequence whose response is decoded — its prompt first, then each response token alone (a decode step that
@@ -52,3 +52,14 @@ def decoding_columns(tok: torch.Tensor, seq: torch.Tensor, c0: int, c1: int, dec
     for s, t0 in decode_from.items():
         out |= (pseq == s) & (part >= t0)
     return out
+
+
+def response_rows(prep, call) -> dict:
+    """A call's response rows in its sequences' terms (engine/prepared.py's Prepared, engine/calls.py's Call):
+    where each decodes from (a decoding run) and where the logits predicting its response begin (every run with a
+    response); empty without a response."""
+    if "response" not in prep.record:
+        return {}
+    starts = {q: prep.prompt_lengths[s] for q, s in enumerate(call.samples)}
+    return {"decode_from": starts if prep.side.run.decode else None,
+            "logits_from": {q: t - 1 for q, t in starts.items()}}
