@@ -208,6 +208,9 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
     tp = _tp_rank(run, snapshot)
     check_request(tokens, positions, snapshot)  # §2.1 (1)-(3), once, on the request whatever the engine
     refuse_unsupported(prep, positions)
+    if run.tp > 1 and responses is not None:
+        raise ConfigError("a response (prompt + response, decode) with tp > 1 is not supported: rank traces do not "
+                          "hold a response's logits; run it on one process (tp = 1)")
     if run.decode and responses is None:
         raise ConfigError("decode = true writes a response token by token: give one (--response TEXT or "
                           "[inputs] responses)")

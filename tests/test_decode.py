@@ -147,6 +147,8 @@ def test_decode_needs_a_response_and_an_engine_that_decodes(run_cli):
     assert res.exit_code == 2 and "decode = true writes a response token by token: give one" in res.output
     res = run_cli("run", "reference", "transformers", "--response-ids", "3,4")
     assert res.exit_code == 2 and "the transformers engine does not run a response after the prompt" in res.output
+    res = run_cli("run", "reference", "tp2", "--response-ids", "3,4")
+    assert res.exit_code == 2 and "with tp > 1 is not supported" in res.output
     res = run_cli("run", "reference", "decode", "--response-ids", "3,,4")
     assert res.exit_code == 2 and "--response-ids '3,,4': id 1 is empty" in res.output
 

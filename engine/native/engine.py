@@ -38,9 +38,6 @@ def check(prep) -> None:
     if run.tp > 1 and run.options.compile:
         raise ConfigError("compile = true and tp > 1 together are not supported (compile one rank's layers, or "
                           "shard an eager model)")
-    if run.tp > 1 and "response" in prep.record:
-        raise ConfigError("a response (prompt + response, decode) with tp > 1 is not supported: its rank traces would "
-                          "not hold the response's logits; run it on one process")
     if run.options.compile:  # inductor's deterministic flag too (set_deterministic's docstring)
         set_deterministic(run.deterministic, compiling=True)
     if run.fault is not None:
