@@ -145,8 +145,8 @@ def test_a_response_the_sides_hold_differently_is_a_coverage_break_not_a_pass(ru
 def test_decode_needs_a_response_and_an_engine_that_decodes(run_cli):
     res = run_cli("run", "reference", "decode")
     assert res.exit_code == 2 and "decode = true writes a response token by token: give one" in res.output
-    res = run_cli("run", "reference", "transformers", "--response-ids", "3,4")
-    assert res.exit_code == 2 and "the transformers engine does not run a response after the prompt" in res.output
+    res = run_cli("run", "reference", "llama.cpp", "--response-ids", "3,4")
+    assert res.exit_code == 2 and "the llama.cpp engine does not run a response after the prompt" in res.output
     res = run_cli("run", "reference", "tp2", "--response-ids", "3,4")
     assert res.exit_code == 2 and "with tp > 1 is not supported" in res.output
     res = run_cli("run", "reference", "decode", "--response-ids", "3,,4")
