@@ -171,6 +171,9 @@ class Recorder:
         if any(len(s) == 0 for s in samples):
             raise RecorderError("every sample needs at least one token (got an empty sample)")
         self.n_samples, self.n_cols = S, n_cols
+        a = self.args
+        self._widths = {"dim": a["dim"], "heads": a["n_heads"] * a["head_dim"],  # schema LayerTensor.width
+                        "kv": a["n_kv_heads"] * a["head_dim"]}
         self.lengths = np.array([len(s) for s in samples], dtype=np.int64)
         nmax = int(self.lengths.max())
         ids = np.full((S, nmax), -1, dtype=np.int64)
@@ -296,7 +299,7 @@ class Recorder:
         self._need_begin()
         if name not in STATES:
             raise RecorderError(f"state name must be one of {', '.join(STATES)} (got {name!r})")
-        width = self.args["n_heads"] * self.args["head_dim"] if name == "attn_heads" else self.args["dim"]
+        width = self._widths[sc.TENSOR[name].width]
         shape = _shape(x)
         if not (0 <= layer < self.args["n_layers"] and 0 <= sample < self.n_samples and len(shape) == 2
                 and shape[1] == width and 0 <= col and col + shape[0] <= self.n_cols):  # the checks, with messages
@@ -329,11 +332,11 @@ class Recorder:
         engine hands both the very same torch tensor (one state in six): the same root tensor object,
         offset, shape and strides, and its version counter unchanged (an in-place change in between bumps it;
         only writes that bypass it, through ``.data`` or a numpy alias, would go unseen)."""
-        if name not in ("layer_output", "layer_input") or not is_torch(x):
+        if name not in sc.CARRIED or not is_torch(x):
             return slab_stats(x)
         root = x if x._base is None else x._base
         key = (id(root), x.data_ptr(), tuple(x.shape), tuple(x.stride()), x._version)
-        if name == "layer_input":
+        if name == sc.CARRIED[1]:
             hit = self._reuse.get(key) if self._reuse_layer == layer - 1 else None
             return hit[1] if hit is not None and hit[0] is root else slab_stats(x)
         if self._reuse_layer != layer:

@@ -84,6 +84,8 @@ LAYER_TENSORS = (
     LayerTensor("layer_output", "layer_output", "layer output", "residual", "mlp", header="layer_\noutput"),
 )
 TENSOR = {t.name: t for t in LAYER_TENSORS}
+# layer l's output is layer l+1's input (contract §2.3): an engine may hand the recorder the same tensor for both
+CARRIED = ("layer_output", "layer_input")
 VALUE_ORDER = tuple(t.name for t in LAYER_TENSORS)
 
 # Per-layer residual-stream states (datasets directly under a layer group), in the order they are computed.
