@@ -102,8 +102,8 @@ def model_options(f):
     """--model, --prompt, --tokens, --response, --response-ids: *what* to prefill (in run and compare, for both
     sides) unless a config sets its own, as one ``what`` (Prefilled)."""
     @functools.wraps(f)
-    def collect(*args, model, prompts, tokens, responses, response_ids, **kw):
-        return f(*args, what=Prefilled(model, prompts, tokens, responses, response_ids), **kw)
+    def collect(*args, model, prompts, tokens, responses, response_ids, response_tokens, **kw):
+        return f(*args, what=Prefilled(model, prompts, tokens, responses, response_ids, response_tokens), **kw)
     return _compose(
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
@@ -120,6 +120,10 @@ def model_options(f):
                           "written token by token, and a comparison judges its log-probs."),
         click.option("--response-ids", "response_ids", multiple=True, metavar="IDS",
                      help="A response as comma-separated token ids (repeatable, as --response)."),
+        click.option("--response-tokens", "response_tokens", type=int, default=None, metavar="N",
+                     help="A response of N tokens that the candidate (record: the recorded configuration) chooses "
+                          "greedily after each prompt; the other side replays exactly those tokens, and the traces "
+                          "say who chose them."),
         section="Model and prompts",
     )(collect)
 
@@ -234,20 +238,24 @@ class Prefilled:
     tokens: tuple = ()
     responses: tuple = ()
     response_ids: tuple = ()
+    response_tokens: int | None = None
 
     def given(self) -> list[str]:
         """The options given, by name."""
         return [f for f, v in (("--model", self.model), ("--prompt", self.prompts), ("--tokens", self.tokens),
-                               ("--response", self.responses), ("--response-ids", self.response_ids)) if v]
+                               ("--response", self.responses), ("--response-ids", self.response_ids),
+                               ("--response-tokens", self.response_tokens)) if v]
 
     def resolve(self):
         """(ModelSpec or None, Inputs or None)."""
-        return shared_inputs(self.model, self.prompts, self.tokens, self.responses, self.response_ids)
+        return shared_inputs(self.model, self.prompts, self.tokens, self.responses, self.response_ids,
+                             self.response_tokens)
 
 
-def shared_inputs(model, prompts, tokens, responses=(), response_ids=()):
-    """--model/--prompt/--tokens/--response/--response-ids -> (ModelSpec or None, Inputs or None)."""
-    if not (model or prompts or tokens or responses or response_ids):
+def shared_inputs(model, prompts, tokens, responses=(), response_ids=(), response_tokens=None):
+    """--model/--prompt/--tokens/--response/--response-ids/--response-tokens -> (ModelSpec or None, Inputs or
+    None)."""
+    if not (model or prompts or tokens or responses or response_ids or response_tokens is not None):
         return None, None
     if model:
         check_model_source(model, "--model")
@@ -258,16 +266,18 @@ def shared_inputs(model, prompts, tokens, responses=(), response_ids=()):
     for i, p in enumerate(prompts):
         if not p.strip():
             raise ConfigError(f"--prompt number {i + 1} is empty (got {p!r}); give some text")
-    if responses and response_ids:
-        raise ConfigError("give --response or --response-ids, not both")
+    if sum(map(bool, (responses, response_ids, response_tokens is not None))) > 1:
+        raise ConfigError("give one of --response, --response-ids and --response-tokens")
+    if response_tokens is not None and not 1 <= response_tokens <= 4096:
+        raise ConfigError(f"--response-tokens must be from 1 to 4096 (got {response_tokens})")
     responses = [as_given(p) for p in responses]
     for i, p in enumerate(responses):
         if not p.strip():
             raise ConfigError(f"--response number {i + 1} is empty (got {p!r}); give some text")
     ids = [_ids(t, "--tokens") for t in tokens]
     inputs = Inputs(token_ids=tuple(ids)) if ids else Inputs(prompts=tuple(prompts)) if prompts else Inputs()
-    if responses or response_ids:
-        inputs = replace(inputs, response_texts=tuple(responses),
+    if responses or response_ids or response_tokens:
+        inputs = replace(inputs, response_texts=tuple(responses), response_tokens=response_tokens,
                          responses=tuple(_ids(t, "--response-ids") for t in response_ids) or None)
     return spec, (None if inputs == Inputs() else inputs)
 

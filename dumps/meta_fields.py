@@ -413,8 +413,9 @@ FIELDS = (
         ("sample", "the sample"), ("tokens", "its length"), ("from_cache", "tokens served from a cache"),
         ("computed", "tokens computed"), ("steps", "forward steps"))),
     Field("meta.record.response", Obj(none=True, required=("samples",)), "the response each sample carries", "1.3"),
-    Field("meta.record.response.chosen_by", text(choices=("given", "reference", "candidate")),
-          "who chose the response's tokens: given in the inputs, or one side's own greedy choice", "1.3"),
+    Field("meta.record.response.chosen_by", text(choices=("given", "candidate", "self")),
+          "who chose the response's tokens: given in the inputs, the candidate's or the recorded side's own "
+          "greedy choice", "1.3"),
     Field("meta.record.response.samples", List(), "per sample with a response", "1.3"),
     Field("meta.record.response.samples[]", Obj(required=("sample", "prompt", "response")), "one sample's", "1.3"),
     *(Field(f"meta.record.response.samples[].{k}", integer(lo), what, "1.3") for k, lo, what in (

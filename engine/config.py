@@ -81,6 +81,8 @@ class Inputs:
     # prompt + response; a side with [run] decode = true writes the response token by token (decode steps)
     responses: tuple | None = None
     response_texts: tuple = ()
+    response_tokens: int | None = None  # a response of this many tokens, the candidate's own greedy choice
+    response_chosen_by: str | None = None  # who chose ``responses``: None (given) or "candidate"
 
     def __post_init__(self):
         for i, p in enumerate(self.prompts if isinstance(self.prompts, (list, tuple)) else ()):

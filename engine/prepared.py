@@ -100,6 +100,20 @@ def resolve_tokens(inputs: Inputs, snapshot: Snapshot) -> tuple[tuple, tuple | N
     return ids, tuple(prompts)
 
 
+def greedy_response(side: Side, n: int) -> tuple:
+    """Each sample's response of ``n`` tokens as ``side``'s engine chooses it, greedily (argmax), from its prompt
+    alone: what a rollout engine would have written (``--response-tokens``). The engine must declare ``generates``."""
+    info = side.run.info
+    if not info.generates:
+        raise ConfigError(f"--response-tokens: {info.words} does not choose tokens ({having('generates')} does): "
+                          "give the response instead (--response, --response-ids)")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
+        raise ConfigError(f"--response-tokens must be an integer from 1 to 4096 (got {n!r})")
+    prompts = replace(side.inputs, responses=None, response_texts=(), response_tokens=None)
+    prep = prepare(replace(side, inputs=prompts, run=replace(side.run, decode=False, fault=None)))
+    return info.load().generate(prep, n)
+
+
 def resolve_responses(inputs: Inputs, snapshot: Snapshot, n_samples: int) -> tuple | None:
     """Each sample's response token ids (None when the inputs give none): ids as given, or texts tokenized as
     prompts are; one per sample, or one for every sample."""
@@ -215,7 +229,7 @@ def prepare(side: Side, snapshot: Snapshot | None = None, routing: dict | None =
         raise ConfigError("decode = true writes a response token by token: give one (--response TEXT or "
                           "[inputs] responses)")
     if responses is not None:
-        prep.record["response"] = {"chosen_by": "given", "samples": [
+        prep.record["response"] = {"chosen_by": side.inputs.response_chosen_by or "given", "samples": [
             {"sample": s, "prompt": p, "response": len(t) - p} for s, (t, p) in enumerate(zip(tokens, prompt_lengths))]}
     engine = run.info.load()
     engine.check(prep)  # what the engine cannot run is refused before either side does any work

@@ -85,6 +85,7 @@ class EngineInfo:
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
     any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
     responses: bool = False  # a response after the prompt: it records the logits at the response's tokens
+    generates: bool = False  # it chooses a response itself, greedily (its module's generate(prep, n))
     decode: bool = False  # decode steps after the prefill, against its own cache
     teacher_forcing: bool = False  # decode steps that write given tokens, not the ones it would choose
     op_states: tuple = ()  # the op-level states inside a layer it records (none yet: layer states only)
@@ -138,7 +139,7 @@ ENGINES = {e.name: e for e in (
     EngineInfo("native", "native.engine", "our engine: the contract's layer template, every execution path",
                "native.settings:NativeOptions", "native",
                computes=Computes(ACT_DTYPES, CACHE_DTYPES, ("none", "int8")), reuse=True, chunking=True,
-               adapters=True, explicit_positions=True, responses=True, decode=True, tp=True,
+               adapters=True, explicit_positions=True, responses=True, generates=True, decode=True, tp=True,
                faults=("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
@@ -147,7 +148,8 @@ ENGINES = {e.name: e for e in (
                prefill_steps="plan", precisions_from_config=True, ledger=True, legacy_keys=_NATIVE_LEGACY),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                "foreign.hf_options:TransformersOptions", "transformers", Computes(ACT_DTYPES),
-               batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, decode=True, tp=True,
+               batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, generates=True,
+               decode=True, tp=True,
                replays_routing=True,
                any_architecture=True,
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),

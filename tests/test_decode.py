@@ -281,3 +281,21 @@ def test_a_bfloat16_decode_is_judged_calibrated_against_a_prefill_twin(run_cli, 
     rep = json.loads((tmp_path / "r.json").read_text())
     assert res.exit_code == 0 and rep["rule"].startswith("calibrated"), res.output
     assert 1e-4 < rep["logprobs"]["max_abs_dlogp"] < 0.1
+
+
+def test_response_tokens_are_the_candidates_greedy_choice_replayed_by_the_reference(run_cli, tmp_path):
+    res = run_cli("run", "reference", "decode", "--response-tokens", "5", "--json", tmp_path / "r.json",
+                  "--out", tmp_path)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 0 and rep["logprobs"]["chosen_by"] == "candidate" and rep["logprobs"]["tokens"] == 15
+    assert "chosen by the candidate" in res.output
+    with Trace(tmp_path / "ref.h5") as r, Trace(tmp_path / "cand.h5") as c:
+        assert r.meta["record"]["response"]["chosen_by"] == "candidate" and r.samples == c.samples
+        for s in range(3):  # greedy: each response token is the argmax of the logits before it
+            p = r.meta["record"]["response"]["samples"][s]["prompt"]
+            ti, z = c.response["token_index"][s], c.response["logits"][s]
+            assert [int(c.samples[s][t + 1]) for t in ti] == z.argmax(-1).tolist() and ti[0] == p - 1
+    res = run_cli("run", "reference", "llama.cpp", "--response-tokens", "2")
+    assert res.exit_code == 2 and "--response-tokens: the llama.cpp engine does not choose tokens" in res.output
+    res = run_cli("run", "reference", "decode", "--response-tokens", "2", "--response", "x")
+    assert res.exit_code == 2 and "give one of --response, --response-ids and --response-tokens" in res.output

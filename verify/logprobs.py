@@ -11,7 +11,8 @@ token both traces hold:
 - ``pearson_p``: Pearson correlation of the two sides' token probabilities (None below two tokens or with no spread);
 - ``log_ppl_diff``: mean(−logp_cand) − mean(−logp_ref), the difference of the log-perplexities.
 
-``largest`` lists the tokens with the largest |Δ| (sample, position, id, both log-probs). The figures are reported,
+``largest`` lists the tokens with the largest |Δ| (sample, position, id, both log-probs); ``chosen_by`` says who chose
+the response's tokens (``given``, the ``candidate``'s greedy choice, or the recorded side's own: ``self``). The figures are reported,
 never judged here: the logits they come from are judged as values (verify/final.py, ``response_logits``).
 """
 from __future__ import annotations
@@ -33,9 +34,10 @@ class LogprobResult:
     pearson_p: float | None
     log_ppl_diff: float
     largest: tuple  # dicts: sample, position (of the response token), token_id, reference, candidate, delta
+    chosen_by: str = "given"  # who chose the response's tokens (the candidate trace's record.response)
 
     def as_dict(self) -> dict:
-        return {"tokens": self.tokens, "mean_abs_dlogp": self.mean_abs_dlogp, "max_abs_dlogp": self.max_abs_dlogp,
+        return {"tokens": self.tokens, "chosen_by": self.chosen_by, "mean_abs_dlogp": self.mean_abs_dlogp, "max_abs_dlogp": self.max_abs_dlogp,
                 "mean_abs_dp": self.mean_abs_dp, "k3_kl": self.k3_kl, "pearson_p": self.pearson_p,
                 "log_ppl_diff": self.log_ppl_diff, "largest": [dict(d) for d in self.largest]}
 
@@ -80,7 +82,8 @@ def compare_logprobs(ref, cand, pairs) -> LogprobResult | None:
     order = np.argsort(-np.abs(d), kind="stable")[:LARGEST]
     largest = tuple({"sample": rows[i][0], "position": rows[i][1], "token_id": rows[i][2],
                      "reference": rows[i][3], "candidate": rows[i][4], "delta": float(d[i])} for i in order)
-    return LogprobResult(tokens=len(rows), mean_abs_dlogp=float(np.abs(d).mean()),
+    said = ((getattr(cand, "meta", {}).get("record") or {}).get("response") or {}).get("chosen_by")
+    return LogprobResult(chosen_by=said or "given", tokens=len(rows), mean_abs_dlogp=float(np.abs(d).mean()),
                          max_abs_dlogp=float(np.abs(d).max()), mean_abs_dp=float(np.abs(pc - pr).mean()),
                          k3_kl=float(np.mean(np.exp(-d) - 1 + d)), pearson_p=pearson,
                          log_ppl_diff=float(np.mean(-lc) - np.mean(-lr)), largest=largest)

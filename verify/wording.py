@@ -415,7 +415,8 @@ def logprob_lines(lp, text_of=None) -> list[str]:
     if lp is None:
         return []
     pearson = "n/a" if lp.pearson_p is None else f"{lp.pearson_p:.6f}"
-    lines = [f"response log-probs ({lp.tokens} token{'s' if lp.tokens != 1 else ''}): mean |dlogp| "
+    who = {"candidate": ", chosen by the candidate", "self": ", chosen by the recorded side"}.get(lp.chosen_by, "")
+    lines = [f"response log-probs ({lp.tokens} token{'s' if lp.tokens != 1 else ''}{who}): mean |dlogp| "
              f"{lp.mean_abs_dlogp:.3g}, max |dlogp| {lp.max_abs_dlogp:.3g}, mean |dp| {lp.mean_abs_dp:.3g}, "
              f"k3 KL {lp.k3_kl:.3g}, Pearson(p) {pearson}, log-ppl diff {lp.log_ppl_diff:.3g}"]
     for d in lp.largest[:3] if lp.max_abs_dlogp > 0 else ():

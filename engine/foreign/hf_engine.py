@@ -518,6 +518,21 @@ def plan(prep, positions, pad: int, tp) -> None:
                             prep.side.run.batching, pad)
 
 
+def generate(prep, n: int) -> tuple:
+    """Each sample's next ``n`` tokens as transformers' model chooses them greedily (argmax), one forward of the
+    sequence so far per token."""
+    model = build_model(prep.snapshot, prep.side.run.dtype, prep.side.run.options.attn_implementation)
+    out = []
+    with torch.no_grad():
+        for toks in prep.tokens:
+            ids = torch.tensor([list(toks)])
+            for _ in range(n):
+                z = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0, -1]
+                ids = torch.cat([ids, torch.argmax(z).view(1, 1)], 1)
+            out.append(tuple(ids[0, len(toks):].tolist()))
+    return tuple(out)
+
+
 def execute(prep, recorder):
     """Runs every call, then yields each layer (the forwards are done by then)."""
     run = prep.side.run

@@ -172,6 +172,20 @@ def _build_prefixes(engine: Engine, snapshot: Snapshot, run: RunConfig, tokens, 
     return history, outcomes
 
 
+def generate(prep, n: int) -> tuple:
+    """Each sample's next ``n`` tokens, greedily (argmax of the logits), one prefill of the sequence so far per
+    token: the response our engine would write."""
+    out = []
+    for toks in prep.tokens:
+        ids = list(toks)
+        for _ in range(n):
+            row = torch.tensor([ids])
+            res = prep.engine.prefill(row, torch.ones_like(row), torch.arange(len(ids))[None], cache_config(prep.side.run))
+            ids.append(int(torch.argmax(res.next_logits[0])))
+        out.append(tuple(ids[len(toks):]))
+    return tuple(out)
+
+
 def execute(prep, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers

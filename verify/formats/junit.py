@@ -110,7 +110,7 @@ def _properties(props, report: Report) -> None:
         if v is not None:
             ET.SubElement(props, "property", name=k, value=visible(v))
     for k, v in (report.logprobs.as_dict() if report.logprobs is not None else {}).items():
-        if k != "largest" and v is not None:  # the response's log-prob figures, as RL dashboards name them
+        if k not in ("largest", "chosen_by") and v is not None:  # the response's log-prob figures, as RL dashboards name them
             ET.SubElement(props, "property", name=f"logprobs_{k}", value=repr(v) if isinstance(v, float) else str(v))
 
 

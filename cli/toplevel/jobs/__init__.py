@@ -110,6 +110,10 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
     sides = _import_sides()
     for side in (ref_side, cand_side):  # either engine's missing package is said before any model loads
         missing_packages(side.run.info)
+    if inputs is not None and inputs.response_tokens:  # the candidate chooses the response both sides then see
+        phase(progress, "choosing the response (the candidate's greedy tokens)")
+        inputs = sides.choose_response(cand, model, inputs)
+        ref_side, cand_side = load_sides(ref, cand, model=model, inputs=inputs)
     phase(progress, "loading the model and preparing both sides")
     ref_prep, cand_prep = sides.prepare(ref_side), sides.prepare(cand_side)
     check_coverage(ref_prep.tokens, cand_prep.tokens, judging.allow_subset)
@@ -216,6 +220,9 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
     side, = load_sides(config, model=model, inputs=inputs)
     sides = _import_sides()
+    if inputs is not None and inputs.response_tokens:  # the recorded side chooses its own response
+        inputs = sides.choose_response(config, model, inputs, who="self")
+        side, = load_sides(config, model=model, inputs=inputs)
     phase(progress, "loading the model")
     prep = sides.prepare(side)
     path = sides.record_side(prep, output, level, force, compression, progress=progress_for(progress, "recording"),
@@ -331,6 +338,7 @@ def run_lockstep(ref: str, cand: str, model=None, inputs=None, *, level: str = "
     (by then each engine has said what precisions it ran). Routing flips within noise are replayed as ``run``
     replays them: the whole lockstep again, the candidate's router forced at those tokens.
     """
+    inputs = _import_sides().choose_response(cand, model, inputs)  # the candidate's own response, for both sides
     out = _run_lockstep(ref, cand, model, inputs, level, judging)
     forced, forced_ref, rounds, flips = {}, {}, 0, 0
     while out.replays and rounds < REPLAY_ROUNDS and wants_replay(out.report, forced):

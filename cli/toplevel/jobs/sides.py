@@ -24,7 +24,7 @@ from ..engine.config import Inputs, Side, at_precision, in_float64, load_side, o
 from ..engine.engines import execute, token_texts, trace_meta
 from ..engine.shared.errors import ConfigError, PrefillDiffError
 from ..engine.shared.untrusted import check_name_length, partial_sibling
-from ..engine.prepared import Prepared, prepare
+from ..engine.prepared import Prepared, greedy_response, prepare
 from ..engine.registry import OURS
 from ..engine.models.spec import ModelSpec
 from ..verify.calibrate import parse_precision_key
@@ -37,6 +37,16 @@ def prepare_side(source: str, model: ModelSpec | None = None, inputs: Inputs | N
     """A preset or config file, with the shared model and prompts, ready to run (model loaded, requests checked);
     ``routing``: experts to force (routing replay, prepare's)."""
     return prepare(load_side(source, model, inputs), routing=routing)
+
+
+def choose_response(source: str, model: ModelSpec | None, inputs: Inputs | None, who: str = "candidate"):
+    """``inputs`` with ``response_tokens`` resolved: the response of that many tokens that SOURCE's engine
+    chooses greedily from each prompt (``who`` chose it, as the traces say), given to every side alike; as they
+    are when they ask for none."""
+    if inputs is None or not inputs.response_tokens:
+        return inputs
+    chosen = greedy_response(load_side(source, model, inputs), inputs.response_tokens)
+    return replace(inputs, responses=chosen, response_texts=(), response_tokens=None, response_chosen_by=who)
 
 
 def capture(prep: Prepared, recorder: Recorder, extra_meta: dict | None = None) -> Iterator[int]:
