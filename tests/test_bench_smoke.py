@@ -27,6 +27,8 @@ def test_benchmarks_run_at_smoke_size():
     assert out["llamacpp"]["logits max abs, capture vs plain"] < 1e-4
     assert out["startup"]["run / import torch (medians)"] > 1  # the run imports torch, then does more
     assert out["model_cache"]["second, cached (s, median)"] > 0 and out["model_cache"]["cache size (MiB)"] > 0
+    assert out["decode"]["decode / one prefill, bare (median of rounds)"] > 0
+    assert out["decode"]["ms per decode step, bare"] > 0
     assert out["vllm"]["record_over_bare"] > 0 and out["vllm"]["agreement"]["vllm"]["verdict"] == "pass"
 
 

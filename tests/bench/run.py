@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_calibrate  # noqa: E402
 import bench_compare  # noqa: E402
+import bench_decode  # noqa: E402
 import bench_engine  # noqa: E402
 import bench_failfast  # noqa: E402
 import bench_llamacpp  # noqa: E402
@@ -27,7 +28,7 @@ import bench_vllm  # noqa: E402
 BENCHES = {"record": bench_record.run, "compare": bench_compare.run, "engine": bench_engine.run,
            "failfast": bench_failfast.run, "calibrate": bench_calibrate.run,
            "llamacpp": bench_llamacpp.run, "startup": bench_startup.run, "model_cache": bench_model_cache.run,
-           "vllm": bench_vllm.run}
+           "vllm": bench_vllm.run, "decode": bench_decode.run}
 
 
 def machine() -> dict:
