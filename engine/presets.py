@@ -51,6 +51,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
                           "differs from llama.cpp's defaults: flash attention off, KV cache f32",
                           {"run": {"engine": "llama.cpp", "batching": "packed",
                                    "llamacpp": {"flash_attn": False, "type_k": "f32", "type_v": "f32"}}}),
+    "llama.cpp-decode": ("llama.cpp writing the response token by token: the prompt in one llama_decode, then one "
+                         "llama_decode per response token against its cache (needs a response); flash attention off, "
+                         "KV cache f32",
+                         {"run": {"engine": "llama.cpp", "decode": True,
+                                  "llamacpp": {"flash_attn": False, "type_k": "f32", "type_v": "f32"}}}),
     "vllm": ("vLLM, all prompts in one engine (its scheduler batches them), float32, prefix caching off",
              {"run": {"engine": "vllm", "batching": "packed"}}),
     "vllm-chunked": ("vLLM with a 32-token budget per step: every prompt longer than 32 tokens is prefilled in "
@@ -65,6 +70,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "vllm-fp8-kv": ("vLLM in bfloat16 with an fp8 (e4m3) KV cache",
                     {"run": {"engine": "vllm", "batching": "packed", "dtype": "bfloat16"},
                      "cache": {"dtype": "fp8_e4m3"}}),
+    "vllm-decode": ("vLLM writing the response in its own decode steps, teacher-forced (a logits processor leaves "
+                    "each step the response's next token), all prompts in one engine, float32 (needs a response: "
+                    "--response)",
+                    {"run": {"engine": "vllm", "batching": "packed", "decode": True}}),
+    "vllm-decode-bf16": ("vLLM decoding the response teacher-forced, in bfloat16 (needs a response: --response)",
+                         {"run": {"engine": "vllm", "batching": "packed", "decode": True, "dtype": "bfloat16"}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),
@@ -105,4 +116,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                     {"run": {"engine": "vllm", "batching": "packed",
                                              "vllm": {"prefix_caching": True, "warm": True}},
                                      "fault": {"name": "position-restart"}}),
+    "fault:vllm-decode-position": ("inside vLLM: a decode step's position id is the previous one (needs a response: "
+                                   "--response)", {"run": {"engine": "vllm", "batching": "packed", "decode": True},
+                                                   "fault": {"name": "decode-position"}}),
 }

@@ -159,7 +159,7 @@ ENGINES = {e.name: e for e in (
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                "foreign.llamacpp_options:LlamaCppOptions", "llamacpp", Computes(("float32",)),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",
-               batching=("unbatched", "packed"), explicit_positions=True,
+               batching=("unbatched", "packed"), explicit_positions=True, responses=True, decode=True,
                hints=(("batching", "llama.cpp batches sequences without padding: use batching = \"packed\" (several "
                                    "seq_ids in one llama_batch) or \"unbatched\""),
                       ("chunking", "use [run.llamacpp] n_batch / n_ubatch"),
@@ -184,7 +184,8 @@ ENGINES = {e.name: e for e in (
                       ("weight_quant", "a quantized checkpoint is vLLM's own business"),
                       ("cache_dtype", "vLLM's KV cache holds the activation dtype, fp8_e4m3 or fp8_e5m2"),
                       ("explicit_positions", "vLLM numbers positions itself, from 0")),
-               no_tp="prefill-diff runs vLLM in one process", faults=("cache-write", "position-restart"),
+               no_tp="prefill-diff runs vLLM in one process",
+               faults=("cache-write", "position-restart", "decode-position"), responses=True, decode=True,
                cache_kinds=("paged",), unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run",

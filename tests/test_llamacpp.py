@@ -357,3 +357,36 @@ def test_hf_checkpoint_is_converted_and_agrees(run_cli, tmp_path):
     rep = _json(res)
     assert res.exit_code == 0, rep["verdict_line"]
     assert rep["policy"]["name"] == "float32" and len(rep["layers"]) == 2
+
+
+# -- decode: one llama_decode per response token ------------------------------------------------------------
+
+def test_decode_calls_put_each_decoded_token_alone():
+    stream = [(0, 5, 0), (0, 6, 1), (0, 7, 2), (0, 8, 3), (1, 9, 0), (1, 10, 1), (1, 11, 2)]
+    assert lce.decode_calls(stream, 2048, {0: 2, 1: 2}) == [0, 2, 3, 4, 6]
+    assert lce.decode_calls(stream, 2, {}) == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("batching", ["unbatched", "packed"])
+def test_llama_cpp_decode_passes_against_one_prefill_at_every_response_position(batching, run_cli, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'preset = "llama.cpp-decode"\n[run]\nbatching = "{batching}"\n')
+    res = run_cli("run", "reference", cfg, "--response-ids", "31,32,33,34", "--json", tmp_path / "r.json",
+                  "--out", tmp_path)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 0 and rep["verdict"] == "pass", res.output
+    assert rep["logprobs"]["tokens"] == 12 and rep["final"]["tensors"]["response_logits"]["compared"] > 0
+    with Trace(tmp_path / "cand.h5") as t:
+        for s in range(3):
+            dec = t.rows["step"][s] >= 0
+            assert t.rows["step"][s][dec].tolist() == [0, 1, 2, 3]
+            assert (t.rows["cache_len"][s][dec] == t.lengths[s] - 3 + np.arange(4)).all()
+
+
+def test_llama_cpp_decode_of_a_text_response_on_smollm2(run_cli, tmp_path):
+    """The GGUF's own llama.cpp, one prefill against its decode: the same tokens, the same cache."""
+    res = run_cli("run", "llama.cpp", "llama.cpp-decode", "--model", "smollm2", "--response", " Paris, the city.",
+                  "--json", tmp_path / "r.json")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 0 and rep["verdict"] == "pass", res.output
+    assert rep["logprobs"]["tokens"] > 3 and rep["logprobs"]["pearson_p"] > 0.99

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..calls import Placement, plan_calls
+from ..decode import forward_facts, response_rows
 from ..coords import SeqRun
 from ..shared.errors import ConfigError, ModelLoadError, PrefillDiffError
 from ..models.gguf_writer import check_convertible
@@ -153,15 +154,37 @@ def _decode(lib, ctx, batch, chunk, cap: Capture) -> None:
         raise ConfigError(f"llama_decode refused the batch (status {rc}): {log_tail()}")
 
 
-def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int | None = None):
-    """One llama.cpp context: ``seqs`` is a list of (token ids, positions), each its own seq_id.
+def decode_calls(stream: list, n_batch: int, decode_from: dict) -> list[int]:
+    """The first stream index of each llama_decode call: up to ``n_batch`` entries at once, except that a token a
+    sequence decodes (its index in its sequence >= ``decode_from[seq]``) is a call of its own (a decode step)."""
+    starts, count, seen, prev_alone = [], 0, {}, False
+    for i, (s, _, _) in enumerate(stream):
+        tok = seen[s] = seen.get(s, -1) + 1
+        alone = s in decode_from and tok >= decode_from[s]
+        if not starts or alone or prev_alone or count == n_batch:
+            starts.append(i)
+            count = 0
+        count, prev_alone = count + 1, alone
+    return starts
+
+
+def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int | None = None,
+             decode_from: dict | None = None, logits_from: dict | None = None):
+    """One llama.cpp context: ``seqs`` is a list of (token ids, positions), each its own seq_id; with
+    ``decode_from`` ({seq: token index}) each of those tokens is a llama_decode of its own (decode steps against
+    the context's cache); ``logits_from`` ({seq: token index}): the logits from that token on are kept too.
 
     Returns (Capture with the ubatches, logits per sequence at its last token, resolved flash flag,
-    cache positions per sequence from llama.cpp's memory).
+    cache positions per sequence from llama.cpp's memory, the call starts, {seq: (token indices, logits)}).
     """
     lib = model.lib
     stream = [(s, int(t), int(p)) for s, (ids, pos) in enumerate(seqs) for t, p in zip(ids, pos)]
     n = len(stream)
+    tok_of = [i - next(j for j, e in enumerate(stream) if e[0] == s) for i, (s, _, _) in enumerate(stream)]
+    starts = decode_calls(stream, cfg.n_batch, decode_from or {})
+    wanted = {i for i, (s, _, _) in enumerate(stream)
+              if s in (logits_from or {}) and logits_from[s] <= tok_of[i] < len(seqs[s][0]) - 1}
+    kept = {}
     cap = Capture(n_layers)
     cb = lib.ggml_backend_sched_eval_callback(cap)  # referenced until the context is freed
     ctx = _context(model, cfg, n, len(seqs), threads or _threads(cfg.n_threads), cb)
@@ -169,13 +192,17 @@ def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int 
     last = {s: i for i, (s, _, _) in enumerate(stream)}  # stream index of each sequence's last token
     logits, cache_pos = {}, []
     try:
-        for c0 in range(0, n, cfg.n_batch):
-            chunk = stream[c0:c0 + cfg.n_batch]
+        for c0, c1 in zip(starts, starts[1:] + [n]):
+            chunk = stream[c0:c1]
             _decode(lib, ctx, batch, chunk, cap)
-            for s, i in last.items():
-                if c0 <= i < c0 + len(chunk):
-                    ptr = lib.llama_get_logits_ith(ctx, i - c0)
-                    logits[s] = np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
+            for i in range(c0, c1):
+                if i in wanted or i in last.values():
+                    row = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, i - c0), shape=(n_vocab,)).copy()
+                    if i in wanted:
+                        kept.setdefault(stream[i][0], ([], []))[0].append(tok_of[i])
+                        kept[stream[i][0]][1].append(row)
+                    if i == last[stream[i][0]]:
+                        logits[stream[i][0]] = row
         mem = lib.llama_get_memory(ctx)
         for s in range(len(seqs)):
             lo, hi = lib.llama_memory_seq_pos_min(mem, s), lib.llama_memory_seq_pos_max(mem, s)
@@ -184,7 +211,8 @@ def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int 
         lib.llama_batch_free(batch)
         lib.llama_free(ctx)
         del cb
-    return cap, logits, not cap.softmax_seen, cache_pos
+    return cap, logits, not cap.softmax_seen, cache_pos, starts, {s: (np.array(t), np.stack(z))
+                                                                     for s, (t, z) in kept.items()}
 
 
 def _stack(cap: Capture, key, n: int, layer: int) -> np.ndarray:
@@ -225,6 +253,13 @@ class CallCells:
     def sequences(self, call) -> list:
         """(token ids, positions) per sequence, for llama.cpp."""
         return [(call.ids[r, c0:c1].tolist(), call.positions[r, c0:c1].tolist()) for r, _, c0, c1 in self.runs]
+
+    def columns(self, stream_starts: list) -> list[int]:
+        """Stream indices where llama_decode calls start -> the call's columns (one row: unbatched or packed)."""
+        if self.shape[0] != 1:
+            raise PrefillDiffError("llama.cpp's calls map to columns only in a call of one row")
+        cols = [c for _, _, c0, c1 in self.runs for c in range(c0, c1)]
+        return [cols[i] for i in stream_starts]
 
     def grid(self, rows: np.ndarray) -> np.ndarray:
         """Stream rows (n, width) -> (B, W, width) in the call's cells."""
@@ -319,11 +354,17 @@ def execute(prep, recorder):
         permuted = gfile.describe["arch"] == "llama"
         for call in prep.calls:
             cells = CallCells(call)
-            cap, logits, fl, cache_pos = run_call(model, cfg, cells.sequences(call), snap.args.vocab_size,
-                                                  snap.args.n_layers, threads)
+            rows = response_rows(prep, call)
+            cap, logits, fl, cache_pos, starts, kept = run_call(model, cfg, cells.sequences(call),
+                                                                snap.args.vocab_size, snap.args.n_layers, threads,
+                                                                **rows)
             flash.add(fl)
-            emit_call(call, Placement(recorder, call.runs, call.samples), cells, cap, logits, cache_pos,
-                      snap.args.n_layers, cfg, permuted)
+            placement = Placement(recorder, call.runs, call.samples)
+            emit_call(call, placement, cells, cap, logits, cache_pos, snap.args.n_layers, cfg, permuted)
+            if len(starts) > 1 and rows.get("decode_from"):  # what each cell's forward was: the calls, as columns
+                placement.steps(*forward_facts(cells.tok, cells.seq, cells.columns(starts), rows["decode_from"]))
+            for s, (toks, z) in kept.items():
+                placement.response_logits(s, toks, z)
             del cap
     finally:
         if model is not None:
