@@ -424,3 +424,59 @@ def test_an_hf_overrides_change_is_a_model_identity_difference(vllm_python, run_
     assert res.exit_code == 1 and rep["first_break"]["kind"] == "identity", rep["verdict_line"]
     assert [d["key"] for d in rep["identity_differences"]] == ["rope_theta"]
     assert rep["layers"][0]["first_break"]["tensor"] == "cache_keys"
+
+
+# -- vLLM's own decode steps, teacher-forced -------------------------------------------------------------------
+
+RESPONSE = "31,32,33,34,35,36,37,38,39,40,41,42,43,44,45,46"  # 16 tokens after each built-in prompt (70, 45, 9)
+
+
+def test_vllm_decode_passes_against_one_prefill_at_every_response_position(vllm_python, run_cli, tmp_path):
+    """vLLM writes the response in its own decode steps (a logits processor forces each token): float32 passes
+    against our engine's one prefill of prompt + response at every position, the cache after the last step."""
+    from prefill_diff.dumps.reader import Trace
+    res = run_cli("run", "reference", "vllm-decode", "--response-ids", RESPONSE, "--json", tmp_path / "r.json",
+                  "--out", tmp_path)
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert res.exit_code == 0 and rep["verdict"] == "pass", res.output
+    assert rep["rule"].startswith("fixed float32 rule")
+    lp = rep["logprobs"]
+    assert lp["tokens"] == 48 and lp["max_abs_dlogp"] < 1e-4 and lp["k3_kl"] < 1e-8, lp
+    assert rep["final"]["tensors"]["response_logits"]["compared"] > 0
+    with Trace(tmp_path / "cand.h5") as t:
+        for s, p in enumerate((70, 45, 9)):
+            tok = t.inputs["token_index"][s]
+            valid = tok >= 0
+            dec = valid & (tok >= p)
+            assert dec.sum() == 16 and (t.rows["phase"][s][dec] == 1).all() and (t.rows["phase"][s][valid & ~dec] == 0).all()
+            assert t.rows["step"][s][dec].tolist() == list(range(16))
+            assert t.rows["cache_len"][s][dec].tolist() == [p + i + 1 for i in range(16)]  # vLLM's seq_lens
+            assert (t.rows["cache_len"][s][valid & ~dec] == p).all()  # the prompt in one step
+            assert t.response["token_index"][s].tolist() == list(range(p - 1, p + 15))
+        v = t.meta["record"]["vllm"]
+        assert [o["steps"] for o in v["samples"]] == [17, 17, 17]  # one prefill step, sixteen decode steps
+        # vLLM's own log-probs of the forced tokens are the captured logits' (raw, never the processed 0)
+        assert v["logprobs"]["mode"] == "raw_logprobs" and v["logprobs"]["tokens"] == 48
+        assert v["logprobs"]["max_abs_diff"] < 1e-5, v["logprobs"]
+
+
+def test_vllm_decode_bf16_is_calibrated_and_passes(vllm_python, run_cli, tmp_path):
+    rep = _json(res := run_cli("run", "reference", "vllm-decode-bf16", "--response-ids", "31,32,33,34", "--json", "-"))
+    assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
+    assert rep["rule"].startswith("calibrated:") and "bfloat16" in rep["rule"], rep["rule"]
+    assert 1e-4 < rep["logprobs"]["max_abs_dlogp"] < 0.1, rep["logprobs"]
+
+
+def test_vllm_decode_position_fault_breaks_at_layer_0_at_a_decode_step(vllm_python, run_cli):
+    rep = _json(res := run_cli("run", "reference", "fault:vllm-decode-position", "--response-ids", "31,32,33,34",
+                               "--json", "-"))
+    fb = rep["first_break"]
+    assert res.exit_code == 1 and (fb["stage"], fb["layer"], fb["kind"]) == ("layer", 0, "cache_positions"), \
+        rep["verdict_line"]
+    assert fb["decode_step"] is not None and fb["position"] == (70, 45, 9)[fb["sample"]] + fb["decode_step"]
+
+
+def test_vllm_as_a_one_prefill_side_of_a_response_is_refused_in_one_line(vllm_python, run_cli):
+    res = run_cli("run", "reference", "vllm", "--response-ids", "31,32")
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "decode = true (preset vllm-decode)" in res.output, res.output

@@ -52,6 +52,9 @@ def check(prep) -> None:
     run, snap, opts = prep.side.run, prep.snapshot, prep.side.run.options
     budget.check(f"vLLM ([run.vllm] kv_cache_mib = {opts.kv_cache_mib})", (opts.kv_cache_mib << 20) +
                  budget.model_bytes(snap.args), "its KV cache space plus the model's weights, in its own process")
+    if "response" in prep.record and not run.decode:
+        raise ConfigError("the vllm engine records a response only by writing it in its own decode steps: set "
+                          "[run] decode = true (preset vllm-decode), or let another engine prefill prompt + response")
     if opts.warm and run.batching != "packed":
         raise ConfigError("warm = true fills vLLM's prefix cache for a run of all prompts in one engine: it needs "
                           "batching = \"packed\"")
@@ -71,6 +74,9 @@ def _check_fault(prep) -> None:
         n = len(prep.tokens[f.sample])
         if not -n <= f.token < n:
             raise ConfigError(f"fault cache-write token must be in [{-n}, {n}) for sample {f.sample} (got {f.token})")
+    if f.name == "decode-position" and not run.decode:
+        prep.record["fault"]["cannot_show"] = ("fault:decode-position cannot show here: it moves decode steps, and "
+                                               "this run has none ([run] decode = true and a response)")
     if f.name == "position-restart" and not run.options.warm:
         prep.record["fault"]["cannot_show"] = ("fault:position-restart cannot show here: it needs a prefix-cache "
                                                "hit ([run.vllm] prefix_caching = true, warm = true)")
@@ -149,12 +155,15 @@ def request(prep, model_dir: str) -> dict:
         args = prep.snapshot.args
         fault = {"name": f.name, "layer": args.n_layers // 2 if f.layer is None else f.layer, "sample": f.sample,
                  "position": f.token % len(prep.tokens[f.sample])}
-    longest = max(len(t) for t in prep.tokens)
+    longest = max(len(t) for t in prep.tokens)  # prompt + response: a decode's extra step samples one more
+    prompts = [list(t[:p]) for t, p in zip(prep.tokens, prep.prompt_lengths)]
+    responses = [list(t[p:]) for t, p in zip(prep.tokens, prep.prompt_lengths)] if run.decode else None
     return {"model_dir": model_dir, "dtype": dtype,
             "kv_cache_dtype": VLLM_KV_DTYPE[None if run.cache_dtype in (None, dtype) else run.cache_dtype],
-            "prompts": [list(t) for t in prep.tokens], "schedule": "together" if run.batching == "packed" else "alone",
+            "prompts": prompts, "responses": responses,
+            "schedule": "together" if run.batching == "packed" else "alone",
             "prefix_caching": opts.prefix_caching, "block_size": block,
-            "warm": [list(t[:len(t) // block * block]) for t in prep.tokens] if opts.warm else None,
+            "warm": [t[:len(t) // block * block] for t in prompts] if opts.warm else None,
             "engine_args": dict(opts.engine_args), "max_model_len": -(-(longest + 1) // block) * block,
             "kv_cache_bytes": opts.kv_cache_mib << 20, "fault": fault}
 
@@ -293,6 +302,8 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
             raise WorkerFailed(f"vLLM computed {a['positions'].shape[0]} positions of sample {s} for {T}")
         recorder.inputs(s, 0, np.asarray(prep.tokens[s][k:], dtype=np.int64), np.ones(T, dtype=bool),
                         a["positions"], np.arange(k, n))
+        if "response" in prep.record:
+            _steps(recorder, prep, head, a)
         warmed = prep.side.run.options.warm and n >= prep.side.run.options.block_size
         if k or warmed:  # a warmed sample that reused nothing proves nothing about reuse: INCONCLUSIVE
             prep.record["reuse"].append({"sample": s, "prefix_len": k, "hit": bool(k), "forced": False,
@@ -310,7 +321,44 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
     for head, a in samples:
         s, n = head["index"], len(prep.tokens[head["index"]])
         recorder.final(s, a["norm_last"], a["logits"][:args.vocab_size], n - head["num_cached_tokens"] - 1, n - 1)
+        if "response_logits" in a:
+            p = prep.prompt_lengths[s]
+            recorder.response_logits(s, np.arange(p - 1, n - 1), a["response_logits"][:, :args.vocab_size])
     _run_meta(recorder, prep, meta, samples)
+
+
+def _steps(recorder, prep, head: dict, a: dict) -> None:
+    """Each computed row's forward: a response token's is decode step (token index - prompt length), every other
+    row's a prefill; its cache length the scheduler's (the sequence's tokens in the cache once that step wrote).
+    What vLLM wrote must be the response it was forced to write."""
+    s, k = head["index"], head["num_cached_tokens"]
+    p, n = prep.prompt_lengths[s], len(prep.tokens[s])
+    if head.get("written") != list(prep.tokens[s][p:]):
+        raise WorkerFailed(f"vLLM wrote {head.get('written')} after prompt {s}, not the response it was forced to "
+                           f"write ({list(prep.tokens[s][p:])})")
+    tok = np.arange(k, n)
+    dec = tok >= p
+    recorder.steps(s, 0, dec.astype(np.int8), np.where(dec, tok - p, -1).astype(np.int32),
+                   a["cache_len"].astype(np.int32))
+
+
+def logprob_agreement(samples) -> dict | None:
+    """vLLM's own log-probs of the forced tokens against log_softmax of the logits captured before each (float64):
+    the largest difference. vLLM returns them raw (logprobs_mode raw_logprobs, set by the worker): a processed
+    log-prob of a forced token is 0 whatever the model thought, and is never compared."""
+    worst, count = 0.0, 0
+    for head, a in samples:
+        if "response_logits" not in a:
+            continue
+        z = a["response_logits"].astype(np.float64)
+        z = z - z.max(axis=1, keepdims=True)
+        lsm = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        ours = lsm[np.arange(len(head["written"])), head["written"]]
+        theirs = np.asarray(head["vllm_logprobs"], dtype=np.float64)
+        if not np.isfinite(theirs).all():
+            raise WorkerFailed(f"vLLM returned no log-prob for some response token of sample {head['index']}")
+        worst, count = max(worst, float(np.abs(ours - theirs).max(initial=0.0))), count + len(theirs)
+    return {"tokens": count, "max_abs_diff": worst} if count else None
 
 
 def _routing(recorder, prep, layer: int, head: dict, a: dict) -> None:
@@ -343,6 +391,8 @@ def _run_meta(recorder, prep, meta: dict, samples: list) -> None:
         "version": meta.get("vllm"), "torch": meta.get("torch"), "python": meta.get("python"),
         "engine_args": meta.get("engine_args"), "effective": eff, "attention_backend": meta.get("attention_backend"),
         "isa": meta.get("isa"), "bf16_rounding": meta.get("bf16_rounding"), "timing": meta.get("timing"),
+        "logprobs": None if "response" not in prep.record else {
+            "mode": meta.get("logprobs_mode"), **(logprob_agreement(samples) or {})},
         "samples": [{"sample": h["index"], "steps": h["steps"], "num_cached_tokens": h["num_cached_tokens"]}
                     for h, _ in samples]}
     budget = eff.get("max_num_batched_tokens")

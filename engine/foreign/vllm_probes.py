@@ -8,7 +8,8 @@ reads back where each (slot, head, dim) landed. The same probe serves any kernel
 ``cpu_attn_reshape_and_cache``. ``learn_rounding`` runs the rotary kernel on bfloat16 inputs and compares its
 result with both ways of rounding the exact one.
 
-Like the worker, this file runs in vLLM's environment and imports only torch and numpy: the worker loads it
+Like the worker, this file runs in vLLM's environment and imports only torch and numpy (and vLLM's cache kernel
+inside ``attention_layout``, called once vLLM runs): the worker loads it
 by its path (engine/foreign/vllm_worker.py ``_beside``); prefill-diff's tests import it as a module.
 """
 from __future__ import annotations
@@ -61,6 +62,24 @@ def learn_layout(write, block_size: int, n_heads: int, head_dim: int, dtype: tor
             raise RuntimeError("the cache kernel's layout is not a bijection of (slot, head, dim)")
         maps[which] = inv.reshape(block_size, n_heads, head_dim)
     return maps["k"], maps["v"]
+
+
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def attention_layout(attn, block_size: int, n_heads: int, head_dim: int, cache_dtype, src_dtype):
+    """A vLLM attention layer's cache layout, taught by its own cache kernel (vLLM's, imported here: the worker
+    calls this once vLLM runs), and how its elements read back as floats (an fp8 cache: its bytes as the fp8
+    format, times the layer's scale): (key layout, value layout, dequantise(x, scale))."""
+    from vllm import _custom_ops as ops
+    kv_dtype = getattr(attn, "kv_cache_dtype", None) or getattr(attn.impl, "kv_cache_dtype", "auto")
+
+    def write(k, v, kc, vc, slots):  # src_dtype: what attention hands the kernel
+        ops.cpu_attn_reshape_and_cache(k.to(src_dtype), v.to(src_dtype), kc, vc, slots, attn.isa, 1.0, 1.0, kv_dtype)
+    f = FP8.get(kv_dtype)
+    dq = (lambda x, scale: x.view(f).to(torch.float32) * scale) if f else (lambda x, scale: x.to(torch.float32))
+    lk, lv = learn_layout(write, block_size, n_heads, head_dim, cache_dtype)
+    return lk, lv, dq
 
 
 def _patterns(write, block_size, n_heads, head_dim, dtype):

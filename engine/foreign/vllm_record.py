@@ -23,6 +23,12 @@ RECORD = (
     ("timing.import_s", "number", {"lo": 0}, "1.1", "importing vLLM"),
     ("timing.load_s", "number", {"lo": 0}, "1.1", "loading the model"),
     ("timing.generate_s", "number", {"lo": 0}, "1.1", "the prefill"),
+    ("logprobs", "obj", {"none": True}, "1.3", "with a response (decoded by vLLM, teacher-forced): vLLM's own "
+     "log-probs of the forced tokens against log_softmax of the captured logits (null without a response)"),
+    ("logprobs.mode", "text", {"none": True}, "1.3", "vLLM's logprobs_mode: raw_logprobs, the model's own (a processed "
+     "log-prob of a forced token is 0 and is never compared)"),
+    ("logprobs.tokens", "integer", {"lo": 0}, "1.3", "the response tokens compared"),
+    ("logprobs.max_abs_diff", "number", {"lo": 0}, "1.3", "the largest |vLLM's log-prob - log_softmax(logits)|"),
     ("samples", "array", {}, "1.1", "per sample, what its scheduler did"),
     ("samples[].sample", "integer", {"lo": 0}, "1.1", "the sample"),
     ("samples[].steps", "integer", {"lo": 0}, "1.1", "the scheduler steps that computed it"),

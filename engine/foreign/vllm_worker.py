@@ -15,9 +15,11 @@ arrays:
   dtype, attention backend, how its kernels round to bfloat16), one ``sample`` per prompt (per layer the
   five residual-stream states and the per-head attention output at the positions vLLM computed, each
   mixture-of-experts layer's routing there (router logits, experts and their weights), the KV cache as
-  stored for every position, read back through the block table in the step where the sample's prefill
-  completed, the positions, the final norm and the raw logits at the last token), then ``done``;
-  or one ``error`` (``kind`` input: vLLM refused the request or the model; internal: anything else).
+  stored for every position, read back through the block table in the step where the sample's last token
+  was computed, the positions, the cache length of each row's step, the final norm and the raw logits at the
+  last token; with a response, decoded by vLLM teacher-forced (vllm_decode.py), the logits before each
+  response token and vLLM's own log-probs of them), then ``done``; or one ``error`` (``kind`` input: vLLM
+  refused the request or the model; internal: anything else).
 
 Capture is through forward hooks on the real model object (the engine core runs in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a decoder layer is ``forward(positions, hidden_states, residual) ->
@@ -49,7 +51,7 @@ import torch
 SUPPORTED = ("0.29", "0.32")
 # arguments the request sets itself (from prefill-diff's own configuration), never passed through
 OWN_ARGS = ("model", "tokenizer", "trust_remote_code", "dtype", "kv_cache_dtype", "skip_tokenizer_init",
-            "enforce_eager", "max_logprobs")
+            "enforce_eager", "max_logprobs", "logprobs_mode", "logits_processors")
 
 
 class InputError(Exception):
@@ -68,6 +70,7 @@ def _beside(name: str):
 
 
 probes = _beside("vllm_probes")  # the cache layout and the bfloat16 rounding, taught by vLLM's kernels
+decode = None  # vllm_decode.py: teacher-forced decode steps (it imports vLLM: loaded once vLLM is)
 
 
 # -- the vLLM release ------------------------------------------------------------------------------------
@@ -160,9 +163,11 @@ def _np(x: torch.Tensor) -> np.ndarray:
 class Capture:
     """Forward hooks on vLLM's model: each step's rows of every state, split by request when the step ends."""
 
-    def __init__(self, runner, model, fault: dict | None, prompt_len: dict, sample_of):
+    def __init__(self, runner, model, fault: dict | None, prompt_len: dict, sample_of, decode_from=None):
         self.runner, self.model, self.fault = runner, model, fault or {}
-        self.prompt_len, self.sample_of = prompt_len, sample_of  # internal request id -> prompt length / sample
+        # request id -> the tokens it computes in the end (prompt [+ response]) / sample / prompt of one that decodes
+        self.prompt_len, self.sample_of = prompt_len, sample_of
+        self.decode_from = {} if decode_from is None else decode_from
         self.layers = list(model.model.layers)
         self.step_rows = {}  # (layer, state) -> this step's rows
         self.samples = {}  # sample -> {"positions": [...], "states": {(layer, state): [rows]}, "steps": n}
@@ -287,13 +292,17 @@ class Capture:
                 self.cached[s] = int(computed[r])
         if self.fault.get("name") == "position-restart":
             self._restart(positions, reqs, qsl)
+        if self.fault.get("name") == "decode-position":
+            decode.shift_positions(positions, reqs, qsl, computed, self.decode_from)
+        seq = getattr(meta, "seq_lens", None)  # the scheduler's: each request's tokens in the cache once it wrote
+        seq = seq.tolist() if seq is not None else [int(computed[r]) + qsl[r + 1] - qsl[r] for r in range(len(reqs))]
         # each layer's block table: a model mixing window and full layers keeps one KV cache group (and one table)
         # per kind of layer
         metas = [md[layer.self_attn.attn.layer_name] if isinstance(md, dict) else md for layer in self.layers]
         tables = {}
         for m in metas:
             tables.setdefault(id(m.block_table), m.block_table.clone())
-        self.step = {"n": n, "qsl": qsl, "reqs": reqs, "positions": positions[:n].tolist(),
+        self.step = {"n": n, "qsl": qsl, "reqs": reqs, "positions": positions[:n].tolist(), "seq_lens": seq,
                      "block_table": [tables[id(m.block_table)] for m in metas], "meta": meta}
         self.step_rows = {}
 
@@ -317,9 +326,11 @@ class Capture:
             if s is None:
                 continue
             a, b = st["qsl"][r], st["qsl"][r + 1]
-            rec = self.samples.setdefault(s, {"positions": [], "states": {}, "steps": 0})
+            rec = self.samples.setdefault(s, {"positions": [], "states": {}, "steps": 0, "cache_len": [],
+                                              "logits": {}})
             rec["steps"] += b > a  # a step that computed some of its tokens
             rec["positions"] += st["positions"][a:b]
+            rec["cache_len"] += [int(st["seq_lens"][r])] * (b - a)
             for key, rows in self.step_rows.items():
                 rec["states"].setdefault(key, []).append(rows[a:b])
             done = len(rec["positions"]) + self.cached.get(s, 0) >= self.prompt_len[rid]
@@ -341,7 +352,7 @@ class Capture:
             kv = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
             nb, h, bs, two_d = kv.shape
             if self.layout is None:
-                self.layout = self._learn(attn, kv, bs, h, two_d // 2)
+                self.layout = probes.attention_layout(attn, bs, h, two_d // 2, kv.dtype, self.model_dtype)
             table = st["block_table"][self.fault["layer"]]
             kc = kv.view(nb, h, 2 * bs, two_d // 2).chunk(2, dim=2)[0][int(table[r][pos // bs])]
             src = pos % bs - 1 if pos % bs else pos % bs + 1  # the neighbour in the same block
@@ -350,12 +361,18 @@ class Capture:
             kc[to] = kc[frm].clone()
 
     def _logits(self, mod, args, out):
-        """The final norm's rows (the logits processor's input) and the raw logits, one row per request."""
+        """The final norm's rows (the logits processor's input) and the raw logits, one row per request (its last
+        token of the step): the last token's at the end; a decoding request's at every token from its prompt's
+        last on (the logits predicting each response token), kept by token index."""
         if not self.recording or out is None:
             return
         hidden = args[1]
         for r, rid in enumerate(self.step["reqs"]):
             s = self.sample_of.get(rid)
+            if s in self.samples and rid in self.decode_from:
+                at = self.cached.get(s, 0) + len(self.samples[s]["positions"]) - 1
+                if at >= self.decode_from[rid] - 1:
+                    self.samples[s]["logits"][at] = _np(out[r])
             if s in self.done and "logits" not in self.done[s]:
                 self.done[s]["norm_last"] = _np(hidden[r])
                 self.done[s]["logits"] = _np(out[r])
@@ -372,31 +389,14 @@ class Capture:
             nb, h, bs, two_d = kv.shape
             kc, vc = kv.view(nb, h, 2 * bs, two_d // 2).chunk(2, dim=2)
             if self.layout is None:
-                self.layout = self._learn(attn, kv, bs, h, two_d // 2)
+                self.layout = probes.attention_layout(attn, bs, h, two_d // 2, kv.dtype, self.model_dtype)
             lk, lv, dq = self.layout
             blocks = block_row.tolist()
             keys.append(probes.read_cache(kc, blocks, n, lk, lambda x: dq(x, attn._k_scale_float)))
             values.append(probes.read_cache(vc, blocks, n, lv, lambda x: dq(x, attn._v_scale_float)))
         return {"keys": np.stack(keys), "values": np.stack(values)}
 
-    def _learn(self, attn, kv, block_size, n_heads, head_dim):
-        """The layer's cache layout, taught by the kernel that writes it; and how its elements read back as floats
-        (an fp8 cache: its bytes as the fp8 format, times the layer's scale)."""
-        from vllm import _custom_ops as ops
-        kv_dtype = getattr(attn, "kv_cache_dtype", None) or getattr(attn.impl, "kv_cache_dtype", "auto")
-        src = self.model_dtype  # what attention hands the kernel
-
-        def write(k, v, kc, vc, slots):
-            ops.cpu_attn_reshape_and_cache(k.to(src), v.to(src), kc, vc, slots, attn.isa, 1.0, 1.0, kv_dtype)
-        f = FP8.get(kv_dtype)
-        dq = (lambda x, scale: x.view(f).to(torch.float32) * scale) if f else (lambda x, scale: x.to(torch.float32))
-        lk, lv = probes.learn_layout(write, block_size, n_heads, head_dim, kv.dtype)
-        return lk, lv, dq
-
     model_dtype = torch.float32
-
-
-FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -482,7 +482,11 @@ def run(read_request, channel: Channel) -> None:
     from vllm.inputs import TokensPrompt
     t_import = time.perf_counter() - t0
     request = read_request()
+    global decode
+    decode = _beside("vllm_decode")
+    responses = request.get("responses")  # per prompt, the tokens vLLM's decode steps are forced to write
     args = engine_args(request)
+    args.update(decode.engine_args(bool(responses)))
     try:
         llm = LLM(**args)
     except Exception as e:  # the model or the configuration vLLM will not run (e.g. an unsupported head size)
@@ -491,15 +495,15 @@ def run(read_request, channel: Channel) -> None:
     runner = llm.collective_rpc(lambda self: self.model_runner)[0]
     model = runner.get_model()
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    params = decode.params(SamplingParams, ())
     prompts = request["prompts"]
     for i, warm in enumerate(request.get("warm") or ()):  # fill the prefix cache with leading full blocks
         if warm:
             engine.add_request(f"warm-{i}", TokensPrompt(prompt_token_ids=list(warm)), params)
     _drain(engine)
     names = {i: f"pd-{i}" for i in range(len(prompts))}
-    prompt_len, sample_of = {}, {}
-    cap = Capture(runner, model, request.get("fault"), prompt_len, sample_of)
+    prompt_len, sample_of, decode_from = {}, {}, {}
+    cap = Capture(runner, model, request.get("fault"), prompt_len, sample_of, decode_from)
     cap.model_dtype = getattr(torch, str(engine.vllm_config.model_config.dtype).replace("torch.", ""))
     outputs, t1 = [], time.perf_counter()
     groups = [list(range(len(prompts)))] if request.get("schedule") == "together" else \
@@ -507,9 +511,13 @@ def run(read_request, channel: Channel) -> None:
     original = engine.add_request
     for group in groups:
         for i in group:
-            rid = original(names[i], TokensPrompt(prompt_token_ids=list(prompts[i])), params)
-            prompt_len[rid] = len(prompts[i])
+            resp = responses[i] if responses else ()
+            rid = original(names[i], TokensPrompt(prompt_token_ids=list(prompts[i])),
+                           decode.params(SamplingParams, resp))
+            prompt_len[rid] = len(prompts[i]) + len(resp)
             sample_of[rid] = i
+            if resp:
+                decode_from[rid] = len(prompts[i])
         outputs += _drain(engine)
     t_run = time.perf_counter() - t1
     cap.remove()
@@ -519,9 +527,11 @@ def run(read_request, channel: Channel) -> None:
                   "python": sys.version.split()[0], "engine_args": _jsonable(args), "effective": _effective(llm),
                   "attention_backend": type(model.model.layers[0].self_attn.attn.impl).__name__,
                   "isa": getattr(model.model.layers[0].self_attn.attn, "isa", None), "bf16_rounding": rounding,
+                  "logprobs_mode": str(engine.vllm_config.model_config.logprobs_mode) if responses else None,
                   "timing": {"import_s": t_import, "load_s": t_load, "generate_s": t_run}})
     for i in range(len(prompts)):
-        _send_sample(channel, cap, i, by_sample.get(i), len(cap.layers))
+        _send_sample(channel, cap, i, by_sample.get(i), len(cap.layers), len(prompts[i]), responses[i] if responses
+                     else ())
     channel.send({"type": "done"})
 
 
@@ -536,7 +546,7 @@ def _jsonable(d: dict) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
-def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int) -> None:
+def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int, p: int, resp) -> None:
     rec, done = cap.samples.get(i), cap.done.get(i)
     if rec is None or done is None or "logits" not in done:
         raise RuntimeError(f"vLLM finished prompt {i} without the capture seeing its prefill complete")
@@ -553,10 +563,12 @@ def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int) 
             arrays[name] = np.stack([np.concatenate(rec["states"][(layer, name)], axis=0) for layer in moe])
     arrays.update(keys=done["cache"]["keys"], values=done["cache"]["values"],
                   positions=np.asarray(rec["positions"], dtype=np.int64),
+                  cache_len=np.asarray(rec["cache_len"], dtype=np.int32),
                   norm_last=done["norm_last"], logits=done["logits"])
+    head = decode.response(i, rec["logits"], output, p, resp, arrays) if resp else {}
     cached = int(getattr(output, "num_cached_tokens", 0) or 0) if output is not None else 0
     channel.send({"type": "sample", "index": i, "num_cached_tokens": cached, "steps": rec["steps"],
-                  "states": states, "moe_layers": moe}, arrays)
+                  "states": states, "moe_layers": moe, **head}, arrays)
 
 
 def main(argv) -> int:
