@@ -98,6 +98,7 @@ class Faults:
     router: str | None = None  # a mixture of experts' router or shared expert computed wrongly (config ROUTER_FAULTS)
     decode_position: bool = False  # a decode step uses the previous position
     decode_stale_cache: bool = False  # a decode step reads the cache without its own new entry
+    decode_mask: bool = False  # a left-padded row's padding keys are visible to its decode steps (only)
 
 
 @dataclass

@@ -63,9 +63,9 @@ BATCHING = ("unbatched", "left", "right", "packed")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
           "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write",
           "window-off-by-one", "router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped",
-          "decode-position", "decode-stale-cache")
+          "decode-position", "decode-stale-cache", "decode-mask")
 ROUTER_FAULTS = ("router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped")  # MoE: in the MLP
-DECODE_FAULTS = ("decode-position", "decode-stale-cache")  # in decode steps only
+DECODE_FAULTS = ("decode-position", "decode-stale-cache", "decode-mask")  # in decode steps only
 
 
 @dataclass(frozen=True)

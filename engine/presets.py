@@ -104,6 +104,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "fault:decode-stale-cache": ("a decode step reads the cache without the entry it has just written (needs a "
                                  "response: --response)", {"run": {"decode": True, "batching": "left"},
                                                             "fault": {"name": "decode-stale-cache"}}),
+    "fault:decode-mask": ("a left-padded sample's padding keys unmasked in its decode steps only (needs a response: "
+                          "--response)", {"run": {"decode": True, "batching": "left"},
+                                          "fault": {"name": "decode-mask"}}),
     "fault:tp-missing-allreduce": ("tensor parallel, 2 ranks: layer 0's attention output projection is not "
                                    "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
     "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",

@@ -107,7 +107,8 @@ def test_a_decode_run_passes_against_one_prefill_at_every_response_position(pres
 
 
 @pytest.mark.parametrize("fault, where", [("decode-position", ("layer", 0, "cache_positions")),
-                                          ("decode-stale-cache", ("layer", 0, "value"))])
+                                          ("decode-stale-cache", ("layer", 0, "value")),
+                                          ("decode-mask", ("layer", 0, "value"))])
 def test_each_decode_fault_is_caught_at_a_decode_step_its_layer_and_kind(fault, where, run_cli, tmp_path):
     ref = _toml(tmp_path, "ref")
     cand = _toml(tmp_path, "cand", 'decode = true\nbatching = "left"', f'[fault]\nname = "{fault}"')
@@ -119,6 +120,20 @@ def test_each_decode_fault_is_caught_at_a_decode_step_its_layer_and_kind(fault, 
         f"The break's position was computed by the candidate in decode step {fb['decode_step']}")
     tok = PROMPTS[fb["sample"]] + RESPONSES[fb["sample"]]
     assert fb["position"] - len(PROMPTS[fb["sample"]]) == fb["decode_step"] and fb["position"] < len(tok)
+
+
+def test_unmasked_padding_in_decode_only_breaks_the_padded_samples_decode_rows(run_cli, tmp_path):
+    """decode-mask: the prompt rows (one forward) agree; the break is a padded sample's decode step, and the
+    longest sample (no padding) is never named."""
+    res = run_cli("run", "reference", "fault:decode-mask", "--response-ids", "31,32,33,34", "--json",
+                  tmp_path / "r.json")
+    rep = json.loads((tmp_path / "r.json").read_text())
+    fb = rep["first_break"]
+    assert res.exit_code == 1 and (fb["layer"], fb["tensor"]) == (0, "attn_update") and fb["decode_step"] is not None
+    assert 0 not in fb["samples"] and set(fb["samples"]) <= {1, 2}, fb
+    res = run_cli("run", "reference", "fault:decode-mask", "--response-ids", "31,32,33,34", "--json",
+                  tmp_path / "u.json", "--tokens", "5,6,7", "--tokens", "8,9,10")  # equal lengths: no padding
+    assert res.exit_code == 0 and "INCONCLUSIVE" in res.output and "left-padded batch of unequal lengths" in res.output
 
 
 def test_a_decode_fault_without_decode_cannot_show(run_cli, tmp_path):

@@ -76,6 +76,9 @@ def fault_note(run: RunConfig, snapshot: Snapshot, tokens) -> str | None:
         return f"fault:{name} cannot show here: no prompt is longer than the reused prefix"
     if name in DECODE_FAULTS and not run.decode:
         return f"fault:{name} cannot show here: the run writes no response token by token (decode = false)"
+    if name == "decode-mask" and not (padded and run.batching == "left"):
+        return (f"fault:decode-mask cannot show here: it needs a left-padded batch of unequal lengths "
+                f"(batching={run.batching}, lengths={lengths})")
     return None
 
 
@@ -125,7 +128,8 @@ def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults
     if f.name in ROUTER_FAULTS:
         return Faults(router=f.name)
     if f.name in DECODE_FAULTS:
-        return Faults(decode_position=f.name == "decode-position", decode_stale_cache=f.name == "decode-stale-cache")
+        return Faults(decode_position=f.name == "decode-position", decode_stale_cache=f.name == "decode-stale-cache",
+                      decode_mask=f.name == "decode-mask")
     return Faults(unmasked_padding=f.name == "unmasked-padding", masked_row_softmax=f.name == "masked-row-softmax",
                   last_column=f.name == "last-column")
 

@@ -61,6 +61,39 @@ def stale_keys(k_tok, k_seq, q_tok, q_seq, decoding, faults: Faults):
     return torch.where(own, torch.full_like(k_tok, -1), k_tok)
 
 
+class PaddingKV:
+    """decode-mask: the padding cells' keys and values a call's prompt forward computed (a cache that stored its
+    padding slots), per layer, shown to that row's decode steps as if the mask let them through."""
+
+    def __init__(self):
+        self.kv: dict = {}  # layer -> [(keys, values) (H_kv, P, d_h) per row]
+
+    def keep(self, layer: int, q_tok, k_rot, v) -> None:
+        """The padding cells of a forward that decodes nothing (the prompt's)."""
+        if layer not in self.kv:
+            pad = q_tok < 0
+            self.kv[layer] = [(k_rot[b][:, pad[b]], v[b][:, pad[b]]) for b in range(q_tok.shape[0])]
+
+    def shown(self, layer: int, rows, q_seq, decoding):
+        """``rows`` (a cache read) with each decoding row's padding keys added, visible to its query."""
+        kept = self.kv.get(layer)
+        if kept is None or decoding is None or not bool(decoding.any()):
+            return rows
+        P = max(k.shape[1] for k, _ in kept)
+        if P == 0:
+            return rows
+        B, H, _, D = rows.keys.shape
+        pk, pv = rows.keys.new_zeros((B, H, P, D)), rows.values.new_zeros((B, H, P, D))
+        tok = torch.full((B, P), -1, dtype=rows.k_tok.dtype)
+        for b, (k, v) in enumerate(kept):
+            if bool(decoding[b].any()) and k.shape[1]:
+                pk[b, :, :k.shape[1]], pv[b, :, :k.shape[1]] = k, v
+                tok[b, :k.shape[1]] = 0  # token 0: seen by every query of its sequence
+        seq = q_seq[:, :1].expand(B, P)
+        return type(rows)(torch.cat([rows.keys, pk], 2), torch.cat([rows.values, pv], 2),
+                          torch.cat([rows.k_tok, tok], 1), torch.cat([rows.k_seq, seq], 1))
+
+
 def gathered_cell(last: Cell, n_cols: int, faults: Faults) -> Cell:
     """gather_last_valid_position; row 1 takes the rectangle's last column instead."""
     return last._replace(col=n_cols - 1) if faults.last_column else last

@@ -26,7 +26,8 @@ from .compiled import compile_layers
 from ..calls import Faults
 from ..coords import CacheWrite, Cell, SeqRun
 from ..shared.errors import CacheInvariantError, ConfigError
-from .faults import decode_positions, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep, stale_keys
+from .faults import (PaddingKV, decode_positions, gathered_cell, padding_visible_mask, rewire_heads, skipped_kv_keep,
+                     stale_keys)
 from .model import apply_rope, rope_cos_sin
 from .settings import CacheConfig, NumericalConfig  # plain data (no torch)
 from ..models.cache_layout import CacheLayout
@@ -103,11 +104,12 @@ class ForwardStep:
     """
 
     def __init__(self, engine: "Engine", cells: Cells, c0: int, c1: int, cache: KVCache, read_through: bool,
-                 faults: Faults, recorder, shapes, routing: dict | None = None, decoding=None):
+                 faults: Faults, recorder, shapes, routing: dict | None = None, decoding=None, padding=None):
         self.engine, self.cache, self.read_through, self.faults = engine, cache, read_through, faults
         self.routing = routing or {}
         self.recorder, self.shapes, self.c0 = recorder, shapes, c0
         self.decoding = decoding  # (B, c1 - c0): the cells that are decode steps (None: no sequence decodes)
+        self.padding = padding  # decode-mask: the prompt's padding K/V its decode steps are shown (PaddingKV)
         inv = engine.call_inv_freq(cells)
         self.positions = decode_positions(cells.positions[:, c0:c1], decoding, faults)
         self.rope = rope_cos_sin(self.positions, inv, engine.dtype, engine.rope_scale)
@@ -155,6 +157,10 @@ class ForwardStep:
                 self._windowed[window] = self.mask.windowed(window)
             return k_rot, v, self._windowed[window]
         rows = self.cache.read_rows(layer, self.row_seqs, like=k_rot)
+        if self.padding is not None:
+            if self.decoding is None or not bool(self.decoding.any()):
+                self.padding.keep(layer, self.q_tok, k_rot, v)
+            rows = self.padding.shown(layer, rows, self.q_seq, self.decoding)
         k_tok = stale_keys(rows.k_tok, rows.k_seq, self.q_tok, self.q_seq, self.decoding, self.faults)
         return rows.keys, rows.values, AttentionMask(self.q_tok, k_tok, self.q_seq, rows.k_seq,
                                                      self.mask.sentinel, window=window)
@@ -331,9 +337,11 @@ class Engine:
         B, n = ids.shape
         whole = len(starts) == 1
         x_last = None
+        padding = PaddingKV() if faults.decode_mask and decode_from else None
         for c0, c1 in zip(starts, starts[1:] + [n]):
             decoding = decoding_columns(cells.tok, cells.seq, c0, c1, decode_from) if decode_from else None
-            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes, routing, decoding)
+            step = ForwardStep(self, cells, c0, c1, cache, read_through, faults, recorder, shapes, routing, decoding,
+                               padding)
             for layer, x in self.model.layer_by_layer(ids[:, c0:c1], step):
                 if whole:
                     self._emit_cache(recorder, cache, layer)
