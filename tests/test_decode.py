@@ -95,6 +95,9 @@ def test_a_decode_run_passes_against_one_prefill_at_every_response_position(pres
     assert rep["final"]["tensors"]["response_logits"]["compared"] == sum(map(len, RESPONSES)) * 96
     lp = rep["logprobs"]
     assert lp["tokens"] == sum(map(len, RESPONSES)) and lp["max_abs_dlogp"] < 1e-4 and lp["k3_kl"] < 1e-8
+    phases = rep["layers"][0]["tensors"]["layer_output"]["max_abs_by_phase"]  # the rows grouped by phase
+    assert set(phases) == {"prefill", "decode"} and phases["decode"] < 1e-4
+    assert "max abs by phase (prompt rows, decoded response rows): layer 0 prompt" in res.output
     with Trace(tmp_path / "cand.h5") as t, Trace(tmp_path / "ref.h5") as r:
         assert t.version == "1.3" and (r.rows["phase"] == PREFILL).all()
         for s, (p, resp) in enumerate(zip(PROMPTS, RESPONSES)):
@@ -116,6 +119,9 @@ def test_each_decode_fault_is_caught_at_a_decode_step_its_layer_and_kind(fault, 
     fb = json.loads((tmp_path / "r.json").read_text())["first_break"]
     assert res.exit_code == 1 and (fb["stage"], fb["layer"], fb["kind"]) == where, res.output
     assert fb["decode_step"] is not None and f"(decode step {fb['decode_step']})" in res.output
+    if fault != "decode-position":  # the prompt's rows agree, the response's do not
+        phases = json.loads((tmp_path / "r.json").read_text())["layers"][0]["tensors"]["attn_update"]
+        assert phases["max_abs_by_phase"]["prefill"] < 1e-4 < phases["max_abs_by_phase"]["decode"]
     assert json.loads((tmp_path / "r.json").read_text())["diagnosis"].startswith(
         f"The break's position was computed by the candidate in decode step {fb['decode_step']}")
     tok = PROMPTS[fb["sample"]] + RESPONSES[fb["sample"]]
@@ -160,8 +166,10 @@ def test_a_response_the_sides_hold_differently_is_a_coverage_break_not_a_pass(ru
 def test_decode_needs_a_response_and_an_engine_that_decodes(run_cli):
     res = run_cli("run", "reference", "decode")
     assert res.exit_code == 2 and "decode = true writes a response token by token: give one" in res.output
-    res = run_cli("run", "reference", "llama.cpp", "--response-ids", "3,4")
-    assert res.exit_code == 2 and "the llama.cpp engine does not run a response after the prompt" in res.output
+    res = run_cli("run", "reference", "vllm", "--response-ids", "3,4",
+                  env={"PREFILL_DIFF_VLLM_PYTHON": "/never-started"})  # refused before its interpreter is looked at
+    assert res.exit_code == 2 and "the vllm engine records a response only by writing it in its own decode steps" \
+        in res.output
     res = run_cli("run", "reference", "tp2", "--response-ids", "3,4")
     assert res.exit_code == 2 and "with tp > 1 is not supported" in res.output
     res = run_cli("run", "reference", "decode", "--response-ids", "3,,4")

@@ -57,6 +57,12 @@ class Context:
         """A calibrated comparison's twin precisions, in words."""
         return None if self.calib is None else self.calib.label
 
+    def decoded(self, rs: int, cs: int, ref_cols, cand_cols):
+        """Which aligned cells either side computed in a decode step (None when neither trace decoded at all)."""
+        if not any((t.rows["step"] >= 0).any() for t in (self.ref, self.cand)):
+            return None
+        return (self.ref.rows["step"][rs][ref_cols] >= 0) | (self.cand.rows["step"][cs][cand_cols] >= 0)
+
     def value_tol(self, name: str, layer: int | None = None) -> Tolerance:
         return METRICS_ONLY if self.calib is not None else self.policy.tol(name, layer)
 

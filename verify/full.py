@@ -27,10 +27,17 @@ def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol:
     cal = ctx.calib_acc(heads)
     gd, td = ctx.calib_datasets(r.layer, name)
     pad_r = pad_c = 0
-    pad_by = []
+    pad_by, by_phase = [], None
     for rs, cs, rrow, crow, grow, trow in ctx.rows(rd, cd, gd, td):
         cells = ctx.align.cells[rs]
         a, b = rrow[cells.ref_cols], crow[cells.cand_cols]
+        dec = ctx.decoded(rs, cs, cells.ref_cols, cells.cand_cols)
+        if dec is not None:  # a side decoded: the prompt's rows and the response's, apart
+            by_phase = by_phase or {"prefill": 0.0, "decode": 0.0}
+            err = np.abs(a.astype(np.float64) - b)
+            for phase, rows in (("prefill", ~dec), ("decode", dec)):
+                if rows.any():
+                    by_phase[phase] = max(by_phase[phase], float(err[rows].max()))
         if cal is not None:
             cal.add(b, a if trow is None else trow[cells.ref_cols], grow[cells.ref_cols], rs, cells.tokens)
         acc.add(a, b, rs, cells.tokens, heads)
@@ -40,5 +47,5 @@ def compare_full_state(ctx: Context, r: LayerView, c: LayerView, name: str, tol:
             acc.p.bad_samples.setdefault(rs, None)
             pad_by.append((rs, nr, nc))
         pad_r, pad_c = pad_r + nr, pad_c + nc
-    return acc.result(name, "full", pad_ref=pad_r, pad_cand=pad_c, pad_by_sample=pad_by,
+    return acc.result(name, "full", pad_ref=pad_r, pad_cand=pad_c, pad_by_sample=pad_by, by_phase=by_phase,
                       calib=None if cal is None else cal.result())

@@ -86,6 +86,7 @@ class TensorResult:
     bit_identical: bool | None = None
     note: str | None = None
     calib: CalibResult | None = None  # check (1) of a calibrated comparison
+    by_phase: dict | None = None  # full level, a side decoded: max abs over prompt rows, response rows
 
     @property
     def values_ok(self) -> bool:
@@ -137,6 +138,7 @@ class TensorResult:
              "bound_floor": num(self.bound_floor), "finite_ref_only": f.ref_only, "finite_cand_only": f.cand_only,
              "nonfinite_both": f.both, "pad_nonfinite_ref": f.pad_ref, "pad_nonfinite_cand": f.pad_cand,
              "shape_detail": self.shape_detail, "bad_samples": list(self.failing_samples),
+             **({} if self.by_phase is None else {"max_abs_by_phase": {k: num(v) for k, v in self.by_phase.items()}}),
              "heads": list(self.heads) if self.heads is not None else None,
              "kv_heads": list(self.kv_heads) if self.kv_heads is not None else None,
              "bit_identical": self.bit_identical, "note": self.note, "equal_nan": f.equal_nan}

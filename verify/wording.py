@@ -409,6 +409,18 @@ def break_line(b, token_text: str | None = None, step: int | None = None) -> str
     return " | ".join(parts)
 
 
+def phase_line(layers) -> str | None:
+    """The rows grouped by phase: per layer, the largest error over its states in the prompt's rows and in the
+    response's decoded rows (None when no side decoded)."""
+    parts = []
+    for lr in layers:
+        got = [t.by_phase for t in lr.tensors if getattr(t, "by_phase", None)]
+        if got:
+            pre, dec = max(g["prefill"] for g in got), max(g["decode"] for g in got)
+            parts.append(f"layer {lr.layer} prompt {pre:.1e} response {dec:.1e}")
+    return "max abs by phase (prompt rows, decoded response rows): " + "; ".join(parts) if parts else None
+
+
 def logprob_lines(lp, text_of=None) -> list[str]:
     """The response's log-prob figures (verify/logprobs.py) in lines: the figures, then the tokens that differ
     most. ``text_of``: a token id's text, when the model has a tokenizer."""

@@ -44,6 +44,9 @@ def to_markdown(report: Report, shown=None, columns=None) -> str:
                                   columns))
     if report.final is not None:
         parts.append(_final_table(report))
+    phases = wording.phase_line(report.layers)
+    if phases:
+        parts.append(md(phases))
     if report.logprobs is not None:
         parts.append("\n".join(f"- {md(line.strip())}" for line in wording.logprob_lines(report.logprobs,
                                                                                  token_text_of(report))))

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ...dumps.schema import LAYER_TENSORS
-from ..wording import logprob_lines
+from ..wording import logprob_lines, phase_line
 from .markdown import fmt_error, token_text_of
 from .text import BAD, Fields, fitted_table, num, plain, print_line, span, token_repr
 
@@ -315,6 +315,9 @@ def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = 
             yield calibration_table(report), False
         spark = sparkline([layer_max(lr) for lr in report.layers])
         yield Text(f"error growth (max abs per layer, log scale): {spark}"), True
+        phases = phase_line(report.layers)
+        if phases:
+            yield plain(phases), True
     if report.final is not None:
         yield final_table(report, width), False
     for line in logprob_lines(report.logprobs, token_text_of(report)):
