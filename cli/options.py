@@ -121,8 +121,8 @@ def model_options(f):
         click.option("--response-ids", "response_ids", multiple=True, metavar="IDS",
                      help="A response as comma-separated token ids (repeatable, as --response)."),
         click.option("--response-tokens", "response_tokens", type=int, default=None, metavar="N",
-                     help="A response of N tokens that the candidate (record: the recorded configuration) chooses "
-                          "greedily after each prompt; the other side replays exactly those tokens, and the traces "
+                     help="A response of N tokens chosen greedily after each prompt by the candidate (record: by "
+                          "the configuration recorded); the reference replays exactly those tokens, and the traces "
                           "say who chose them."),
         section="Model and prompts",
     )(collect)
