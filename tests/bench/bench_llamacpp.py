@@ -86,8 +86,8 @@ def run(smoke: bool = False) -> dict:
             dt, z_plain = _plain_decode(lib, ctx, ids, V)
             plain.append(dt)
             t0 = time.perf_counter()
-            cap, logits, _, _ = lce.run_call(model, cfg, [(ids, list(range(len(ids))))], snap.args.vocab_size,
-                                             snap.args.n_layers)
+            cap, logits, *_ = lce.run_call(model, cfg, [(ids, list(range(len(ids))))], snap.args.vocab_size,
+                                           snap.args.n_layers)
             capture.append(time.perf_counter() - t0)
             agree = float(np.abs(logits[0] - z_plain).max())
             del cap
