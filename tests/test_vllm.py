@@ -460,6 +460,19 @@ def test_vllm_decode_passes_against_one_prefill_at_every_response_position(vllm_
         assert v["logprobs"]["max_abs_diff"] < 1e-5, v["logprobs"]
 
 
+@pytest.mark.parametrize("model", ["synthetic:qwen3", "synthetic:qwen3-moe"])
+def test_vllm_decode_passes_on_qwen3_and_a_mixture_of_experts(model, vllm_python, run_cli, tmp_path):
+    """Qwen3's QK-norm and Qwen3-MoE's routing, decoded by vLLM: every response position within float32
+    tolerance, a mixture of experts' routing compared at every token its layers route, decode steps included."""
+    rep = _json(res := run_cli("run", "reference", "vllm-decode", "--model", model, "--response-ids",
+                               "31,32,33,34,35,36", "--json", "-"))
+    assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
+    assert rep["logprobs"]["tokens"] == 18 and rep["logprobs"]["max_abs_dlogp"] < 1e-4
+    if model.endswith("moe"):
+        tokens = sum(o["tokens"] for o in rep["reference"]["prefill"]["samples"])  # prompts + responses
+        assert rep["routing"]["tokens_compared"] == 3 * tokens and rep["routing"]["flips"] == 0, rep["routing"]
+
+
 def test_vllm_decode_bf16_is_calibrated_and_passes(vllm_python, run_cli, tmp_path):
     rep = _json(res := run_cli("run", "reference", "vllm-decode-bf16", "--response-ids", "31,32,33,34", "--json", "-"))
     assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
