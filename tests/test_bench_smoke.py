@@ -29,7 +29,8 @@ def test_benchmarks_run_at_smoke_size():
     assert out["model_cache"]["second, cached (s, median)"] > 0 and out["model_cache"]["cache size (MiB)"] > 0
     assert out["decode"]["decode / one prefill, bare (median of rounds)"] > 0
     assert out["decode"]["ms per decode step, bare"] > 0
-    assert out["vllm"]["record_over_bare"] > 0 and out["vllm"]["agreement"]["vllm"]["verdict"] == "pass"
+    assert out["vllm"]["record_over_bare"] > 0 and out["vllm"]["decode_capture_over_bare_generate"] > 0
+    assert out["vllm"]["agreement"]["vllm-decode"]["verdict"] == "pass" and out["vllm"]["agreement"]["vllm"]["verdict"] == "pass"
 
 
 def test_rounding_like_vllms_cpu_kernels_is_measured_on_the_built_in_model():

@@ -24,9 +24,9 @@ import sys
 import tempfile
 import time
 
-SMOKE = dict(model="synthetic", n=64, repeats=1, presets=("vllm",))
-FULL = dict(model="smollm2", n=1024, repeats=3,
-            presets=("vllm", "vllm-chunked", "vllm-prefix-cache", "vllm-bf16", "vllm-fp8-kv"))
+SMOKE = dict(model="synthetic", n=64, response=4, repeats=1, presets=("vllm", "vllm-decode"))
+FULL = dict(model="smollm2", n=1024, response=64, repeats=3,
+            presets=("vllm", "vllm-chunked", "vllm-prefix-cache", "vllm-bf16", "vllm-fp8-kv", "vllm-decode"))
 
 BARE = """
 import json, sys, time
@@ -38,8 +38,8 @@ t1 = time.perf_counter()
 args = json.loads(sys.argv[1])
 llm = LLM(**args["engine_args"])
 t2 = time.perf_counter()
-llm.generate([TokensPrompt(prompt_token_ids=args["ids"])], SamplingParams(max_tokens=1, temperature=0.0,
-             detokenize=False), use_tqdm=False)
+llm.generate([TokensPrompt(prompt_token_ids=args["ids"])], SamplingParams(max_tokens=args["max_tokens"],
+             temperature=0.0, ignore_eos=True, detokenize=False), use_tqdm=False)
 t3 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "generate_s": t3 - t2}))
 """
@@ -72,12 +72,24 @@ def run(smoke: bool = False) -> dict:
         args = dict(model=req["model_dir"], dtype=req["dtype"], kv_cache_dtype="auto", enforce_eager=True,
                     skip_tokenizer_init=True, max_model_len=req["max_model_len"], block_size=req["block_size"],
                     enable_prefix_caching=False, kv_cache_memory_bytes=req["kv_cache_bytes"])
-        bare, rec, worker = [], [], []
+        bare, rec, worker, bare_dec, dec, dec_worker = [], [], [], [], [], []
         trace = os.path.join(tmp, "t.h5")
         toks = ",".join(map(str, ids))
+        resp = ",".join(str(1 + (11 * i) % 90) for i in range(cfg["response"]))
         for _ in range(cfg["repeats"]):
-            dt, text = _timed([python, "-c", BARE, json.dumps({"engine_args": args, "ids": ids})], env)
+            dt, text = _timed([python, "-c", BARE, json.dumps({"engine_args": args, "ids": ids, "max_tokens": 1})],
+                              env)
             bare.append((dt, json.loads(text.strip().splitlines()[-1])))
+            # decode: a bare generate of as many tokens (greedy, not forced) against the teacher-forced capture
+            _, text = _timed([python, "-c", BARE, json.dumps({"engine_args": {**args, "max_model_len": args[
+                "max_model_len"] + 2 * cfg["response"]}, "ids": ids, "max_tokens": cfg["response"] + 1})], env)
+            bare_dec.append(json.loads(text.strip().splitlines()[-1]))
+            dt, _ = _timed([sys.executable, "-m", "prefill_diff", "run", "transformers", "vllm-decode", "--model",
+                            cfg["model"], "--tokens", toks, "--response-ids", resp, "--out", tmp, "--force", "-q"],
+                           env)
+            dec.append(dt)
+            with Trace(os.path.join(tmp, "cand.h5")) as t:
+                dec_worker.append(t.meta["record"]["vllm"]["timing"])
             dt, _ = _timed([sys.executable, "-m", "prefill_diff", "record", "vllm", "--model", cfg["model"],
                             "--tokens", toks, "-o", trace, "--level", "full", "--force"], env)
             with Trace(trace) as t:
@@ -93,6 +105,10 @@ def run(smoke: bool = False) -> dict:
     out["worker_startup_s"] = med(w["import_s"] + w["load_s"] for w in worker)
     out["import_vllm_s"] = med(imp)
     out["startup_over_import"] = out["worker_startup_s"] / out["import_vllm_s"]
+    out["run_transformers_vllm_decode_s"] = med(dec)
+    out["decode_bare_generate_s"] = med(b["generate_s"] for b in bare_dec)
+    out["decode_worker_generate_s"] = med(w["generate_s"] for w in dec_worker)
+    out["decode_capture_over_bare_generate"] = out["decode_worker_generate_s"] / out["decode_bare_generate_s"]
     out["agreement"] = _agreement(cfg, env)
     return out
 
@@ -101,8 +117,9 @@ def _agreement(cfg: dict, env: dict) -> dict:
     """Per preset: the verdict and the largest relative row error of each layer against the float32 reference."""
     got = {}
     for preset in cfg["presets"]:
+        response = ["--response-ids", "31,32,33,34"] if "decode" in preset else []
         done = subprocess.run([sys.executable, "-m", "prefill_diff", "run", "reference", preset, "--model",
-                               cfg["model"], "--json", "-"], capture_output=True, text=True, env=env)
+                               cfg["model"], "--json", "-", *response], capture_output=True, text=True, env=env)
         if done.returncode == 2:  # refused before anything ran (vLLM's CPU fp8 cache needs AVX-512 or AMX)
             got[preset] = {"verdict": "refused", "why": done.stdout.strip() or done.stderr.strip()}
             continue
