@@ -328,7 +328,7 @@ def test_presets_say_how_they_differ_from_llamacpp_defaults():
     assert load_side("llama.cpp").run.options.flash_attn is False
     assert load_side("llama.cpp-flash").run.options.type_k == "f16"
     assert load_side("llama.cpp-batched").run.batching == "packed"
-    from prefill_diff.engine.registry import LlamaCppOptions
+    from prefill_diff.engine.foreign.llamacpp_options import LlamaCppOptions
     d = LlamaCppOptions()
     assert (d.flash_attn, d.type_k, d.type_v, d.n_ubatch, d.n_batch) == ("auto", "f16", "f16", 512, 2048)
 
