@@ -51,9 +51,10 @@ def test_tp_sizes_that_do_not_divide_the_heads_are_refused_naming_them():
     parallel.check_tp(3, smol)  # heads fit; our engine also splits the MLP rows (its own check):
     from types import SimpleNamespace as NS
     from prefill_diff.engine.native import engine as native_engine
-    native_engine.check(NS(side=NS(run=NS(tp=3, fault=None)), snapshot=NS(args=smol.replace(hidden_dim=129))))
+    run = NS(tp=3, fault=None, options=NS(compile=False))
+    native_engine.check(NS(side=NS(run=run), snapshot=NS(args=smol.replace(hidden_dim=129))))
     with pytest.raises(ConfigError, match="hidden_dim=128"):
-        native_engine.check(NS(side=NS(run=NS(tp=3, fault=None)), snapshot=NS(args=smol.replace(hidden_dim=128))))
+        native_engine.check(NS(side=NS(run=run), snapshot=NS(args=smol.replace(hidden_dim=128))))
     with pytest.raises(ConfigError, match=r"n_kv_heads=2 is not divisible by 4"):
         parallel.check_tp(4, MODEL_PRESETS["synthetic"])
     with pytest.raises(ConfigError, match="needs a tensor-parallel run"):
