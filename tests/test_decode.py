@@ -83,9 +83,12 @@ def test_each_cells_forward_is_said_phase_step_and_cache_length():
 
 # -- the tool, end to end ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset_run", ['decode = true\nbatching = "left"', "decode = true",
-                                        'decode = true\nbatching = "left"\n[run.native]\ncache_kind = "paged"\n'
-                                        'page_size = 4', 'decode = true\n[cache]\ndtype = "float64"'])
+@pytest.mark.parametrize("preset_run", ['decode = true\nbatching = "left"',
+                                        pytest.param("decode = true", marks=pytest.mark.slow),
+                                        pytest.param('decode = true\nbatching = "left"\n[run.native]\ncache_kind = '
+                                                     '"paged"\npage_size = 4', marks=pytest.mark.slow),
+                                        pytest.param('decode = true\n[cache]\ndtype = "float64"',
+                                                     marks=pytest.mark.slow)])
 def test_a_decode_run_passes_against_one_prefill_at_every_response_position(preset_run, run_cli, tmp_path):
     ref = _toml(tmp_path, "ref")
     cand = _toml(tmp_path, "cand", preset_run)
@@ -128,6 +131,7 @@ def test_each_decode_fault_is_caught_at_a_decode_step_its_layer_and_kind(fault, 
     assert fb["position"] - len(PROMPTS[fb["sample"]]) == fb["decode_step"] and fb["position"] < len(tok)
 
 
+@pytest.mark.slow
 def test_unmasked_padding_in_decode_only_breaks_the_padded_samples_decode_rows(run_cli, tmp_path):
     """decode-mask: the prompt rows (one forward) agree; the break is a padded sample's decode step, and the
     longest sample (no padding) is never named."""
@@ -148,6 +152,7 @@ def test_a_decode_fault_without_decode_cannot_show(run_cli, tmp_path):
     assert res.exit_code == 0 and "INCONCLUSIVE" in res.output and "decode = false" in res.output
 
 
+@pytest.mark.slow
 def test_a_response_the_sides_hold_differently_is_a_coverage_break_not_a_pass(run_cli, tmp_path):
     """Samples are matched by their token ids, prompt and response: a response the candidate holds otherwise
     leaves the reference's sample without a counterpart."""
@@ -277,6 +282,7 @@ def test_response_logits_that_differ_fail_at_the_final_stage(decoded, run_cli, t
     assert fb["position"] == len(PROMPTS[1]) + 1 and fb["decode_step"] == 1, res.output
 
 
+@pytest.mark.slow
 # -- every engine that decodes, on the families ----------------------------------------------------------------
 
 @pytest.mark.parametrize("model", ["synthetic", "synthetic:qwen3", "synthetic:qwen3-moe"])
@@ -296,6 +302,7 @@ def test_each_engines_decode_passes_against_one_prefill_on_the_families(preset, 
                                                              for s in range(3)) and rep["routing"]["flips"] == 0
 
 
+@pytest.mark.slow
 def test_a_bfloat16_decode_is_judged_calibrated_against_a_prefill_twin(run_cli, tmp_path):
     """The golden and the twin prefill prompt + response (no decode in them: decode is what is tested)."""
     cfg = tmp_path / "c.toml"
@@ -306,6 +313,7 @@ def test_a_bfloat16_decode_is_judged_calibrated_against_a_prefill_twin(run_cli, 
     assert 1e-4 < rep["logprobs"]["max_abs_dlogp"] < 0.1
 
 
+@pytest.mark.slow
 def test_response_tokens_are_the_candidates_greedy_choice_replayed_by_the_reference(run_cli, tmp_path):
     res = run_cli("run", "reference", "decode", "--response-tokens", "5", "--json", tmp_path / "r.json",
                   "--out", tmp_path)
