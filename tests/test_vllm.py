@@ -224,7 +224,8 @@ def test_an_environment_without_vllm_is_one_line(run_cli, monkeypatch):
     ('[run]\nbatching = "left"\n', "vLLM never pads"),
     ('[run]\ndtype = "float64"\n', "vLLM runs float32, bfloat16 or float16"),
     ('[run]\ntp = 2\n', "does not shard over tensor-parallel ranks"),
-    ('[fault]\nname = "gqa-mapping"\n', "cannot inject fault gqa-mapping (it injects: cache-write, position-restart)"),
+    ('[fault]\nname = "gqa-mapping"\n', "cannot inject fault gqa-mapping (it injects: cache-write, position-restart, "
+                                          "decode-position)"),
     ('[reuse]\nprefix_len = 4\n', "vLLM's own prefix cache"),
 ])
 def test_what_vllm_cannot_run_is_refused_before_anything_starts(toml, says, run_cli, tmp_path, monkeypatch):
