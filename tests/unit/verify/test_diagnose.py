@@ -34,7 +34,11 @@ def side(*, dtype="float32", args=None, record=None, padded=(), positions=None, 
     m = {"model": {"args": {**ARGS, **(args or {})}}, "engine": {"dtype": dtype}, **meta}
     if record is not None:
         m["record"] = record
-    return SimpleNamespace(meta=m, args=m["model"]["args"], inputs={"computed": computed, "valid_mask": valid},
+    token_index = np.where(valid == 1, np.cumsum(valid, 1) - 1, -1)
+    rows = {"phase": np.zeros((3, n_cols), dtype=np.uint8), "step": np.full((3, n_cols), -1),  # prefill cells
+            "cache_len": np.full((3, n_cols), -1)}
+    return SimpleNamespace(meta=m, args=m["model"]["args"], rows=rows,
+                           inputs={"computed": computed, "valid_mask": valid, "token_index": token_index},
                            layer=lambda i: layer0, n_cols=n_cols,
                            final={"gather_col": np.asarray(gather_col if gather_col is not None else [4, 4, 4])})
 
