@@ -133,7 +133,7 @@ def test_what_an_engine_does_not_declare_is_refused_in_one_place(engine, conf, s
             body += f"[{section}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in conf[section].items())
     cfg = tmp_path / "c.toml"
     cfg.write_text(body)
-    res = run_cli("run", "reference", cfg, "--model", "smollm2" if engine == "llama.cpp" else "synthetic")
+    res = run_cli("run", "reference", cfg)  # refused in prepare(), before any engine converts or loads the model
     assert res.exit_code == 2 and says in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
 
