@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import closing
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterator, NamedTuple
 
 import numpy as np
@@ -57,9 +58,14 @@ class Context:
         """A calibrated comparison's twin precisions, in words."""
         return None if self.calib is None else self.calib.label
 
+    @cached_property
+    def any_decoded(self) -> bool:
+        """Either trace computed a cell in a decode step."""
+        return any(bool((t.rows["step"] >= 0).any()) for t in (self.ref, self.cand))
+
     def decoded(self, rs: int, cs: int, ref_cols, cand_cols):
         """Which aligned cells either side computed in a decode step (None when neither trace decoded at all)."""
-        if not any((t.rows["step"] >= 0).any() for t in (self.ref, self.cand)):
+        if not self.any_decoded:
             return None
         return (self.ref.rows["step"][rs][ref_cols] >= 0) | (self.cand.rows["step"][cs][cand_cols] >= 0)
 
