@@ -180,7 +180,10 @@ def run_call(model: Model, cfg, seqs, n_vocab: int, n_layers: int, threads: int 
     lib = model.lib
     stream = [(s, int(t), int(p)) for s, (ids, pos) in enumerate(seqs) for t, p in zip(ids, pos)]
     n = len(stream)
-    tok_of = [i - next(j for j, e in enumerate(stream) if e[0] == s) for i, (s, _, _) in enumerate(stream)]
+    first = {}
+    for i, (s, _, _) in enumerate(stream):
+        first.setdefault(s, i)  # each sequence's first stream index: its tokens follow in order
+    tok_of = [i - first[s] for i, (s, _, _) in enumerate(stream)]
     starts = decode_calls(stream, cfg.n_batch, decode_from or {})
     wanted = {i for i, (s, _, _) in enumerate(stream)
               if s in (logits_from or {}) and logits_from[s] <= tok_of[i] < len(seqs[s][0]) - 1}
