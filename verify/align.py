@@ -172,3 +172,15 @@ def common_prefix(a, b) -> int:
             break
         n += 1
     return n
+
+
+def decode_steps(t: Trace, pairs, side: int) -> dict:
+    """{(reference sample, token index): decode step} of every cell trace ``t`` computed in a decode step; ``side``:
+    which index of each (reference, candidate) pair is ``t``'s row."""
+    rows, tok = t.rows, t.inputs["token_index"]
+    out = {}
+    for pair in pairs:
+        row = pair[side]
+        at = rows["step"][row] >= 0
+        out.update({(pair[0], int(i)): int(st) for i, st in zip(tok[row][at], rows["step"][row][at])})
+    return out

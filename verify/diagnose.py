@@ -43,30 +43,19 @@ def _reuse(cand, key: str) -> list:
 CONTRACT = "See contract.md §2.11 (installed with prefill-diff: `prefill-diff docs contract` prints it)."
 
 
-def diagnose(fb, pairs, final, ref, cand, policy=None, layers=()) -> str | None:
+def diagnose(fb, pairs, final, ref, cand, policy=None, layers=(), cand_steps=None) -> str | None:
     """The hint for first break fb of a comparison of ref and cand (pairs: matched samples; final: the final
     stage's result or None; policy: the rule the values were judged by; layers: the compared layers' results,
-    which say what agreed in the break's layer); one that cites the §2.11 table says where that table is."""
+    which say what agreed in the break's layer; cand_steps: the candidate's decode steps by (reference sample, token
+    index), verify/align.py decode_steps); one that cites the §2.11 table says where that table is."""
     lr = next((x for x in layers if fb is not None and x.layer == fb.layer), None) if fb is not None else None
     text = _hint(fb, pairs, final, ref, cand, policy, lr)
-    step = _decode_step(fb, pairs, cand)
+    step = None if fb is None else (cand_steps or {}).get((fb.sample, fb.position))
     if step is not None and text and fb.stage == "layer":
         text = (f"The break's position was computed by the candidate in decode step {step}, one token alone against "
                 "its cache: a decode step's own position, the cache entries it reads (its own new one included) or "
                 "its mask differ from the prefill's. " + text)
     return f"{text} {CONTRACT}" if text and "§2.11" in text else text
-
-
-def _decode_step(fb, pairs, cand) -> int | None:
-    """The candidate's decode step at the break's (reference sample, position), None where it did not decode."""
-    if fb is None or fb.sample is None or fb.position is None:
-        return None
-    cs = dict(pairs).get(fb.sample)
-    if cs is None:
-        return None
-    at = cand.inputs["token_index"][cs] == fb.position
-    steps = cand.rows["step"][cs][at]
-    return int(steps[0]) if steps.size and steps[0] >= 0 else None
 
 
 def _hint(fb, pairs, final, ref, cand, policy=None, lr=None) -> str | None:

@@ -16,6 +16,7 @@ from .calibrate import below_float32, precisions, same_precisions
 from .comparator import Comparator, LayerResult
 from .diagnose import diagnose
 from .final import FinalResult
+from .align import decode_steps
 from .logprobs import LogprobResult, compare_logprobs
 from .identity import differences, hint as identity_hint, note
 from .policy_file import default_policy_for
@@ -204,19 +205,6 @@ def _prefill(p: dict | None) -> dict | None:
             "samples": [{k: o.get(k) for k in PREFILL_KEYS} for o in p.get("samples") or ()]}
 
 
-def decode_steps(ref: Trace, cand: Trace, pairs) -> dict:
-    """{(reference sample, token index): decode step} of every cell either side computed in a decode step (the
-    candidate's step where both did)."""
-    out = {}
-    for t, mine in ((ref, lambda rs, cs: rs), (cand, lambda rs, cs: cs)):
-        rows, tok = t.rows, t.inputs["token_index"]
-        for rs, cs in pairs:
-            row = mine(rs, cs)
-            at = rows["step"][row] >= 0
-            out.update({(rs, int(i)): int(st) for i, st in zip(tok[row][at], rows["step"][row][at])})
-    return out
-
-
 def record_notes(t: Trace, side: str) -> tuple[list, list]:
     """Notes from what the engine recorded: reuse decisions, invariant violations, compile time, kernels that
     round bfloat16 toward zero, unshowable faults."""
@@ -313,10 +301,11 @@ class Session:
             self.cmp.ctx.skipped.add(wording.stopped_at(self.layers[-1].layer, self.ref.n_layers))
         notes, inconclusive = self._notes()
         fb = self.first_break
+        cand_steps = decode_steps(self.cand, self.cmp.pairs, 1)
         if fb is not None and fb.kind == "identity":
             hint = identity_hint(list(self.identity), self.first_checked, allowed=False)
         else:  # the traces are still open: some hints read them
-            hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy, self.layers)
+            hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy, self.layers, cand_steps)
         return Report(first_break=fb, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
                       n_layers=self.ref.n_layers, notes=tuple(notes), skipped=tuple(sorted(self.cmp.skipped)),
                       inconclusive=tuple(inconclusive),
@@ -328,7 +317,7 @@ class Session:
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
                       calibration=self.rule, identity=self.identity, unreplayed=tuple(self.cmp.unreplayed),
                       timing=self.seconds, logprobs=compare_logprobs(self.ref, self.cand, self.cmp.pairs),
-                      decode_steps=decode_steps(self.ref, self.cand, self.cmp.pairs))
+                      decode_steps={**decode_steps(self.ref, self.cmp.pairs, 0), **cand_steps})
 
     def _notes(self) -> tuple[list, list]:
         """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,
