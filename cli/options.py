@@ -13,12 +13,12 @@ from ..engine.shared.errors import ConfigError
 from ..engine.shared.untrusted import check_int64
 from ..engine.models.spec import ModelSpec
 from ..engine.models.args import MODEL_PRESETS
-from ..dumps.schema import TOL_KINDS
+from ..dumps.schema import RECORD_LEVELS, TOL_KINDS
 from ..verify.tolerance import DTYPE_DEFAULTS, POLICY_ALIASES
 from ..jobs import Judging, Tolerance
 from .outputs import Reports
 
-LEVEL_CHOICE = click.Choice(["full", "sampled", "stats"])
+LEVEL_CHOICE = click.Choice(list(RECORD_LEVELS))
 
 # The top-level --help's epilog: every environment variable the commands read (a test greps the code for them).
 ENVIRONMENT = """\b

@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..engine.models.args import ModelArgs
 from ..engine.shared.precisions import ACT_DTYPES, PRECISION_ORDER
-from .schema import TOL_FIELDS, TOL_KINDS
+from .schema import OP_NAMES, TOL_FIELDS, TOL_KINDS
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
 TEXT_LIMIT = 1 << 16  # characters of one metadata string
@@ -439,6 +439,13 @@ FIELDS = (
 )
 DECLARED = frozenset(r.name for r in FIELDS)
 
+    Field("meta.record.ops", Obj(none=True),
+          "the op-level states recorded inside each layer (--level ops)", "1.4"),
+    Field("meta.record.ops.recorded", array(text(choices=OP_NAMES)), "the ops recorded, in the order computed",
+          "1.4"),
+    Field("meta.record.ops.absent", obj(values=text()), "each op the engine cannot produce, and why", "1.4"),
+    Field("meta.record.ops.layers", array(integer(0), none=True),
+          "the layers whose ops are recorded (null: every layer)", "1.4"),
 
 def value(meta: dict, name: str, default=None):
     """The value of the declared key ``name`` ("meta.layout.key_rotation") in ``meta``: ``default`` where the key,

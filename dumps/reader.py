@@ -70,6 +70,17 @@ class LayerView:
         or logits below the full level)."""
         return self.g.get(sc.ROUTING[name].rel())
 
+    @guarded
+    def op(self, name: str):
+        """An op-level state's dataset (schema OP_TENSORS; [S, C, width]), or None (not recorded at this layer)."""
+        ds = self.g.get(sc.OP_STATE.rel(name))
+        if ds is None:
+            return None
+        problem = sc.OP_STATE.problem(ds, {"S": self.trace.n_samples, "C": self.trace.n_cols})
+        if problem:
+            raise TraceError(f"{self.trace.name}: layer {self.layer} ops/{name} {problem}")
+        return ds
+
     @cached_property
     @guarded
     def cache_lengths(self) -> np.ndarray:
@@ -224,6 +235,11 @@ class Trace(CheckedTrace, RowReading):
             raise TraceError(f"{self.name}: /{sc.RESPONSE['token_index'].path} and /{sc.RESPONSE['logits'].path} "
                              "must be [samples, R] token indices in [-1, length) and [samples, R, vocab] logits")
         return out
+
+    @property
+    def ops(self) -> dict | None:
+        """``meta.record.ops`` (format 1.4): the op-level states recorded and those absent, or None (none recorded)."""
+        return (self.meta.get("record") or {}).get("ops") or None
 
     @cached_property
     @guarded

@@ -23,18 +23,11 @@ Example (any engine; tensors may be torch tensors or numpy arrays)::
             rec.final(s, norm_last[s], logits[s], column=last_col[s], token_index=last_tok[s])  # (dim,), (vocab,)
     # leaving the block closes the file and renames it into place; an exception removes it
 
-``meta`` (a JSON object; every key is declared in dumps/meta_fields.py, docs/trace-format.md has the table):
-
-    required
-      model.args.dim, .n_layers, .n_heads, .n_kv_heads, .head_dim, .vocab_size   positive integers, n_heads a
-          multiple of n_kv_heads; they fix every shape below and decide whether two traces are comparable
-      engine.dtype   the activation dtype, one of float64, float32, float16, bfloat16: picks the default
-          tolerance policy (the coarser side's), so a bfloat16 engine that says float32 fails on noise
-    required when layout.key_rotation is "pre"
-      model.rope_inv_freq   head_dim/2 inverse frequencies: the reader rotates pre-RoPE keys with them
-    optional: every other declared key (compared or shown when present); provenance (version, argv, time) is
-      written by ``begin`` unless given. An engine's own record (meta.record.vllm, ...) is checked against the
-      declaration it registered when ``declare_record`` was called.
+``meta``: a JSON object, every key declared in dumps/meta_fields.py (docs/trace-format.md has the table). It
+requires model.args' sizes (dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size: they fix every shape and
+decide whether two traces compare) and engine.dtype (it picks the default tolerance policy); model.rope_inv_freq
+when layout.key_rotation is "pre". ``begin`` writes provenance unless given. An engine's own record
+(meta.record.vllm, ...) is checked against the declaration it registered through ``declare_record``.
 
 States (``state(layer, name, ...)``), per layer: layer_input R_l, attn_update (the attention output after
 the output projection), mid U_l = R_l + attn_update, mlp_update, layer_output R_l+1 (all (columns, dim),
@@ -42,15 +35,13 @@ required), and attn_heads: concat(O) before the output projection, (columns, n_h
 which lets a break name the query heads. ``cache`` (required for every layer and sample): keys after RoPE
 (unless layout.key_rotation is "pre") and values, in logical order, (n_kv_heads, T, head_dim), with the
 position of each slot (T,). ``final`` (required for every sample): the final-norm output at the gathered
-position (dim,) and its raw logits (vocab_size,).
+position (dim,) and its raw logits (vocab_size,). ``op`` (with ``ops=True``): op-level states (dumps/ops.py).
 
-``begin`` refuses a meta without a required key, and ``inputs``/``state``/``cache``/``final`` a tensor of the
-wrong shape, naming what is expected (RecorderError). ``close`` refuses a trace with a sample whose
-``final`` was never called, or a layer without a required state or cache, and removes the file.
-
-The file is written under a temporary name beside the target and renamed only when
-complete and closed (dumps/trace_file.py), so an interrupted run never leaves a file a reader accepts.
-This module does not import torch: tensors are used through their own methods.
+``begin`` refuses a meta without a required key, and ``inputs``/``state``/``cache``/``final`` a tensor of the wrong
+shape, naming what is expected (RecorderError). ``close`` refuses a trace with a sample whose ``final`` was never
+called, or a layer without a required state or cache, and removes the file. The file is written under a temporary
+name and renamed only when complete and closed (dumps/trace_file.py), so an interrupted run never leaves a file a
+reader accepts. This module does not import torch: tensors are used through their own methods.
 """
 from __future__ import annotations
 
@@ -64,12 +55,13 @@ from . import schema as sc
 from .h5write import text_attr
 from .meta_fields import REQUIRED_ARGS, MetaError, value
 from .layer_store import LayerStore
+from .ops import OpStore
 from .placement import check_interrupt
 from .provenance import provenance
 from .responses import ResponseRows
 from .reductions import is_torch, slab_stats, slot_rows, source_dtype, to_numpy, top_ids
 from .sampling import Sampled, gather, select_channels, select_tokens
-from .schema import FORMAT_NAME, FORMAT_VERSION, LEVELS, REQUIRED_STATES, STAT_COLUMNS, STATES
+from .schema import FORMAT_NAME, FORMAT_VERSION, REQUIRED_STATES, STAT_COLUMNS, STATES
 from .trace_file import RecorderError, TraceFile
 
 
@@ -97,9 +89,8 @@ def _want(what: str, x, expected: tuple) -> None:
     """x must have shape ``expected`` (None: any length)."""
     got = _shape(x)
     if len(got) != len(expected) or any(e is not None and g != e for g, e in zip(got, expected)):
-        shown = "(" + ", ".join("T" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "") \
-            + ")"
-        raise RecorderError(f"{what} has shape {got}, expected {shown}")
+        shown = ", ".join("T" if e is None else str(e) for e in expected) + ("," if len(expected) == 1 else "")
+        raise RecorderError(f"{what} has shape {got}, expected ({shown})")
 
 
 class Recorder:
@@ -107,12 +98,12 @@ class Recorder:
 
     def __init__(self, path, level: str = "full", *, force: bool = False, compression: str | None = None,
                  topk: int = 10, sample_tokens: int = 8, sample_channels: int = 32, sample_seed: int = 0,
-                 in_memory: bool = False):
-        if level not in LEVELS:
-            raise RecorderError(f"level must be one of {', '.join(LEVELS)} (got {level!r})")
+                 in_memory: bool = False, ops: bool | tuple = False):
+        if level not in sc.RECORD_LEVELS:
+            raise RecorderError(f"level must be one of {', '.join(sc.RECORD_LEVELS)} (got {level!r})")
+        level, ops = ("full", ops or True) if level == sc.OPS_LEVEL else (level, ops)
         if compression not in (None, "none", "gzip"):
-            raise RecorderError(f"compression must be 'none' or 'gzip' (got {compression!r}; lzf is not "
-                                "readable by h5dump)")
+            raise RecorderError(f"compression must be 'none' or 'gzip' (got {compression!r}; lzf: not h5dump's)")
         self.level, self.topk = level, topk
         self.compression = None if compression in (None, "none") else compression
         self.sample_tokens, self.sample_channels, self.sample_seed = sample_tokens, sample_channels, sample_seed
@@ -132,6 +123,7 @@ class Recorder:
         self._final_sources: dict = {}  # norm_last, logits -> the source dtype
         self._cells: dict = {}  # sampled level: (sample, col, T) -> the rows and slots of its sampled tokens
         self._sections: dict = {}  # meta.record key -> (its engine, the check of its declaration)
+        self._ops_asked, self.ops = ops, None  # True, or the layers whose op-level states to record; their OpStore
 
     # -- context manager: close on success, remove on error ---------------------------------------
     def __enter__(self):
@@ -145,12 +137,9 @@ class Recorder:
         return False
 
     def _write(self, ds, sel, x) -> None:
-        """ds[sel] = x. (A writer thread overlapping compute was measured and did not pay on a 2-core CPU:
-        torch already keeps both cores busy; see docs/performance.md.)"""
-        self._put(ds, sel, x)
-
-    def _put(self, ds, sel, x) -> None:
-        """Write; a selection that is exactly one uncompressed chunk goes straight to the file (twice as fast)."""
+        """ds[sel] = x; a selection that is exactly one uncompressed chunk goes straight to the file (twice as fast).
+        (A writer thread overlapping compute did not pay on a 2-core CPU: torch keeps both cores busy; see
+        docs/performance.md.)"""
         arr = to_numpy(x)
         chunk = ds.chunks
         if (not self.compression and chunk is not None and arr.shape == chunk[1:] and arr.dtype == ds.dtype
@@ -206,6 +195,9 @@ class Recorder:
             m[toks] = np.arange(len(toks))
             self._slot_of_tok.append(m)
         self._ds = {}
+        if self._ops_asked is not False:
+            self.ops = OpStore(self.f, self.dims, self._widths, self.args["n_layers"], bool(self.compression),
+                               None if self._ops_asked is True else self._ops_asked)
         if self.file.tmp is not None:
             self.file.check_space(self.size_estimate())
         if self.level == "sampled":
@@ -326,6 +318,12 @@ class Recorder:
         elif self.level == "sampled":
             cells = self._sampled_cells((sample, col, T), sample, self.tok[sample, col:col + T], v)
             self._write_sampled(layer, name, sample, cells, x)
+
+    def op(self, layer: int, name: str, sample: int, col: int, x) -> None:
+        """An op-level state (schema OP_TENSORS): one sample's cells [col, col + T), (T, width); nothing unless the
+        trace records ops (dumps/ops.py)."""
+        if self.ops is not None:
+            self.ops.add(layer, name, sample, col, x)
 
     def _slab(self, layer: int, name: str, x) -> tuple:
         """slab_stats(x), except that layer l's layer_output statistics serve layer l+1's layer_input when the
@@ -561,6 +559,8 @@ class Recorder:
         self._reuse = {}
         try:
             self._need_begin()
+            if self.ops is not None:
+                self.meta["record"] = {**(self.meta.get("record") or {}), "ops": self.ops.declared()}
             self._check_complete()
             self._check_meta(self.n_samples, self.lengths)
         except RecorderError:

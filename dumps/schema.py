@@ -23,13 +23,17 @@ from dataclasses import dataclass
 import numpy as np
 
 FORMAT_NAME = "prefill-diff-trace"
-FORMAT_VERSION = "1.3"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes);
+FORMAT_VERSION = "1.4"  # 1.1: tensor-parallel rank traces (meta.parallel, dataset placement attributes);
 # 1.2: a mixture of experts' routing (layers/NNN/routing); 1.3: the recorded run in engine-neutral words
 # (meta.side.run: the neutral settings, then one table of the engine's own options), each cell's phase, decode step
-# and cache length (inputs/phase, step, cache_len), a response's logits (response/)
+# and cache length (inputs/phase, step, cache_len), a response's logits (response/); 1.4: op-level states inside a
+# layer (layers/NNN/ops/, meta.record.ops)
 READABLE_MAJOR = (1,)  # the reader accepts any 1.x; a newer minor only adds optional items
 
 LEVELS = ("full", "sampled", "stats")
+OPS_LEVEL = "ops"  # a level to record at: full, plus the op-level states inside each layer (OP_TENSORS)
+RECORD_LEVELS = LEVELS + (OPS_LEVEL,)
+FULL_LEVELS = ("full", OPS_LEVEL)  # the levels that keep every row
 
 from .h5write import new_dataset
 
@@ -106,6 +110,49 @@ TOL_FIELDS = ("atol", "rtol", "ntol", "row_rtol")  # a kind's tolerance (verify.
 TOL_KIND = {**{t.name: t.tol_kind for t in LAYER_TENSORS}, **FINAL_KIND,
             "router_logits": "router",  # a MoE layer's router scores: the noise a routing flip is judged against
             "response_logits": "logits"}  # the logits at a response's tokens (format 1.3)
+
+
+
+@dataclass(frozen=True)
+class OpTensor:
+    """One op-level state inside a layer (format 1.4, recorded with ``--level ops``): an op's output, declared once.
+
+    ``name`` is what the trace, the verdict and the tables call it; ``words`` how a sentence names it; ``width``
+    its row width (``dim``, ``heads``: n_heads·head_dim, ``kv``: n_kv_heads·head_dim, ``inter``: the MLP's width);
+    ``inputs`` the ops or layer states whose outputs it takes (what a replay feeds it from the reference); ``part``
+    the sub-layer that computes it. Every engine maps its own modules onto these names (a fused op records each of
+    its outputs under its own name); a name an engine cannot produce is declared absent, never filled from another.
+    """
+    name: str
+    words: str
+    width: str
+    inputs: tuple
+    part: str
+
+
+# In the order a layer computes them (a pre-norm decoder layer: Llama, Qwen, Mistral, ...).
+OP_TENSORS = (
+    OpTensor("attn_norm", "attention input norm", "dim", ("layer_input",), "attention"),
+    OpTensor("q", "Q projection", "heads", ("attn_norm",), "attention"),
+    OpTensor("k", "K projection", "kv", ("attn_norm",), "attention"),
+    OpTensor("v", "V projection", "kv", ("attn_norm",), "attention"),
+    OpTensor("q_norm", "Q norm", "heads", ("q",), "attention"),
+    OpTensor("k_norm", "K norm", "kv", ("k",), "attention"),
+    OpTensor("q_rope", "rotary embedding of Q", "heads", ("q_norm",), "attention"),
+    OpTensor("k_rope", "rotary embedding of K", "kv", ("k_norm",), "attention"),
+    OpTensor("attn_core", "attention core (before the output projection)", "heads", ("q_rope", "k_rope", "v"),
+             "attention"),
+    OpTensor("o_proj", "output projection", "dim", ("attn_core",), "attention"),
+    OpTensor("attn_residual", "residual sum after attention", "dim", ("layer_input", "o_proj"), "attention"),
+    OpTensor("mlp_norm", "post-attention norm", "dim", ("attn_residual",), "mlp"),
+    OpTensor("gate", "gate projection", "inter", ("mlp_norm",), "mlp"),
+    OpTensor("up", "up projection", "inter", ("mlp_norm",), "mlp"),
+    OpTensor("act_mul", "activation times up", "inter", ("gate", "up"), "mlp"),
+    OpTensor("down", "down projection", "dim", ("act_mul",), "mlp"),
+)
+OP = {o.name: o for o in OP_TENSORS}
+OP_NAMES = tuple(o.name for o in OP_TENSORS)
+OPS_GROUP = "ops"
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")
@@ -240,6 +287,8 @@ CACHE_GROUP = "cache"  # carries ATTR_HEAD_DIM, ATTR_N_KV_HEADS
 CACHE_POSITIONS = Element("cache/positions", "iu", ("S", "T"), "int64", LEVELS, fill=-1, in_layer=True)
 CACHE_LENGTHS = Element("cache/lengths", "iu", ("S",), "int64", LEVELS, fill=0, in_layer=True)
 CACHE = Element("cache/{name}", "f", ("S", "H", "T", "D"), None, ("full",), (ATTR_SOURCE_DTYPE,), in_layer=True)
+# an op-level state (format 1.4; OP_TENSORS), every stored cell, in its own float dtype (bfloat16 as float32, exactly)
+OP_STATE = Element("ops/{name}", "f", ("S", "C", "W"), None, (), (ATTR_SOURCE_DTYPE,), fill=np.nan, in_layer=True)
 
 # a mixture of experts' routing, per stored cell of a layer whose MLP has experts (format 1.2): the chosen experts
 # by descending router probability, their weights as they scale the experts' outputs, the router's margin there
@@ -256,10 +305,11 @@ ROUTING = {
 }
 
 ELEMENTS = (TOKEN_IDS, LENGTHS, *INPUTS.values(), *ROWS.values(), *RESPONSE.values(), SAMPLED_TOKENS, *FINAL.values(), STATE, SAMPLED, STATS,
-            CHECKSUM, CACHE_POSITIONS, CACHE_LENGTHS, CACHE, *ROUTING.values())
+            CHECKSUM, CACHE_POSITIONS, CACHE_LENGTHS, CACHE, *ROUTING.values(), OP_STATE)
 
 # the names each per-layer template may take
-_NAMES = {STATE: STATES, SAMPLED: STAT_TENSORS, STATS: STAT_TENSORS, CHECKSUM: STAT_TENSORS, CACHE: CACHE_TENSORS}
+_NAMES = {STATE: STATES, SAMPLED: STAT_TENSORS, STATS: STAT_TENSORS, CHECKSUM: STAT_TENSORS, CACHE: CACHE_TENSORS,
+          OP_STATE: OP_NAMES}
 
 
 def element_of(path: str) -> tuple[Element, str | None] | None:

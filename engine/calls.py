@@ -35,6 +35,14 @@ class Placement:
             if a < b:
                 self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
 
+    def op(self, layer, name, x, col_start):
+        """An op-level state (dumps/schema.py OP_TENSORS) of the call's rows, (B, n, width) from column col_start."""
+        width = x.shape[1]
+        for r, c0, c1, s, t0 in self.runs:
+            a, b = max(c0, col_start), min(c1, col_start + width)
+            if a < b:
+                self.recorder.op(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
+
     def routing(self, layer, ids, weights, margin, scale, logits, col_start):
         width = ids.shape[1]
         for r, c0, c1, s, t0 in self.runs:
@@ -62,6 +70,15 @@ class Placement:
             if rr == r and s == self.sample_of_seq[seq]:
                 c = t0 + c - c0
         self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
+
+
+def declare_ops_absent(recorder: TraceRecorder, args, why: dict | None = None) -> None:
+    """Tell a trace recording op-level states which ops the model never computes (ModelArgs.ops_not_computed) and
+    which the engine cannot produce (``why``: {op name: reason}); nothing when it records none."""
+    ops = getattr(recorder, "ops", None)
+    if ops is not None:
+        for name, reason in {**args.ops_not_computed(), **(why or {})}.items():
+            ops.absent(name, reason)
 
 
 def call_routing(forced: dict, samples) -> dict:

@@ -81,6 +81,12 @@ class NaiveStep:
         self.calls.append((layer, name))
         self.states[(layer, name)] = x[0].detach().clone()
 
+    def op_of(self, layer):
+        return None
+
+    def op(self, layer, name, x, heads_first=False):
+        pass
+
 
 def model_and_state():
     args = MODEL_PRESETS["synthetic"]

@@ -138,6 +138,19 @@ class ModelArgs:
     def n_rep(self) -> int:
         return self.n_heads // self.n_kv_heads
 
+    def ops_not_computed(self) -> dict:
+        """The op-level states (dumps/schema.py OP_TENSORS) a model of these arguments never computes, and why."""
+        out = {}
+        if self.qk_norm == "none":
+            out.update(q_norm="the model has no QK-norm", k_norm="the model has no QK-norm")
+        if self.norm_placement == "post":
+            why = "the model normalises each sub-layer's output, not its input (no input norm)"
+            out.update(attn_norm=why, mlp_norm=why)
+        if self.n_experts and not self.dense_layers:
+            why = "a mixture of experts' MLP has no single gate, up or down projection"
+            out.update(gate=why, up=why, act_mul=why, down=why)
+        return out
+
     def moe(self, layer: int) -> bool:
         """Layer ``layer``'s MLP is a mixture of experts."""
         return self.n_experts > 0 and layer not in self.dense_layers

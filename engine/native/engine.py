@@ -15,7 +15,7 @@ import torch
 
 from .attention import standard_head_map
 from .kv_cache import PrefixKV
-from ..calls import Call, Faults, Placement, SkippedKV, call_routing, forced_list, plan_calls
+from ..calls import Call, Faults, Placement, SkippedKV, call_routing, declare_ops_absent, forced_list, plan_calls
 from .compiled import warm_up
 from ..config import DECODE_FAULTS, ROUTER_FAULTS, RunConfig
 from ..prepared import set_deterministic
@@ -215,6 +215,7 @@ def execute(prep, recorder):
             raise RuntimeError("prefill yielded more layers than the model has")
         except StopIteration as stop:
             results[i] = stop.value
+    declare_ops_absent(recorder, prep.snapshot.args)
     if run.options.compile:
         prep.record["timing"]["prefill_s"] = time.perf_counter() - t0
     for call, res in zip(prep.calls, results):

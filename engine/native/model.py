@@ -92,22 +92,35 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
         B, S, _ = x.shape
         q, k = self.wq(x), self.wk(x)
+        step.op(layer, "q", q)
+        step.op(layer, "k", k)
         if self.qk_norm == "proj":
             q, k = self.q_norm(q), self.k_norm(k)
+            step.op(layer, "q_norm", q)
+            step.op(layer, "k_norm", k)
         q = q.view(B, S, self.n_heads, self.head_dim)
         k = k.view(B, S, self.n_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+            step.op(layer, "q_norm", q.reshape(B, S, -1))
+            step.op(layer, "k_norm", k.reshape(B, S, -1))
         q = q.transpose(1, 2)  # (B, n_heads, S, head_dim)
         k = k.transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
+        v = self.wv(x)
+        step.op(layer, "v", v)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, S, head_dim)
         cos, sin = step.rope_of(layer)
         q_rot, k_rot = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        step.op(layer, "q_rope", q_rot, heads_first=True)
+        step.op(layer, "k_rope", k_rot, heads_first=True)
         # Writes K̃, V to the cache, reads what attention sees, runs the kernel with g(h).
         o = step.attend(layer, q_rot, k_rot, v, k)  # (B, n_heads, S, head_dim)
         o = o.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)  # (B, S, n_heads*head_dim)
         step.record(layer, HEAD_STATE, o)
-        return self.wo(o)
+        step.op(layer, "attn_core", o)
+        out = self.wo(o)
+        step.op(layer, "o_proj", out)
+        return out
 
 
 class FeedForward(nn.Module):
@@ -118,10 +131,18 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, op=None) -> torch.Tensor:
+        """``op(name, tensor)``: where the block records the MLP's op-level states (None: not recorded)."""
         gate = self.w1(x)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.w2(act * self.w3(x))
+        if op is None:
+            return self.w2(act * self.w3(x))
+        up = self.w3(x)
+        mul = act * up
+        down = self.w2(mul)
+        for name, t in (("gate", gate), ("up", up), ("act_mul", mul), ("down", down)):
+            op(name, t)
+        return down
 
 
 class MoE(nn.Module):
@@ -209,17 +230,25 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, step, layer: int) -> torch.Tensor:
         step.record(layer, "layer_input", x)  # R_ℓ, (B, S, dim)
-        a = self.attention(self.attention_norm(x) if self.pre else x, step, layer)
+        h = x
+        if self.pre:
+            h = self.attention_norm(x)
+            step.op(layer, "attn_norm", h)
+        a = self.attention(h, step, layer)
         a = self._scaled(self.dropout(self.attention_post_norm(a) if self.post else a))
         step.record(layer, "attn_update", a)  # what is added to the residual
         u = x + a  # U_ℓ
         step.record(layer, "mid", u)
-        h = self.ffn_norm(u) if self.pre else u
+        step.op(layer, "attn_residual", u)
+        h = u
+        if self.pre:
+            h = self.ffn_norm(u)
+            step.op(layer, "mlp_norm", h)
         if isinstance(self.feed_forward, MoE):
             m = self.feed_forward(h, step.forced_routing(layer), step.faults.router)
             step.record_routing(layer, *self.feed_forward.last_routing)
         else:
-            m = self.feed_forward(h)
+            m = self.feed_forward(h, step.op_of(layer))
         m = self._scaled(self.dropout(self.ffn_post_norm(m) if self.post else m))
         step.record(layer, "mlp_update", m)
         out = u + m  # R_ℓ+1

@@ -181,6 +181,21 @@ class ForwardStep:
         if self.recorder is not None:
             self.recorder.state(layer, name, x, self.c0)
 
+    def op_of(self, layer: int):
+        """``op(name, x)`` recording layer ``layer``'s op-level states (schema OP_TENSORS), or None when they are not
+        recorded."""
+        ops = getattr(getattr(self.recorder, "recorder", None), "ops", None)
+        if ops is None or not ops.wants(layer):
+            return None
+        return lambda name, x, heads_first=False: self.recorder.op(
+            layer, name, x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1) if heads_first else x, self.c0)
+
+    def op(self, layer: int, name: str, x: torch.Tensor, heads_first: bool = False) -> None:
+        """An op-level state, (B, S, width), or with ``heads_first`` (B, heads, S, head_dim)."""
+        record = self.op_of(layer)
+        if record is not None:
+            record(name, x, heads_first)
+
     def record_routing(self, layer: int, ids, weights, margin, scale, logits) -> None:
         """A mixture of experts' routing over this forward's cells, (B, S, ...) each."""
         if self.recorder is not None:

@@ -7,7 +7,7 @@ coordinates, (batch row, column), and engine/calls.py's ``Placement`` maps those
 
 Who calls what: the job drives the life cycle (``begin``; ``layer_done`` after each layer; ``flush`` for a
 reader of the file being recorded; ``close`` or ``abort``), the engine writes the values (``inputs`` and
-``steps``; ``state``, ``routing``, ``cache`` per layer; ``final`` and ``response_logits`` per sample;
+``steps``; ``state``, ``op``, ``routing``, ``cache`` per layer; ``final`` and ``response_logits`` per sample;
 ``update_meta`` and ``meta`` at any time after ``begin``). A layer's statistics, cache positions and sampled values, the inputs and the final
 outputs are kept in memory until ``close``. Part of the shared leaf: it imports nothing heavy (an array is
 a numpy array or a torch tensor: llama.cpp hands over numpy arrays, the torch engines tensors).
@@ -27,6 +27,7 @@ class TraceRecorder(Protocol):
     """A trace being written, in trace coordinates (see the module docstring for who calls what)."""
 
     meta: dict  # the trace's metadata as written so far (llama.cpp completes its engine and layout)
+    ops: object  # None, or the op-level states being recorded (dumps/ops.py OpStore: ``wants``, ``absent``)
 
     def begin(self, samples, n_cols: int, meta: dict) -> None: ...
 
@@ -36,6 +37,8 @@ class TraceRecorder(Protocol):
     def steps(self, sample: int, col: int, phase: Array, step: Array, cache_len: Array) -> None: ...
 
     def state(self, layer: int, name: str, sample: int, col: int, x: Array) -> None: ...
+
+    def op(self, layer: int, name: str, sample: int, col: int, x: Array) -> None: ...
 
     def routing(self, layer: int, sample: int, col: int, ids: Array, weights: Array, margin: Array,
                 scale: Array, logits: Array | None = None) -> None: ...

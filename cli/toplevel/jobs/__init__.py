@@ -24,7 +24,7 @@ from ..dumps.provenance import timestamp
 from ..dumps.rank_merge import is_rank_set, open_any
 from ..dumps.reader import LiveTrace, Trace
 from ..dumps.recorder import Recorder
-from ..dumps.schema import LEVELS
+from ..dumps.schema import FULL_LEVELS, LEVELS
 from ..engine.shared.errors import ConfigError, PrefillDiffError
 from ..engine.registry import ENGINES, missing_packages, twin_maker
 from ..verify.calibrate import precision_key, precision_label, precisions, same_precisions, sibling_paths
@@ -216,7 +216,7 @@ def record(config: str, output: str, model=None, inputs=None, *, level: str = "f
     """
     spec = check_tolerance(tolerance)  # before the model loads
     timestamp()
-    if twin_of is not None and level != "full":
+    if twin_of is not None and level not in FULL_LEVELS:
         raise ConfigError(f"--twin-of records full golden and twin traces; it needs --level full (got {level})")
     side, = load_sides(config, model=model, inputs=inputs)
     sides = _import_sides()

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, replace
 
 from ..dumps.reader import Trace
+from ..dumps.schema import FULL_LEVELS
 from ..engine.shared.errors import ConfigError
 from ..engine.registry import ENGINES, OURS, twin_maker
 from ..verify.calibrate import (DEFAULT_FACTOR, Calibration, below_float32, precision_key, precision_label, precisions,
@@ -66,7 +67,7 @@ def check_calibration(judging: Judging, *, explicit: bool, level: str) -> None:
     if calibrate and explicit:
         raise ConfigError("--calibrate measures the tolerance; explicit --atol/--rtol/--ntol/--row-rtol/--policy/"
                           "--tolerance declare it: give one or the other")
-    if calibrate and level != "full":
+    if calibrate and level not in FULL_LEVELS:
         raise ConfigError(f"a calibrated comparison needs full traces (got --level {level})")
 
 
@@ -80,7 +81,7 @@ def plan_calibration(ref_prec: dict, cand_prec: dict, *, calibrate: bool | None,
     wanted = differ or below_float32(ref_prec) or below_float32(cand_prec)
     if not (bool(calibrate) or (calibrate is None and wanted and not explicit)):
         return CalibPlan.fixed(factor, cand_prec)
-    if level != "full":
+    if level not in FULL_LEVELS:
         return CalibPlan.fixed(factor, cand_prec, note=f"--level {level} keeps no full rows")
     if differ and twin_is_cand:
         return CalibPlan(True, factor, cand_prec, twin_is_cand=True)

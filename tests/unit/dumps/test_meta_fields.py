@@ -20,7 +20,7 @@ from prefill_diff.engine.models.args import ModelArgs
 from prefill_diff.engine.registry import ENGINES
 
 ROOT = Path(__file__).resolve().parents[3]
-VERSIONS = ("1.0", "1.1", "1.2", "1.3")  # the format versions written so far
+VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4")  # the format versions written so far
 
 
 def sections() -> dict:
