@@ -97,8 +97,9 @@ def current() -> TPContext | None:
 
 
 def init_group(rank: int, world: int, port: int | None, fault: str | None = None, started: float = 0.0,
-               timeout_s: float = 120.0) -> TPContext:
-    """Join the process group (gloo) and build the 1-D device mesh. One torch thread per rank."""
+               timeout_s: float = 120.0, mesh_dim: str = "tp") -> TPContext:
+    """Join the process group (gloo) and build the 1-D device mesh (its dimension named ``mesh_dim``: "dp" for a
+    data-parallel group). One torch thread per rank."""
     import torch.distributed as dist  # torch.distributed: imported only by tensor-parallel runs
     from torch.distributed.device_mesh import init_device_mesh
     torch.set_num_threads(1)
@@ -110,7 +111,7 @@ def init_group(rank: int, world: int, port: int | None, fault: str | None = None
     dist.init_process_group("gloo", init_method="env://" if env else f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     init_s = time.time() - t0
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(mesh_dim,))
     ctx = TPContext(rank, world, fault, mesh, started, (time.time() - started) if started else None, init_s)
     _CURRENT[:] = [ctx]
     return ctx
