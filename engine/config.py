@@ -63,7 +63,7 @@ BATCHING = ("unbatched", "left", "right", "packed")
 FAULTS = ("last-column", "skip-kv", "position-restart", "gqa-mapping", "unmasked-padding",
           "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard", "cache-write",
           "window-off-by-one", "router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped",
-          "decode-position", "decode-stale-cache", "decode-mask")
+          "decode-position", "decode-stale-cache", "decode-mask", "stale-param")
 ROUTER_FAULTS = ("router-norm-topk", "router-topk-off-by-one", "shared-gate-dropped")  # MoE: in the MLP
 DECODE_FAULTS = ("decode-position", "decode-stale-cache", "decode-mask")  # in decode steps only
 
@@ -116,7 +116,8 @@ class ReuseConfig:
 @dataclass(frozen=True)
 class FaultConfig:
     name: str
-    layer: int | None = None  # skip-kv, cache-write: the layer whose cache write goes wrong (default: the middle)
+    layer: int | None = None  # skip-kv, cache-write: the layer whose cache write goes wrong (default: the middle);
+    # stale-param: the layer whose k_proj weight is one ULP off after loading (default: layer 1)
     sample: int = 0  # skip-kv, cache-write: the sample whose write goes wrong
     token: int = -1  # skip-kv: the token index skipped; cache-write: the slot overwritten (-1: the last)
 

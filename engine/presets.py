@@ -107,6 +107,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "fault:decode-mask": ("a left-padded sample's padding keys unmasked in its decode steps only (needs a response: "
                           "--response)", {"run": {"decode": True, "batching": "left"},
                                           "fault": {"name": "decode-mask"}}),
+    "fault:stale-param": ("a weight sync left one parameter stale: layer 1's k_proj weight one ULP off after loading "
+                          "(an identity failure naming it)", {"fault": {"name": "stale-param"}}),
     "fault:tp-missing-allreduce": ("tensor parallel, 2 ranks: layer 0's attention output projection is not "
                                    "all-reduced", {"run": {"tp": 2}, "fault": {"name": "tp-missing-allreduce"}}),
     "fault:tp-kv-shard": ("tensor parallel, 2 ranks: at layer 0 rank 1's query heads read rank 0's KV heads",

@@ -9,7 +9,7 @@ NO_FAULTS = [name for name, info in registry.ENGINES.items() if not info.faults]
 
 
 def test_some_engines_inject_no_fault():
-    assert {"transformers", "llama.cpp"} <= set(NO_FAULTS)
+    assert "llama.cpp" in NO_FAULTS
 
 
 @pytest.mark.parametrize("engine", NO_FAULTS)

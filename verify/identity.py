@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import parameters
+
 ANYWHERE = "anywhere"  # a difference shows at the first layer it changes (weights: whose weights differ)
 # key -> (what it is, where a difference first shows: (layer 0 tensors), "final" or ANYWHERE)
 IDENTITY_KEYS = {
@@ -113,10 +115,12 @@ def differences(ref_meta: dict, cand_meta: dict) -> list[dict]:
             (r or {}).get("id"), (r or {}).get("digest")) != ((c or {}).get("id"), (c or {}).get("digest")):
         out.append({"key": "adapter", "what": "LoRA adapter", "reference": _adapter(r), "candidate": _adapter(c),
                     "first": ADAPTER_FIRST})
-    return out
+    return out + parameters.differences(ref_meta, cand_meta)
 
 
 def note(d: dict) -> str:
+    if "says" in d:
+        return f"MODEL IDENTITY DIFFERS: {d['says']}: the two sides do not run the same model"
     return (f"MODEL IDENTITY DIFFERS: {d['key']} ({d['what']}) is {d['reference']} in the reference, "
             f"{d['candidate']} in the candidate: the two sides do not run the same model")
 
@@ -131,7 +135,8 @@ def hint(diffs: list[dict], fb, allowed: bool = True) -> str | None:
         return None
     if fb is None or fb.stage == "metadata":
         text = ("The two sides do not run the same model (" + "; ".join(
-            f"{d['key']} {d['reference']} vs {d['candidate']}" for d in diffs) + "), although no layer or final "
+            d.get("says") or f"{d['key']} {d['reference']} vs {d['candidate']}" for d in diffs) +
+                "), although no layer or final "
                 "check broke tolerance: the difference does not show on these inputs at this tolerance")
         return text + ("." if allowed else f"; {ALLOW}.")
     where = (f"layer-{fb.layer} {fb.tensor}" if fb.stage == "layer" else f"final {fb.tensor}") + " break"
@@ -140,7 +145,7 @@ def hint(diffs: list[dict], fb, allowed: bool = True) -> str | None:
         first = d["first"]
         fits = first == ANYWHERE or ((fb.stage == "final") if first == "final" else
                                      (fb.stage == "layer" and fb.layer == 0 and fb.tensor in first))
-        says = f"{d['key']} differs (reference {d['reference']} vs candidate {d['candidate']})"
+        says = d.get("says") or f"{d['key']} differs (reference {d['reference']} vs candidate {d['candidate']})"
         parts.append(f"{says}: consistent with the {where}" if fits else
                      f"{says}: it would first show at " +
                      ("the final logits" if first == "final" else f"layer 0 {'/'.join(first)}") +

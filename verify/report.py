@@ -19,6 +19,7 @@ from .final import FinalResult
 from .align import decode_steps
 from .logprobs import LogprobResult, compare_logprobs
 from .identity import differences, hint as identity_hint, note
+from .parameters import notes as parameter_notes
 from .policy_file import default_policy_for
 from .tolerance import Policy
 from . import wording
@@ -323,7 +324,7 @@ class Session:
         """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,
         what each side recorded."""
         notes = [note(d) for d in self.identity] if self.allow_identity else []
-        notes += self.extra_notes + list(self.cmp.notes)
+        notes += self.extra_notes + list(self.cmp.notes) + parameter_notes(self.ref.meta, self.cand.meta)
         inconclusive = []
         for t, side in ((self.ref, "reference"), (self.cand, "candidate")):
             n, i = record_notes(t, side)

@@ -353,7 +353,8 @@ def truncating_kernels(side: str) -> str:
 def identity_differs(diffs) -> str:
     """An identity break's message: every field that differs, with both values."""
     return "model identity differs: " + "; ".join(
-        f"{d['key']} ({d['what']}) {d['reference']} in the reference, {d['candidate']} in the candidate" for d in diffs)
+        d.get("says") or f"{d['key']} ({d['what']}) {d['reference']} in the reference, {d['candidate']} in the candidate"
+        for d in diffs)
 
 
 def levels_differ(ref_level: str, cand_level: str) -> str:

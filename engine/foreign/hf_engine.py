@@ -27,6 +27,7 @@ from ..models.dtypes import torch_dtype
 from ..shared.errors import ConfigError, ModelLoadError
 from ..models.gguf_loader import smollm2_path
 from ..models.hf_names import hf_state_dict
+from ..models.param_digests import module_digests, not_reported, stale_param, stale_param_layer
 from ..models.routing import router_margin
 from ..parallel import current
 from ..calls import Placement, call_routing, forced_list, plan_calls
@@ -93,6 +94,8 @@ def check(prep) -> None:
         raise ConfigError(why)
     if run.tp > 1 and (why := _tp_refusal()) is not None:
         raise ConfigError(why)
+    if run.fault is not None and run.fault.name == "stale-param":
+        stale_param_layer(run.fault, prep.snapshot.args.n_layers)
     if run.tp > 1 and not prep.snapshot.source.startswith("hf:"):
         raise ConfigError("transformers' tensor parallelism loads a checkpoint with from_pretrained: give "
                           f"--model hf:DIR (got model {prep.snapshot.source!r})")
@@ -538,6 +541,12 @@ def execute(prep, recorder):
     run = prep.side.run
     check(prep)
     model = build_model(prep.snapshot, run.dtype, run.options.attn_implementation)
+    if run.fault is not None and run.fault.name == "stale-param":
+        layer = stale_param_layer(run.fault, prep.snapshot.args.n_layers)
+        stale_param(model, f"model.layers.{layer}.self_attn.k_proj.weight")
+    # the model as transformers holds it: named_parameters (tied weights once) and named_buffers (RoPE's inv_freq)
+    recorder.update_meta(parameters=not_reported("a tensor-parallel rank holds a shard of each weight")
+                         if run.tp > 1 else module_digests(model, "hf"))
     absent = {}
     if prep.routing:  # routing replay: the trace says where its router was overruled
         prep.record["routing_forced"] = forced_list(prep.routing)

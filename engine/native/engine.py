@@ -22,6 +22,8 @@ from ..prepared import set_deterministic
 from ..shared.errors import ConfigError
 from .ledger import ledger  # the shape ledger of contract §2.8 of a side this engine planned (`prefill-diff ledger`)
 from ..models.adapter import seeded_adapter
+from ..models.hf_names import MOE_STYLE, ours_to_hf
+from ..models.param_digests import module_digests, not_reported, stale_param, stale_param_layer
 from ..decode import response_rows
 from .prefill import Engine
 from .settings import cache_config, numerical_config
@@ -41,6 +43,8 @@ def check(prep) -> None:
     if run.options.compile:  # inductor's deterministic flag too (set_deterministic's docstring)
         set_deterministic(run.deterministic, compiling=True)
     if run.fault is not None:
+        if run.fault.name == "stale-param":
+            stale_param_layer(run.fault, args.n_layers)
         prep.record["fault"]["cannot_show"] = fault_note(run, prep.snapshot, prep.tokens)
 
 
@@ -88,6 +92,9 @@ def plan(prep, positions, pad: int, tp) -> None:
     engine = Engine(snapshot, numerical_config(run), tp=tp)  # checks §2.1(4) and (5) on the built model
     prep.engine = engine
     prep.record["quantized_weights_digest"] = engine.quantized_digest
+    if run.fault is not None and run.fault.name == "stale-param":
+        layer = stale_param_layer(run.fault, snapshot.args.n_layers)
+        stale_param(engine.model, f"layers.{layer}.attention.wk.weight")
     rows, pos, history = [list(t) for t in tokens], positions, {}
     if run.reuse is not None:
         history, outcomes = _build_prefixes(engine, snapshot, run, tokens, positions, prep.side.inputs.segments,
@@ -101,6 +108,21 @@ def plan(prep, positions, pad: int, tp) -> None:
     prep.calls = plan_calls(rows, pos, list(range(len(tokens))), run.batching, pad, history)
     for call in prep.calls:
         call.faults = faults_for(run, snapshot, call, tokens)
+
+
+def parameter_digests(prep) -> dict:
+    """``meta.parameters`` of the model this side runs, under Hugging Face's names where hf_names.py maps ours
+    (our own elsewhere: a LoRA-wrapped projection, an expert)."""
+    if prep.side.run.tp > 1:
+        return not_reported("a tensor-parallel rank holds a shard of each weight")
+    args = prep.snapshot.args
+
+    def rename(name: str) -> str:
+        try:
+            return ours_to_hf(name, args.norm_placement, MOE_STYLE.get(args.arch))
+        except KeyError:
+            return name
+    return module_digests(prep.engine.model, "hf", rename)
 
 
 def faults_for(run: RunConfig, snapshot: Snapshot, call: Call, tokens) -> Faults:
@@ -193,6 +215,8 @@ def generate(prep, n: int) -> tuple:
 def execute(prep, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
+    recorder.update_meta(parameters=parameter_digests(prep))  # before the first layer: a lockstep run reads it
+    declare_ops_absent(recorder, prep.snapshot.args)
     if run.options.compile:  # compile every shape the calls will see, timed apart from the recorded run
         prep.record["timing"] = {"compile_s": warm_up(prep)}
     if prep.routing:  # routing replay: the trace says where its router was overruled
@@ -215,7 +239,6 @@ def execute(prep, recorder):
             raise RuntimeError("prefill yielded more layers than the model has")
         except StopIteration as stop:
             results[i] = stop.value
-    declare_ops_absent(recorder, prep.snapshot.args)
     if run.options.compile:
         prep.record["timing"]["prefill_s"] = time.perf_counter() - t0
     for call, res in zip(prep.calls, results):
