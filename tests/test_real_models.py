@@ -243,6 +243,9 @@ def test_every_preset_runs_on_a_hf_checkpoint(qwen_dir, tmp_path, preset):
     assert rep, f"{preset}: {rep.verdict_line()}"
 
 
+STALE = "parameter model.layers.1.self_attn.k_proj.weight differs"  # fault:stale-param, as the identity names it
+
+
 @pytest.mark.parametrize("fault", [p for p in PRESETS if p.startswith("fault:") and p not in spawning_presets()])
 def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
     spec = ModelSpec(f"hf:{qwen_dir}")
@@ -255,6 +258,8 @@ def test_every_fault_is_caught_on_a_hf_checkpoint(qwen_dir, tmp_path, fault):
     if fault in CANNOT_SHOW_ON_DENSE:  # this Qwen2 has neither (tests/test_families.py, tests/test_moe.py have)
         assert rep.first_break is None and "INCONCLUSIVE" in rep.verdict_line(), rep.verdict_line()
         assert any(CANNOT_SHOW_ON_DENSE[fault] in note for note in rep.inconclusive), rep.inconclusive
+    elif fault == "fault:stale-param":  # a weight, not the execution: the identity names it
+        assert rep.first_break.kind == "identity" and STALE in rep.verdict_line(), rep.verdict_line()
     else:
         assert not rep and ("decode step" if fault in decoding_presets() else "§2.11") in rep.diagnosis, \
             rep.verdict_line()
@@ -471,6 +476,8 @@ def test_every_preset_runs_on_smollm2(smol_reference, tmp_path, preset):
     if preset in CANNOT_SHOW_ON_DENSE:  # SmolLM2 has neither a window nor experts: it says so
         assert rep.first_break is None and "INCONCLUSIVE" in rep.verdict_line(), rep.verdict_line()
         assert any(CANNOT_SHOW_ON_DENSE[preset] in note for note in rep.inconclusive), rep.inconclusive
+    elif preset == "fault:stale-param":
+        assert rep.first_break.kind == "identity" and STALE in rep.verdict_line(), rep.verdict_line()
     elif preset.startswith("fault:"):
         assert not rep and ("decode step" if preset in decoding_presets() else "§2.11") in rep.diagnosis, \
             rep.verdict_line()
