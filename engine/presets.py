@@ -76,6 +76,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
                     {"run": {"engine": "vllm", "batching": "packed", "decode": True}}),
     "vllm-decode-bf16": ("vLLM decoding the response teacher-forced, in bfloat16 (needs a response: --response)",
                          {"run": {"engine": "vllm", "batching": "packed", "decode": True, "dtype": "bfloat16"}}),
+    "torchtitan": ("TorchTitan's own model (the trainer's forward), every prompt packed into one row as it trains, "
+                   "flex attention, float32", {"run": {"engine": "torchtitan", "batching": "packed"}}),
+    "torchtitan-bf16": ("TorchTitan's own model, packed, flex attention, parameters in bfloat16 (RoPE's cache "
+                        "float32, as under its mixed precision)",
+                        {"run": {"engine": "torchtitan", "batching": "packed", "dtype": "bfloat16"}}),
     "fault:last-column": ("§2.11 row 1: gather takes the rectangle's last column (right padding)",
                           {"run": {"batching": "right"}, "fault": {"name": "last-column"}}),
     "fault:skip-kv": ("§2.11 row 2: one layer skips writing one KV position", {"fault": {"name": "skip-kv"}}),

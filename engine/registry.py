@@ -191,6 +191,21 @@ ENGINES = {e.name: e for e in (
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run",
                record_section=("vllm", "foreign.vllm_record", "RECORD")),
+    EngineInfo("torchtitan", "foreign.torchtitan_engine", "TorchTitan's own model (the trainer's forward: its "
+               "Qwen3 and Llama 3 blocks, flex attention, its HF state-dict adapters), recorded through hooks",
+               "foreign.torchtitan_options:TorchTitanOptions", "torchtitan", Computes(("float32", "bfloat16")),
+               batching=("unbatched", "packed"), responses=True,
+               families_not=tuple((arch, "TorchTitan's dense Qwen3 and Llama 3 only") for arch in (
+                   "qwen2", "olmo2", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                   "granite")),
+               hints=(("batching", "TorchTitan trains on packed documents without padding (split where the positions "
+                                   "restart at 0): use batching = \"packed\" or \"unbatched\""),
+                      ("decode", "TorchTitan's trainer has no KV cache: a response is scored in one prefill "
+                                 "(decode = false)"),
+                      ("dtype", "TorchTitan's model runs float32 or bfloat16 here")),
+               no_tp="prefill-diff runs TorchTitan's model in one process",
+               needs=(("torchtitan", "torchtitan"), ("triton", "torchtitan"), ("tyro", "torchtitan"),
+                      ("spmd_types", "torchtitan")), prefill_steps="plan", precisions_from_config=True),
 )}
 OURS = "native"
 
