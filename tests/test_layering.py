@@ -29,7 +29,7 @@ TRACE_VOCABULARY = LEAVES + ("engine.models.args",)
 THIRD_PARTY_HEAVY = ("torch", "transformers", "llama_cpp", "gguf", "vllm")  # never imported by dumps or verify
 VLLM_WORKER = "engine.foreign.vllm_worker"  # runs in vLLM's own environment, as a script: the one module that imports vllm
 # the modules the worker loads by their path, in vLLM's process (never imported in ours): they may import vllm too
-WORKER_SIDE = (VLLM_WORKER, "engine.foreign.vllm_probes", "engine.foreign.vllm_decode")
+WORKER_SIDE = (VLLM_WORKER, "engine.foreign.vllm_probes", "engine.foreign.vllm_decode", "engine.foreign.vllm_ops")
 # our engine is one engine among the others: the registry loads it by its module's name (engine/registry.py), as it
 # loads every engine, and no other module imports it
 NATIVE = "engine.native"

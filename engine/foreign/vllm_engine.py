@@ -29,7 +29,7 @@ import tempfile
 import numpy as np
 
 from ..models import budget
-from ..calls import plan_calls
+from ..calls import declare_ops_absent, plan_calls
 from ..shared.errors import ConfigError, PrefillDiffError
 from ..shared.untrusted import visible
 from .vllm_worker import installed_version, unsupported
@@ -135,13 +135,20 @@ def execute(prep, recorder):
     python = prep.extras.get("python") or interpreter(prep.side.run.options)
     tmp = tempfile.mkdtemp(prefix="prefill-diff-vllm-")
     try:
-        meta, samples = run_worker(python, lambda: request(prep, model_directory(prep.snapshot, tmp)), tmp)
+        meta, samples = run_worker(python, lambda: {**request(prep, model_directory(prep.snapshot, tmp)),
+                                                    "ops": _ops_layers(recorder, prep)}, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     _record(recorder, prep, meta, samples)
     for layer in range(prep.snapshot.args.n_layers):
         yield layer
     return prep.record
+
+
+def _ops_layers(recorder, prep) -> list | None:
+    """The layers whose op-level states the trace records (None: it records none)."""
+    ops = getattr(recorder, "ops", None)
+    return None if ops is None else [i for i in range(prep.snapshot.args.n_layers) if ops.wants(i)]
 
 
 def request(prep, model_dir: str) -> dict:
@@ -171,7 +178,7 @@ def request(prep, model_dir: str) -> dict:
 def model_directory(snapshot, tmp: str) -> str:
     """The model as vLLM loads it: an ``hf:DIR`` checkpoint as it is; any other source written from its snapshot
     (config.json and model.safetensors under Hugging Face's names, float32)."""
-    if snapshot.source.startswith("hf:"):
+    if snapshot.source.startswith("hf:") and snapshot.truncated_of is None:  # --first-layers N: written cut, below
         return snapshot.source[3:]
     from safetensors.torch import save_file  # deferred: torch
 
@@ -318,6 +325,7 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
             pos = np.concatenate([np.arange(k), a["positions"]])
             recorder.cache(layer, s, a["keys"][layer], a["values"][layer], pos)
             _routing(recorder, prep, layer, head, a)
+            _ops(recorder, layer, head, a, meta.get("op_dtypes") or {})
     for head, a in samples:
         s, n = head["index"], len(prep.tokens[head["index"]])
         recorder.final(s, a["norm_last"], a["logits"][:args.vocab_size], n - head["num_cached_tokens"] - 1, n - 1)
@@ -325,6 +333,18 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
             p = prep.prompt_lengths[s]
             recorder.response_logits(s, np.arange(p - 1, n - 1), a["response_logits"][:, :args.vocab_size])
     _run_meta(recorder, prep, meta, samples)
+    if getattr(recorder, "ops", None) is not None:
+        declare_ops_absent(recorder, args, {n: f"{why} (vLLM {meta.get('vllm')})" for n, why in
+                                            (meta.get("ops_missing") or {}).items() if n not in (meta.get("op_dtypes") or {})})
+
+
+def _ops(recorder, layer: int, head: dict, a: dict, dtypes: dict) -> None:
+    """A sample's op-level states at ``layer``, each in the dtype vLLM computed it (sent as float32, exactly)."""
+    import torch  # deferred: the recorder keeps a bfloat16 op bfloat16 (its source dtype) and widens it exactly
+    for at, name in head.get("ops") or ():
+        if at == layer:
+            x = torch.from_numpy(a[f"op/{layer}/{name}"])
+            recorder.op(layer, name, head["index"], 0, x.to(getattr(torch, dtypes.get(name, "float32"))))
 
 
 def _steps(recorder, prep, head: dict, a: dict) -> None:

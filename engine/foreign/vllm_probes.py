@@ -143,3 +143,15 @@ def learn_rounding(rotate, cos_sin: torch.Tensor, head_size: int, neox: bool) ->
         if float((got[tells] == want[tells]).float().mean()) >= 0.95:
             return name
     return "other"
+
+
+def model_rounding(model, dtype) -> str | None:
+    """The bfloat16 rounding of a vLLM model's own rotary kernel; None when the model does not compute in
+    bfloat16 or has no rotary embedding this probe reads."""
+    if dtype != torch.bfloat16:
+        return None
+    try:
+        rope = model.model.layers[0].self_attn.rotary_emb
+        return learn_rounding(rope, rope.cos_sin_cache, int(rope.head_size), bool(rope.is_neox_style))
+    except Exception:  # a model whose rotary embedding differs: the trace says so instead of guessing
+        return "unknown"

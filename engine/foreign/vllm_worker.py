@@ -18,8 +18,9 @@ arrays:
   stored for every position, read back through the block table in the step where the sample's last token
   was computed, the positions, the cache length of each row's step, the final norm and the raw logits at the
   last token; with a response, decoded by vLLM teacher-forced (vllm_decode.py), the logits before each
-  response token and vLLM's own log-probs of them), then ``done``; or one ``error`` (``kind`` input: vLLM
-  refused the request or the model; internal: anything else).
+  response token and vLLM's own log-probs of them; with ``ops``, the op-level states of vllm_ops.py), then ``done``;
+  or one ``error`` (``kind`` input: vLLM refused the request or the model; internal: anything else). A ``replay``
+  request runs no step: vllm_ops.py's ``replay`` frames replace the samples.
 
 Capture is through forward hooks on the real model object (the engine core runs in this process:
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a decoder layer is ``forward(positions, hidden_states, residual) ->
@@ -71,6 +72,7 @@ def _beside(name: str):
 
 probes = _beside("vllm_probes")  # the cache layout and the bfloat16 rounding, taught by vLLM's kernels
 decode = None  # vllm_decode.py: teacher-forced decode steps (it imports vLLM: loaded once vLLM is)
+oplevel = None  # vllm_ops.py: op-level states and op replay, loaded when a request asks for either
 
 
 # -- the vLLM release ------------------------------------------------------------------------------------
@@ -121,20 +123,6 @@ class Channel:
         for v in arrays.values():
             self.stream.write(memoryview(v).cast("B") if v.size else b"")
         self.stream.flush()
-
-
-# -- the model's bfloat16 rounding ---------------------------------------------------------------------
-
-def _rounding(model, dtype) -> str | None:
-    """The bfloat16 rounding of the model's own rotary kernel; None when the model does not compute in
-    bfloat16 or has no rotary embedding this probe reads."""
-    if dtype != torch.bfloat16:
-        return None
-    try:
-        rope = model.model.layers[0].self_attn.rotary_emb
-        return probes.learn_rounding(rope, rope.cos_sin_cache, int(rope.head_size), bool(rope.is_neox_style))
-    except Exception:  # a model whose rotary embedding differs: the trace says so instead of guessing
-        return "unknown"
 
 
 # -- capture ------------------------------------------------------------------------------------------
@@ -495,6 +483,13 @@ def run(read_request, channel: Channel) -> None:
     runner = llm.collective_rpc(lambda self: self.model_runner)[0]
     model = runner.get_model()
     engine = llm.llm_engine
+    global oplevel
+    dtype = getattr(torch, str(engine.vllm_config.model_config.dtype).replace("torch.", ""))
+    oplevel = _beside("vllm_ops") if request.get("ops") is not None or request.get("replay") else None
+    if request.get("replay"):  # each op of vLLM's model on the reference's inputs, no scheduled step
+        channel.send({"type": "meta", "vllm": vllm.__version__, "torch": torch.__version__})
+        oplevel.replay(model, request["replay"], channel, dtype)
+        return channel.send({"type": "done"})
     params = decode.params(SamplingParams, ())
     prompts = request["prompts"]
     for i, warm in enumerate(request.get("warm") or ()):  # fill the prefix cache with leading full blocks
@@ -504,7 +499,8 @@ def run(read_request, channel: Channel) -> None:
     names = {i: f"pd-{i}" for i in range(len(prompts))}
     prompt_len, sample_of, decode_from = {}, {}, {}
     cap = Capture(runner, model, request.get("fault"), prompt_len, sample_of, decode_from)
-    cap.model_dtype = getattr(torch, str(engine.vllm_config.model_config.dtype).replace("torch.", ""))
+    cap.model_dtype = dtype
+    ops = oplevel.OpCapture(cap, request["ops"] or None) if request.get("ops") is not None else None
     outputs, t1 = [], time.perf_counter()
     groups = [list(range(len(prompts)))] if request.get("schedule") == "together" else \
         [[i] for i in range(len(prompts))]
@@ -521,14 +517,15 @@ def run(read_request, channel: Channel) -> None:
         outputs += _drain(engine)
     t_run = time.perf_counter() - t1
     cap.remove()
-    rounding = _rounding(model, cap.model_dtype)
+    rounding = probes.model_rounding(model, cap.model_dtype)
     by_sample = {int(re.match(r"pd-(\d+)", o.request_id).group(1)): o for o in outputs}
     channel.send({"type": "meta", "vllm": vllm.__version__, "torch": torch.__version__,
                   "python": sys.version.split()[0], "engine_args": _jsonable(args), "effective": _effective(llm),
                   "attention_backend": type(model.model.layers[0].self_attn.attn.impl).__name__,
                   "isa": getattr(model.model.layers[0].self_attn.attn, "isa", None), "bf16_rounding": rounding,
                   "logprobs_mode": str(engine.vllm_config.model_config.logprobs_mode) if responses else None,
-                  "timing": {"import_s": t_import, "load_s": t_load, "generate_s": t_run}})
+                  "timing": {"import_s": t_import, "load_s": t_load, "generate_s": t_run},
+                  **(oplevel.header(ops) if ops else {})})
     for i in range(len(prompts)):
         _send_sample(channel, cap, i, by_sample.get(i), len(cap.layers), len(prompts[i]), responses[i] if responses
                      else ())
@@ -551,7 +548,7 @@ def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int, 
     if rec is None or done is None or "logits" not in done:
         raise RuntimeError(f"vLLM finished prompt {i} without the capture seeing its prefill complete")
     arrays, states = {}, []
-    for name in dict.fromkeys(name for _, name in rec["states"] if name not in ROUTING):  # the states captured
+    for name in dict.fromkeys(n for _, n in rec["states"] if n not in ROUTING and "/" not in n):  # states captured
         rows = [np.concatenate(rec["states"][(layer, name)], axis=0) for layer in range(n_layers)
                 if (layer, name) in rec["states"]]
         if len(rows) == n_layers:
@@ -565,7 +562,8 @@ def _send_sample(channel: Channel, cap: Capture, i: int, output, n_layers: int, 
                   positions=np.asarray(rec["positions"], dtype=np.int64),
                   cache_len=np.asarray(rec["cache_len"], dtype=np.int32),
                   norm_last=done["norm_last"], logits=done["logits"])
-    head = decode.response(i, rec["logits"], output, p, resp, arrays) if resp else {}
+    head = {**(oplevel.pack(rec["states"], arrays) if oplevel else {}),
+            **(decode.response(i, rec["logits"], output, p, resp, arrays) if resp else {})}
     cached = int(getattr(output, "num_cached_tokens", 0) or 0) if output is not None else 0
     channel.send({"type": "sample", "index": i, "num_cached_tokens": cached, "steps": rec["steps"],
                   "states": states, "moe_layers": moe, **head}, arrays)
