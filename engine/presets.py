@@ -33,6 +33,13 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "transformers": ("Hugging Face transformers' own model, eager attention", {"run": {"engine": "transformers"}}),
     "transformers-sdpa": ("Hugging Face transformers' own model, sdpa attention",
                           {"run": {"engine": "transformers", "transformers": {"attn_implementation": "sdpa"}}}),
+    "transformers-bf16": ("Hugging Face transformers' own model in bfloat16, loaded in it (dtype=bfloat16: RoPE's "
+                          "inv_freq stays float32)", {"run": {"engine": "transformers", "dtype": "bfloat16"}}),
+    "fsdp2": ("transformers' model under torch FSDP2 as a trainer runs it: fully_shard per layer and root, "
+              "bfloat16 param dtype (float32 reduce), loaded in bfloat16, the prompts split over 2 gloo ranks",
+              {"run": {"engine": "fsdp2", "dtype": "bfloat16"}}),
+    "fsdp2-cast": ("fsdp2 with the loader trap: loaded in float32, then model.to(bfloat16), which casts RoPE's "
+                   "inv_freq buffer too", {"run": {"engine": "fsdp2", "dtype": "bfloat16", "fsdp2": {"load": "cast"}}}),
     "tp2": ("our engine sharded over 2 tensor-parallel ranks (torch.distributed, gloo), per-rank traces",
             {"run": {"tp": 2}}),
     "compiled": ("each layer's norms and MLP compiled by torch.compile (inductor); compile time reported apart",

@@ -83,6 +83,7 @@ class EngineInfo:
     no_tp: str = ""  # why it does not shard
     faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
+    replays_ops: bool = False  # replay_ops(prep, given): its ops run on a reference's inputs (shared/op_replay.py)
     any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
     responses: bool = False  # a response after the prompt: it records the logits at the response's tokens
     generates: bool = False  # it chooses a response itself, greedily (its module's generate(prep, n))
@@ -156,7 +157,19 @@ ENGINES = {e.name: e for e in (
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
                       ("weight_quant", "use our engine for weight quantisation")),
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan",
-               precisions_from_config=True, legacy_keys=(("run", "attn_implementation", "attn_implementation"),)),
+               precisions_from_config=True, legacy_keys=(("run", "attn_implementation", "attn_implementation"),),
+               record_section=("transformers", "foreign.hf_record", "TRANSFORMERS")),
+    EngineInfo("fsdp2", "foreign.fsdp2_engine", "transformers' model under torch FSDP2 (fully_shard on each layer and "
+               "the root, a mixed-precision policy), data parallel over spawned gloo ranks: a trainer's forward",
+               "foreign.fsdp2_options:Fsdp2Options", "fsdp2", Computes(("float32", "bfloat16", "float16")),
+               batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, decode=True,
+               replays_routing=True, any_architecture=True,
+               hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
+                      ("weight_quant", "use our engine for weight quantisation"),
+                      ("dtype", "FSDP2's policy here computes in float32, bfloat16 or float16")),
+               no_tp="FSDP2 shards parameters, not heads: its ranks are data parallel ([run.fsdp2] ranks)",
+               needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="plan",
+               precisions_from_config=True, record_section=("fsdp2", "foreign.hf_record", "FSDP2")),
     EngineInfo("llama.cpp", "foreign.llamacpp_engine", "llama.cpp through llama-cpp-python, read node by node",
                "foreign.llamacpp_options:LlamaCppOptions", "llamacpp", Computes(("float32",)),
                "llama.cpp also quantizes activations to Q8 inside its matmuls on quantized weights",

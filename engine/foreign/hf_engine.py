@@ -245,15 +245,20 @@ def _gemma_config(args, common: dict):
                                                              "sliding_attention": local}})
 
 
-def build_model(snapshot, dtype: str, attn: str):
-    """transformers' own model: its own loader for real checkpoints, our weights for synthetic models."""
+def build_model(snapshot, dtype: str, attn: str, load: str = "dtype", tensor_parallel: bool = True):
+    """transformers' own model: its own loader for real checkpoints, our weights for synthetic models. ``load``
+    (hf_options.LOADS): "dtype" loads the weights in ``dtype``, "cast" loads them in float32 and then casts the
+    model, buffers included (RoPE's inv_freq), with ``model.to(dtype)``. ``tensor_parallel`` False: a process
+    group this process is a rank of does not shard the model by heads (a data-parallel rank: engine/foreign/
+    fsdp2_engine.py)."""
     try:
         from transformers import AutoModelForCausalLM  # optional: imported when used
     except ImportError:
         raise ModelLoadError("the transformers engine needs transformers: pip install 'prefill-diff[hf]'") from None
-    tdt = torch_dtype(dtype)
+    cast = torch_dtype(dtype)
+    tdt = cast if load == "dtype" else torch.float32
     src = snapshot.source
-    tp = current()
+    tp = current() if tensor_parallel else None
     # tensor parallel (this process is one rank): transformers' own TP plan, with the size given explicitly —
     # tp_plan="auto" alone reads WORLD_SIZE and silently loads unsharded where it is not set
     dist = {}
@@ -286,7 +291,14 @@ def build_model(snapshot, dtype: str, attn: str):
         model = _from_our_weights(AutoModelForCausalLM, snapshot, tdt, attn)
     if tp is not None:
         _check_sharded(model, snapshot.args, tp.world)
+    if load == "cast":
+        model = model.to(cast)
     return model.eval()
+
+
+def buffer_dtypes(model) -> dict:
+    """{buffer name: dtype} of a model's buffers (RoPE's inv_freq among them): what a cast load changes."""
+    return {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers()}
 
 
 def _from_our_weights(auto, snapshot, tdt, attn):
@@ -462,9 +474,7 @@ def forward_call(model, call, recorder, routing: dict | None = None, record_rout
     {state: why} for the states its layers do not have. ``routing``: experts to force, {layer: {(row, token
     index): experts}} (routing replay)."""
     ids, mask, pos = call.ids, call.mask, call.positions
-    valid = mask.bool()
-    tok = torch.where(valid, mask.cumsum(-1) - 1, torch.full_like(ids, -1))
-    seq = torch.where(valid, torch.arange(ids.shape[0])[:, None].expand_as(ids), torch.full_like(ids, -1))
+    valid, tok, seq = _cells(call)
     recorder.inputs(ids, valid, pos, tok, seq)
     n = ids.shape[1]
     starts = forward_starts(tok, seq, n, n, decode_from or {})
@@ -502,6 +512,21 @@ def forward_call(model, call, recorder, routing: dict | None = None, record_rout
     return absent
 
 
+def _cells(call):
+    """(valid, token index, sequence) of each cell of a call's rectangle (B, n); -1 at padding."""
+    valid = call.mask.bool()
+    tok = torch.where(valid, call.mask.cumsum(-1) - 1, torch.full_like(call.ids, -1))
+    rows = torch.arange(call.ids.shape[0])[:, None].expand_as(call.ids)
+    return valid, tok, torch.where(valid, rows, torch.full_like(call.ids, -1))
+
+
+def forwards(call, decode_from: dict | None = None) -> int:
+    """How many model forwards ``forward_call`` runs for ``call``: one, or the prompts' and one per decode step."""
+    _, tok, seq = _cells(call)
+    n = call.ids.shape[1]
+    return len(forward_starts(tok, seq, n, n, decode_from or {}))
+
+
 def cache_argument(model) -> str:
     """The name a model's forward takes the cache so far under: ``cache`` from transformers 5.24 on,
     ``past_key_values`` before (5.24 to 5.39 still take the old name, with a deprecation message)."""
@@ -524,7 +549,8 @@ def plan(prep, positions, pad: int, tp) -> None:
 def generate(prep, n: int) -> tuple:
     """Each sample's next ``n`` tokens as transformers' model chooses them greedily (argmax), one forward of the
     sequence so far per token."""
-    model = build_model(prep.snapshot, prep.side.run.dtype, prep.side.run.options.attn_implementation)
+    opts = prep.side.run.options
+    model = build_model(prep.snapshot, prep.side.run.dtype, opts.attn_implementation, opts.load)
     out = []
     with torch.no_grad():
         for toks in prep.tokens:
@@ -540,7 +566,8 @@ def execute(prep, recorder):
     """Runs every call, then yields each layer (the forwards are done by then)."""
     run = prep.side.run
     check(prep)
-    model = build_model(prep.snapshot, run.dtype, run.options.attn_implementation)
+    model = build_model(prep.snapshot, run.dtype, run.options.attn_implementation, run.options.load)
+    prep.record["transformers"] = {"load": run.options.load, "buffers": buffer_dtypes(model)}
     if run.fault is not None and run.fault.name == "stale-param":
         layer = stale_param_layer(run.fault, prep.snapshot.args.n_layers)
         stale_param(model, f"model.layers.{layer}.self_attn.k_proj.weight")

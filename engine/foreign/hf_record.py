@@ -7,7 +7,7 @@ The buffers' dtypes make the loader trap visible: a model loaded in float32 and 
 RoPE's ``inv_freq`` in bfloat16, one loaded with ``dtype=bfloat16`` (and FSDP2's mixed precision, which casts
 parameters only) keeps it in float32.
 """
-from .hf_options import LOADS
+LOADS = ("dtype", "cast")  # hf_options.LOADS (this declaration imports nothing: a test reads it without its engine)
 
 LOADED = (
     ("load", "text", {"choices": LOADS}, "1.4", "how the weights reached the compute dtype: dtype (loaded in it) or "

@@ -173,8 +173,8 @@ def test_each_model_arg_takes_its_default_and_refuses_another_kind(f):
 
 def test_the_registered_sections_are_the_engines_declarations():
     found = sections()
-    assert set(found) == {"vllm", "llama_cpp"}
-    assert {key: engine for key, (engine, _) in found.items()} == {"vllm": "vllm", "llama_cpp": "llama.cpp"}
+    assert {key: engine for key, (engine, _) in found.items()} == {"vllm": "vllm", "llama_cpp": "llama.cpp",
+                                                                  "transformers": "transformers", "fsdp2": "fsdp2"}
     for key, (engine, rows) in found.items():
         for name, kind, options, since, meaning in rows:
             assert kind in mf.VOCABULARY and since in VERSIONS and meaning, (key, name)

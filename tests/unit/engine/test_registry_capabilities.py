@@ -17,7 +17,7 @@ def test_an_engine_is_named_in_words():
 
 
 def test_having_names_the_engines_that_declare_a_capability(monkeypatch):
-    assert having("any_architecture") == "the transformers engine"
+    assert having("any_architecture") == "the transformers engine or the fsdp2 engine"
     assert having("ledger") == "our engine"
     monkeypatch.setitem(registry.ENGINES, "vllm", replace(ENGINES["vllm"], ledger=True))
     assert having("ledger") == "our engine or the vllm engine"
