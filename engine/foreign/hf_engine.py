@@ -32,6 +32,7 @@ from ..models.routing import router_margin
 from ..parallel import current
 from ..calls import Placement, call_routing, forced_list, plan_calls
 from ..decode import forward_facts, forward_starts, response_rows
+from . import hf_ops
 
 
 LOWEST = (5, 0)  # the oldest transformers release the engine runs: pyproject's [hf] extra, tested in CI
@@ -462,7 +463,7 @@ def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = N
         if gate is not None and cells is not None:
             handles.append(gate.register_forward_hook(_routing_hook(i, gate, rec, cells, (forced or {}).get(i), at)))
     handles.append(final_norm.register_forward_hook(keep_norm))
-    return handles
+    return handles + hf_ops.capture(model, layers, rec, at)  # op-level states, when the trace records them
 
 
 def forward_call(model, call, recorder, routing: dict | None = None, record_routing: bool = False,
@@ -589,3 +590,6 @@ def execute(prep, recorder):
     for layer in range(prep.snapshot.args.n_layers):
         yield layer
     return prep.record
+
+
+from .hf_replay import replay_ops  # noqa: E402,F401  (op replay: engine/foreign/hf_replay.py)
