@@ -171,8 +171,12 @@ def cli():
 @click.option("--force", is_flag=True, help="Overwrite traces already in --out.")
 @click.option("--fail-fast", is_flag=True,
               help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
+@click.option("--replay-ops", is_flag=True,
+              help="After both runs, feed each of the candidate's ops the reference's input to it and compare bit "
+                   "for bit: says which op differs itself and which only inherits a difference, with the cause "
+                   "where it is known. Implies --exact and --level ops.")
 @calibration_options
-def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, judging):
+def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, replay_ops, judging):
     """Prefill REF and CAND, record both traces, compare them, report.
 
     REF and CAND are presets (see `prefill-diff presets`) or TOML config files. The model
@@ -191,6 +195,12 @@ def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, judging):
     spec, inputs = what.resolve()
     if fail_fast and out_dir:
         raise BadInput("--fail-fast keeps no traces; drop --out")
+    if replay_ops:
+        if fail_fast:
+            raise BadInput("--replay-ops replays from the recorded traces; drop --fail-fast")
+        if level not in ("full", "ops"):
+            raise BadInput(f"--replay-ops records op-level states: it needs --level ops (got --level {level})")
+        level, judging = "ops", replace(judging, exact=True, calibrate=False, replay_ops=True)
     check_out_dir(out_dir)
     with Progress(out.quiet) as prog:
         if fail_fast:

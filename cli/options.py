@@ -102,13 +102,17 @@ def model_options(f):
     """--model, --prompt, --tokens, --response, --response-ids: *what* to prefill (in run and compare, for both
     sides) unless a config sets its own, as one ``what`` (Prefilled)."""
     @functools.wraps(f)
-    def collect(*args, model, prompts, tokens, responses, response_ids, response_tokens, **kw):
-        return f(*args, what=Prefilled(model, prompts, tokens, responses, response_ids, response_tokens), **kw)
+    def collect(*args, model, prompts, tokens, responses, response_ids, response_tokens, first_layers, **kw):
+        return f(*args, what=Prefilled(model, prompts, tokens, responses, response_ids, response_tokens, first_layers),
+                 **kw)
     return _compose(
         click.option("--ignore-memory-estimate", is_flag=True, expose_value=False, callback=_memory_check,
                      help="Build the model even if its estimated memory exceeds what this machine has available."),
         click.option("--model", "model", default=None, metavar="SOURCE", help=MODEL_HELP),
         model_cache_option,
+        click.option("--first-layers", "first_layers", type=int, default=None, metavar="N",
+                     help="Run the model's first N layers only, on both sides (the final norm and unembedding "
+                          "after layer N-1): a quick alignment of two engines; the report's header says so."),
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
                      help="A text prompt to prefill (repeatable; a config file's own [inputs] win); needs a "
                           "model with a tokenizer."),
@@ -196,9 +200,11 @@ def calibration_options(f):
     held to the reference, as one ``judging`` (prefill_diff.jobs: Judging; its tolerance and fail_fast are the
     command's to add)."""
     @functools.wraps(f)
-    def collect(*args, calibrate, factor, allow_subset, allow_identity, **kw):
-        return f(*args, judging=Judging(calibrate=calibrate, factor=factor, allow_subset=allow_subset,
-                                        allow_identity=allow_identity), **kw)
+    def collect(*args, calibrate, factor, allow_subset, allow_identity, exact, **kw):
+        if exact and calibrate:
+            raise click.UsageError("--exact judges bits, not noise: drop --calibrate")
+        return f(*args, judging=Judging(calibrate=False if exact else calibrate, factor=factor,
+                                        allow_subset=allow_subset, allow_identity=allow_identity, exact=exact), **kw)
     return _compose(
         click.option("--calibrate/--no-calibrate", "calibrate", default=None,
                      help="Judge values against measured noise: also record the reference's path in float64 (the "
@@ -215,6 +221,11 @@ def calibration_options(f):
         click.option("--allow-identity-difference", "allow_identity", is_flag=True,
                      help="Compare two different models on purpose: a difference of weights, RoPE, norm, "
                           "activation, biases, tied embeddings or adapter is a note, not a failure."),
+        click.option("--exact", is_flag=True,
+                     help="Bit for bit: the verdict fails at the first tensor (layer state, cache, or op with "
+                          "--level ops) whose bits part from the reference's, naming it, its layer, position and "
+                          "decode step, the share of elements bitwise equal and the largest ULP distance; the "
+                          "report lists per layer the first tensor where bits part. Needs full traces."),
         section="Calibration",
     )(collect)
 
@@ -239,27 +250,31 @@ class Prefilled:
     responses: tuple = ()
     response_ids: tuple = ()
     response_tokens: int | None = None
+    first_layers: int | None = None
 
     def given(self) -> list[str]:
         """The options given, by name."""
         return [f for f, v in (("--model", self.model), ("--prompt", self.prompts), ("--tokens", self.tokens),
                                ("--response", self.responses), ("--response-ids", self.response_ids),
-                               ("--response-tokens", self.response_tokens)) if v]
+                               ("--response-tokens", self.response_tokens), ("--first-layers", self.first_layers)) if v]
 
     def resolve(self):
         """(ModelSpec or None, Inputs or None)."""
         return shared_inputs(self.model, self.prompts, self.tokens, self.responses, self.response_ids,
-                             self.response_tokens)
+                             self.response_tokens, self.first_layers)
 
 
-def shared_inputs(model, prompts, tokens, responses=(), response_ids=(), response_tokens=None):
+def shared_inputs(model, prompts, tokens, responses=(), response_ids=(), response_tokens=None,
+                  first_layers=None):
     """--model/--prompt/--tokens/--response/--response-ids/--response-tokens -> (ModelSpec or None, Inputs or
     None)."""
-    if not (model or prompts or tokens or responses or response_ids or response_tokens is not None):
+    if not (model or prompts or tokens or responses or response_ids or response_tokens is not None
+            or first_layers is not None):
         return None, None
     if model:
         check_model_source(model, "--model")
-    spec = ModelSpec(model) if model else None
+    spec = (ModelSpec(model or "synthetic", first_layers=first_layers) if model or first_layers is not None
+            else None)
     if prompts and tokens:
         raise ConfigError("give --prompt or --tokens, not both")
     prompts = [as_given(p) for p in prompts]

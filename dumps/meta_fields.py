@@ -459,6 +459,8 @@ DECLARED = frozenset(r.name for r in FIELDS)
     Field("meta.record.ops.recorded", array(text(choices=OP_NAMES)), "the ops recorded, in the order computed",
           "1.4"),
     Field("meta.record.ops.absent", obj(values=text()), "each op the engine cannot produce, and why", "1.4"),
+    Field("meta.record.ops.how", obj(values=text(), none=True),
+          "how the engine computes an op, where its code makes the rounding known (the hints read it)", "1.4"),
     Field("meta.record.ops.layers", array(integer(0), none=True),
           "the layers whose ops are recorded (null: every layer)", "1.4"),
 

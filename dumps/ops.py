@@ -29,6 +29,7 @@ class OpStore:
         self.layers = None if layers is None else sorted({int(x) for x in layers})
         self._ds: dict = {}  # (layer, name) -> dataset
         self._absent: dict = {}  # name -> why
+        self.how: dict = {}  # name -> how the engine computes it (its rounding), where its code makes that known
         self.recorded: list = []
 
     def wants(self, layer: int) -> bool:
@@ -77,10 +78,12 @@ class OpStore:
         self._absent.setdefault(name, why)
 
     def declared(self) -> dict:
-        """``meta.record.ops``: what was recorded (in the order computed) and what is absent, with why."""
+        """``meta.record.ops``: what was recorded (in the order computed), what is absent with why, and how the engine
+        computes an op where it said."""
         recorded = [n for n in sc.OP_NAMES if n in self.recorded]
         absent = {n: self._absent.get(n, NOT_RECORDED) for n in sc.OP_NAMES if n not in self.recorded}
-        return {"recorded": recorded, "absent": absent, "layers": self.layers}
+        return {"recorded": recorded, "absent": absent, "layers": self.layers,
+                "how": {n: self.how[n] for n in sc.OP_NAMES if n in self.how}}
 
 
 def split_rows(x, sizes: tuple) -> list:

@@ -72,13 +72,15 @@ class Placement:
         self.recorder.final(self.sample_of_seq[seq], h, logits, c, tok)
 
 
-def declare_ops_absent(recorder: TraceRecorder, args, why: dict | None = None) -> None:
-    """Tell a trace recording op-level states which ops the model never computes (ModelArgs.ops_not_computed) and
-    which the engine cannot produce (``why``: {op name: reason}); nothing when it records none."""
+def declare_ops_absent(recorder: TraceRecorder, args, why: dict | None = None, how: dict | None = None) -> None:
+    """Tell a trace recording op-level states which ops the model never computes (ModelArgs.ops_not_computed), which
+    the engine cannot produce (``why``: {op name: reason}) and how the engine computes an op where its code makes
+    the rounding known (``how``: {op name: words}, read by the comparison's hints); nothing when it records none."""
     ops = getattr(recorder, "ops", None)
     if ops is not None:
         for name, reason in {**args.ops_not_computed(), **(why or {})}.items():
             ops.absent(name, reason)
+        ops.how.update(how or {})
 
 
 def call_routing(forced: dict, samples) -> dict:

@@ -21,7 +21,7 @@ FOLDERS = {"engine": "engine", "dumps": "dumps", "verify": "verify", "jobs": "cl
 # precisions' names (the engine modules dumps and verify may import)
 SHARED = "engine.shared"
 LEAVES = (SHARED, "engine.shared.errors", "engine.shared.untrusted", "engine.shared.precisions",
-          "engine.shared.trace_recorder")
+          "engine.shared.trace_recorder", "engine.shared.op_replay")
 # what dumps and verify may import of the engine: the shared leaf, and ModelArgs (engine/models/args.py: plain data, no
 # torch, importing only the leaf), whose fields the trace's meta.model.args are (dumps/meta_fields.py derives their
 # checks from it, not from a copy)

@@ -15,6 +15,8 @@ from .breaks import Break
 from .calibrate import below_float32, precisions, same_precisions
 from .comparator import Comparator, LayerResult
 from .diagnose import diagnose
+from .exact import BITS_BEFORE, ExactResult, compare_exact
+from .op_hints import bits_hint
 from .final import FinalResult
 from .align import decode_steps
 from .logprobs import LogprobResult, compare_logprobs
@@ -71,6 +73,8 @@ class Report:
     replayed_flips: int = 0  # the explained flips that led to it
     logprobs: LogprobResult | None = None  # the response's log-prob figures (verify/logprobs.py)
     decode_steps: dict = field(default_factory=dict)  # (reference sample, token index) -> a side's decode step there
+    exact: ExactResult | None = None  # --exact: every tensor bit for bit (verify/exact.py); the verdict is its
+    replay: object = None  # --replay-ops: the candidate's ops fed the reference's inputs (verify/op_replay.py)
     timing: Timing = field(default=Timing(), compare=False)  # seconds, for JUnit; two equal verdicts are equal
     provenance: dict = field(default_factory=provenance, compare=False)  # who made the report, how, when
 
@@ -139,7 +143,7 @@ class Report:
         if self.first_break is None:
             line = wording.passed(len(self.layers), self.n_layers, inconclusive=bool(self.inconclusive),
                                   identity_differs=any(n.startswith("MODEL IDENTITY DIFFERS") for n in self.notes),
-                                  strict=self.strict)
+                                  strict=self.strict, exact=self.exact is not None)
             return line + (wording.routing_replayed(self.replayed_flips, len(self.replayed)) if self.replayed else "")
         return wording.failed(self.line(self.first_break))
 
@@ -153,6 +157,8 @@ class Report:
             "first_break": None if fb is None else {**fb.as_dict(), **self._token_fields(fb),
                                                     "decode_step": self.decode_steps.get((fb.sample, fb.position))},
             "logprobs": None if self.logprobs is None else self.logprobs.as_dict(),
+            "exact": None if self.exact is None else self.exact.as_dict(),
+            "replay": None if self.replay is None else self.replay.as_dict(),
             "diagnosis": self.diagnosis,
             "layers": [lr.as_dict() for lr in self.layers],
             "final": None if self.final is None else {
@@ -189,6 +195,7 @@ def trace_summary(t: Trace, file: str | None, in_memory: bool = False) -> dict:
     return {"file": file, "in_memory": in_memory, "level": t.level, "format_version": t.version,
             "origin": m.get("side", {}).get("origin"), "engine": m.get("engine"),
             "weights_digest": m.get("model", {}).get("weights_digest"),
+            "truncated": m.get("model", {}).get("truncated"),
             "adapter": m.get("model", {}).get("adapter"),
             "quantized_weights_digest": (m.get("record") or {}).get("quantized_weights_digest"),
             "layout": m.get("layout"), "provenance": m.get("provenance"),
@@ -254,8 +261,10 @@ class Session:
 
     def __init__(self, ref: Trace, cand: Trace, policy: Policy | None = None, calib=None,
                  allow_subset: bool = False, rule_note: str | None = None, *, files: Files | tuple | None = None,
-                 uncalibrated: str | None = None, allow_identity: bool = False, in_memory: bool = False):
+                 uncalibrated: str | None = None, allow_identity: bool = False, in_memory: bool = False,
+                 exact: bool = False):
         start = time.perf_counter()
+        self.exact = exact
         self.ref, self.cand = ref, cand
         self.in_memory = in_memory
         self.files = Files(None, None) if in_memory else Files(ref.name, cand.name) if files is None else Files(*files)
@@ -301,9 +310,17 @@ class Session:
         if stopped_early and self.layers:
             self.cmp.ctx.skipped.add(wording.stopped_at(self.layers[-1].layer, self.ref.n_layers))
         notes, inconclusive = self._notes()
-        fb = self.first_break
         cand_steps = decode_steps(self.cand, self.cmp.pairs, 1)
-        if fb is not None and fb.kind == "identity":
+        steps = {**decode_steps(self.ref, self.cmp.pairs, 0), **cand_steps}
+        exact = None
+        if self.exact and not self.metadata_failed:
+            exact = compare_exact(self.ref, self.cand, self.cmp.pairs, self.cmp.ctx.align.cells, steps)
+            if self.first_break is None or self.first_break.kind in BITS_BEFORE:
+                self.first_break = exact.brk() or self.first_break
+        fb = self.first_break
+        if fb is not None and fb.kind == "bits":
+            hint = bits_hint(fb, self.ref.meta, self.cand.meta)
+        elif fb is not None and fb.kind == "identity":
             hint = identity_hint(list(self.identity), self.first_checked, allowed=False)
         else:  # the traces are still open: some hints read them
             hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy, self.layers, cand_steps)
@@ -318,7 +335,7 @@ class Session:
                       sample_tokens=tuple(tuple(int(t) for t in s) for s in self.ref.samples),
                       calibration=self.rule, identity=self.identity, unreplayed=tuple(self.cmp.unreplayed),
                       timing=self.seconds, logprobs=compare_logprobs(self.ref, self.cand, self.cmp.pairs),
-                      decode_steps={**decode_steps(self.ref, self.cmp.pairs, 0), **cand_steps})
+                      decode_steps=steps, exact=exact)
 
     def _notes(self) -> tuple[list, list]:
         """(notes, faults that cannot show): model identity (when allowed to differ), the comparison's own notes,
@@ -351,10 +368,11 @@ def describe_rule(cmp: Comparator, uncalibrated: str | None = None) -> str:
 
 def compare_traces(ref: Trace, cand: Trace, policy: Policy | None = None, *, fail_fast: bool = False, calib=None,
                    allow_subset: bool = False, rule_note: str | None = None, files: Files | tuple | None = None,
-                   uncalibrated: str | None = None, allow_identity: bool = False) -> Report:
-    """Compare two traces; with fail_fast, stop at the first layer that breaks (see Session for the rest)."""
+                   uncalibrated: str | None = None, allow_identity: bool = False, exact: bool = False) -> Report:
+    """Compare two traces; with fail_fast, stop at the first layer that breaks (see Session for the rest); with
+    ``exact``, the verdict is bit for bit (verify/exact.py)."""
     s = Session(ref, cand, policy, calib, allow_subset, rule_note, files=files, uncalibrated=uncalibrated,
-                allow_identity=allow_identity)
+                allow_identity=allow_identity, exact=exact)
     if s.metadata_failed:
         return s.finish()
     for i in range(ref.n_layers):

@@ -350,6 +350,21 @@ def truncating_kernels(side: str) -> str:
             f"nearest (docs/tolerances.md)")
 
 
+def truncated(d: dict) -> str:
+    """', first 2 of 30 layers' for a side that ran its model's first layers only (--first-layers N), else ''."""
+    t = d.get("truncated")
+    return f", first {t['layers']} of {t['of']} layers" if isinstance(t, dict) and "of" in t else ""
+
+
+def cut_to(meta: dict, side: str) -> str:
+    """Why a side has fewer layers than its model: 'the reference ran its model's first 2 of 4 layers
+    (--first-layers)', or '' when it ran them all."""
+    t = (meta.get("model") or {}).get("truncated")
+    if not isinstance(t, dict) or "of" not in t:
+        return ""
+    return f"the {side} ran its model's first {t['layers']} of {t['of']} layers (--first-layers)"
+
+
 def identity_differs(diffs) -> str:
     """An identity break's message: every field that differs, with both values."""
     return "model identity differs: " + "; ".join(
@@ -362,10 +377,11 @@ def levels_differ(ref_level: str, cand_level: str) -> str:
 
 
 def passed(n_compared: int, n_layers: int, *, inconclusive: bool, identity_differs: bool,
-           strict: bool = False) -> str:
+           strict: bool = False, exact: bool = False) -> str:
     """The verdict line of a comparison with no break; under --strict an INCONCLUSIVE one is a failure."""
     head = "FAILED (strict)" if strict and inconclusive else "PASSED"
-    line = f"{head} | {n_compared}/{n_layers} layers, logits and cache within tolerance"
+    line = f"{head} | {n_compared}/{n_layers} layers, logits and cache " + \
+        ("bitwise equal" if exact else "within tolerance")
     if inconclusive:
         line += " | INCONCLUSIVE: the injected fault cannot show here"
     if identity_differs:
@@ -479,3 +495,39 @@ def _value_parts(b) -> list:
     elif b.kv_heads:
         parts.append("KV heads " + ",".join(map(str, b.kv_heads)))
     return parts
+
+
+def exact_lines(exact, verbose: bool = False) -> list:
+    """An exact comparison per layer: where its bits first part (runs of bitwise-equal layers on one line), the
+    final stage, what was not compared bit for bit; with ``verbose`` every tensor's share."""
+    from .bitwise import percent
+    lines, run = [], []
+
+    def flush():
+        if run:
+            lines.append(f"bits: layer{'s' if len(run) > 1 else ''} {run[0]}{f'-{run[-1]}' if len(run) > 1 else ''} "
+                         "bitwise equal")
+            run.clear()
+    for lb in exact.layers:
+        f = lb.first
+        if f is None:
+            run.append(lb.layer)
+            continue
+        flush()
+        before = lb.tensors.index(f)
+        lines.append(f"bits: layer {lb.layer} part first at {f.name}: {f.bits.words()}"
+                     + (f" ({before} tensor{'s' if before != 1 else ''} before it equal)" if before else ""))
+    flush()
+    for t in exact.final:
+        lines.append(f"bits: final {t.name}: {t.bits.words()}")
+    if verbose:
+        for lb in exact.layers:
+            lines.append(f"bits, layer {lb.layer}: " + " · ".join(
+                f"{t.name} {percent(t.bits.share)}" + ("" if t.bits.exact else f" ({t.bits.max_ulp:.0f} ULP)")
+                for t in lb.tensors))
+    by_why: dict = {}
+    for name, why in exact.not_compared.items():
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():
+        lines.append(f"not compared bit for bit: {', '.join(names)} ({why})")
+    return lines

@@ -213,11 +213,19 @@ def generate(prep, n: int) -> tuple:
     return tuple(out)
 
 
+# how our engine rounds where an op's bits can part from another engine's (engine/native/model.py)
+OPS_HOW = {"attn_norm": "normalises in float32, rounds to the activation dtype, then multiplies by the weight",
+           "q_rope": "computes cos/sin in float32 and rounds them to the activation dtype before rotating",
+           "k_rope": "computes cos/sin in float32 and rounds them to the activation dtype before rotating",
+           "attn_residual": "adds the attention update to the residual in the activation dtype",
+           "mlp_norm": "normalises the rounded residual sum in float32, rounds, then multiplies by the weight"}
+
+
 def execute(prep, recorder):
     """Run the planned calls in lockstep; yield each completed layer; return the run record."""
     run, L = prep.side.run, prep.snapshot.args.n_layers
     recorder.update_meta(parameters=parameter_digests(prep))  # before the first layer: a lockstep run reads it
-    declare_ops_absent(recorder, prep.snapshot.args)
+    declare_ops_absent(recorder, prep.snapshot.args, how=OPS_HOW)
     if run.options.compile:  # compile every shape the calls will see, timed apart from the recorded run
         prep.record["timing"] = {"compile_s": warm_up(prep)}
     if prep.routing:  # routing replay: the trace says where its router was overruled

@@ -12,7 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ...dumps.schema import LAYER_TENSORS
-from ..wording import logprob_lines, phase_line
+from ..op_replay import replay_lines
+from ..wording import exact_lines, logprob_lines, phase_line, truncated
 from .markdown import fmt_error, token_text_of
 from .text import BAD, Fields, fitted_table, num, plain, print_line, span, token_repr
 
@@ -56,7 +57,7 @@ def verdict_text(report) -> Text:
 def header_text(report) -> Text:
     def side(d):
         where = d.get("file") or ("in memory" if d.get("in_memory") else "trace not kept")
-        return f"{d.get('origin')} ({where}, {d.get('level')} level)"
+        return f"{d.get('origin')} ({where}, {d.get('level')} level{truncated(d)})"
     return plain(f"reference: {side(report.ref)}  candidate: {side(report.cand)}  policy: {report.policy.name}",
                  style="dim")
 
@@ -321,6 +322,10 @@ def report_parts(report, width: int = 120, which: str = "auto", verbose: bool = 
     if report.final is not None:
         yield final_table(report, width), False
     for line in logprob_lines(report.logprobs, token_text_of(report)):
+        yield plain(line), True
+    for line in exact_lines(report.exact, verbose) if report.exact is not None else ():
+        yield plain(line, style="dim" if line.startswith("not compared") else ""), True
+    for line in replay_lines(report.replay) if report.replay is not None else ():
         yield plain(line), True
     if verbose:
         for line in verbose_lines(report):

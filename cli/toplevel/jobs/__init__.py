@@ -33,6 +33,7 @@ from ..verify.report import Report, Session, compare_traces
 from ..verify.routing import forced_routing, replay_cells, wants_replay
 from .calibration import (CalibPlan, check_calibration, engine_of, plan_calibration, plan_for, record_calibration,
                           siblings_beside)
+from .replay import check_replay, replay_ops
 from .options import (JUDGED, Judging, Outcome, Recorded, SideProgress, Tolerance, phase, progress_for,
                       resolve)
 
@@ -82,7 +83,7 @@ def _judge_open(ref: Trace, cand: Trace, judging: Judging, plan: CalibPlan, sibl
         policy = resolve(None if calib else judging.tolerance, ref, cand)
         return compare_traces(ref, cand, policy,
                               fail_fast=judging.fail_fast, calib=calib, allow_subset=judging.allow_subset,
-                              allow_identity=judging.allow_identity,
+                              allow_identity=judging.allow_identity, exact=judging.exact,
                               rule_note=None if calib else plan.rule_note(policy),
                               uncalibrated=None if calib else plan.note, files=files)
 
@@ -107,6 +108,8 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
         return run_lockstep(ref, cand, model, inputs, level=level, judging=judging)
     explicit = judging.tolerance.declared
     check_calibration(judging, explicit=explicit, level=level)
+    if judging.replay_ops:
+        check_replay(cand_side.run.engine)
     sides = _import_sides()
     for side in (ref_side, cand_side):  # either engine's missing package is said before any model loads
         missing_packages(side.run.info)
@@ -154,6 +157,10 @@ def run(ref: str, cand: str, model=None, inputs=None, *, out_dir: str | None = N
                     report = _judge_open(r, c2, judging, plan, siblings, kept=(keep, keep))
             if rounds:
                 report = replace(report, replayed=_replayed(forced), replayed_flips=flips)
+            if judging.replay_ops:
+                phase(progress, "replaying the candidate's ops on the reference's inputs")
+                with open_any(paths[1]) as c2:
+                    report = replace(report, replay=replay_ops(r, c2, cand_prep, report.exact))
     finally:
         if lock is not None:
             os.close(lock)
@@ -402,7 +409,7 @@ def _lockstep(gens, recs, names, plan: CalibPlan, calibrated: bool, judging: Jud
     policy = resolve(None if calib else judging.tolerance, *traces[:2])
     session = Session(traces[0], traces[1], policy, calib, judging.allow_subset,
                       None if calib else plan.rule_note(policy), uncalibrated=None if calib else plan.note,
-                      allow_identity=judging.allow_identity, in_memory=True)
+                      allow_identity=judging.allow_identity, in_memory=True, exact=judging.exact)
     if session.metadata_failed:
         return session.finish(stopped_early=True)
     n_layers = traces[0].n_layers

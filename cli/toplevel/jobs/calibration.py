@@ -67,6 +67,9 @@ def check_calibration(judging: Judging, *, explicit: bool, level: str) -> None:
     if calibrate and explicit:
         raise ConfigError("--calibrate measures the tolerance; explicit --atol/--rtol/--ntol/--row-rtol/--policy/"
                           "--tolerance declare it: give one or the other")
+    if judging.exact and level not in FULL_LEVELS:
+        raise ConfigError(f"--exact compares every element bit for bit: it needs --level full or ops (got --level "
+                          f"{level})")
     if calibrate and level not in FULL_LEVELS:
         raise ConfigError(f"a calibrated comparison needs full traces (got --level {level})")
 

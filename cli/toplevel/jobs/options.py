@@ -84,13 +84,15 @@ class Judging:
     """How the candidate is held to the reference: a declared ``tolerance`` or a calibrated verdict
     (``calibrate``: None automatic, True forced, False off; ``factor``: the noise factor), whether reference
     samples without a counterpart (``allow_subset``) or a different model (``allow_identity``) are accepted,
-    and whether the comparison stops at the first break (``fail_fast``)."""
+    whether the comparison stops at the first break (``fail_fast``), and whether it judges bits (``exact``)."""
     tolerance: Tolerance = field(default_factory=Tolerance)
     calibrate: bool | None = None
     factor: float = DEFAULT_FACTOR
     allow_subset: bool = False
     allow_identity: bool = False
     fail_fast: bool = False
+    exact: bool = False  # the verdict is bit for bit (verify/exact.py)
+    replay_ops: bool = False  # run: the candidate's ops replayed on the reference's inputs (jobs/replay.py)
 
 
 JUDGED = Judging()  # the defaults: the tolerance of the traces' dtypes, calibrated where the precisions ask for it
