@@ -111,8 +111,9 @@ def model_options(f):
         click.option("--model", "model", default=None, metavar="SOURCE", help=MODEL_HELP),
         model_cache_option,
         click.option("--first-layers", "first_layers", type=int, default=None, metavar="N",
-                     help="Run the model's first N layers only, on both sides (the final norm and unembedding "
-                          "after layer N-1): a quick alignment of two engines; the report's header says so."),
+                     help="Run only the model's first N layers, the final norm and unembedding after layer N-1 (in "
+                          "run and compare, for the reference and the candidate alike): a quick alignment of two "
+                          "engines; the trace and the report's header say so."),
         click.option("--prompt", "prompts", multiple=True, metavar="TEXT",
                      help="A text prompt to prefill (repeatable; a config file's own [inputs] win); needs a "
                           "model with a tokenizer."),

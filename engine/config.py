@@ -275,7 +275,7 @@ def _run_keys() -> set:
 def _moved() -> dict:
     """An engine option written directly in [run], as configs did before the options had tables of their own."""
     return {k: e for e in _tables().values() for k in registry.option_names(e)}
-_MODEL_KEYS = {"source", "seed", "adapter"}
+_MODEL_KEYS = {"source", "seed", "adapter", "first_layers"}
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -504,8 +504,11 @@ def parse_model(section: dict, where: str) -> ModelSpec:
     elif overrides:
         raise ConfigError(f"{where}: [model] size overrides apply to synthetic models only (source {source!r}; "
                           f"overridden: {', '.join(sorted(overrides))})")
+    first = section.get("first_layers")
+    if first is not None and (isinstance(first, bool) or not isinstance(first, int)):
+        raise ConfigError(f"{where}: [model] first_layers must be an integer (got {first!r})")
     return ModelSpec(source, seed, tuple(sorted(overrides.items())),
-                     tuple(sorted(adapter.items())))
+                     tuple(sorted(adapter.items())), first)
 
 
 def check_model_source(source: str, what: str) -> None:
@@ -579,6 +582,8 @@ def load_side(source: str, model: ModelSpec | None = None, inputs: Inputs | None
     where = origin if origin not in PRESETS else f"preset {origin}"
     run = parse_run(conf, where, origin)
     m = parse_model(conf["model"], where) if "model" in conf else (model or ModelSpec())
+    if model is not None and model.first_layers is not None and m.first_layers is None:  # --first-layers N cuts a
+        m = replace(m, first_layers=model.first_layers)                                    # config's model too
     i = parse_inputs(conf["inputs"], where) if "inputs" in conf else (inputs or Inputs())
     return Side(m, i, run, origin)
 

@@ -48,6 +48,8 @@ def trace_meta(prep: Prepared) -> dict:
     return {
         "model": {"source": snap.source, "spec": side.model.describe(), "args": snap.described_args(),
                   "weights_digest": snap.weights_digest,
+                  **({} if snap.truncated_of is None else
+                     {"truncated": {"layers": snap.args.n_layers, "of": snap.truncated_of}}),
                   "adapter": None if snap.adapter is None else snap.adapter.identity(),
                   "rope_inv_freq": None if snap.foreign is not None else rope_inv_freq(snap.args).tolist(),
                   **({} if snap.args.rope_local_theta is None else

@@ -290,6 +290,8 @@ def build_model(snapshot, dtype: str, attn: str, load: str = "dtype", tensor_par
             lambda entry: AutoModelForCausalLM.from_pretrained(entry.dir, use_safetensors=True, **kw))
     else:
         model = _from_our_weights(AutoModelForCausalLM, snapshot, tdt, attn)
+    if snapshot.truncated_of is not None:  # --first-layers N: a checkpoint transformers loaded whole, cut here
+        truncate(model, snapshot.args.n_layers)
     if tp is not None:
         _check_sharded(model, snapshot.args, tp.world)
     if load == "cast":
@@ -319,6 +321,19 @@ def _from_our_weights(auto, snapshot, tdt, attn):
     if snapshot.args.tie_embeddings:
         model.tie_weights()
     return model
+
+
+def truncate(model, n: int) -> None:
+    """Keep a transformers causal LM's first ``n`` decoder layers (its final norm and head unchanged): the module
+    list and the config its cache is built from (num_hidden_layers, layer_types)."""
+    layers, _ = decoder(model)
+    inner = getattr(model, "model", None) or getattr(model, "transformer", None)
+    name = "layers" if getattr(inner, "layers", None) is layers else "h"
+    setattr(inner, name, torch.nn.ModuleList(list(layers)[:n]))
+    for cfg in {id(c): c for c in (model.config, getattr(model.config, "text_config", model.config))}.values():
+        cfg.num_hidden_layers = n
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types)[:n]
 
 
 def _check_sharded(model, args, world: int) -> None:

@@ -50,7 +50,11 @@ FLASH = {True: 1, False: 0, "auto": -1}
 def check(prep) -> None:
     """What the llama.cpp engine needs beyond its registry entry: a model it can convert to a GGUF file."""
     snap = prep.snapshot
-    if not (snap.source == "smollm2" or snap.source.startswith("gguf:")):
+    gguf = snap.source == "smollm2" or snap.source.startswith("gguf:")
+    if gguf and snap.truncated_of is not None:
+        raise ConfigError(f"--first-layers {snap.args.n_layers}: llama.cpp loads the GGUF file {snap.source} whole "
+                          "(it has no layer limit); a model it converts from our weights is cut (synthetic, hf:DIR)")
+    if not gguf:
         check_convertible(snap)
 
 

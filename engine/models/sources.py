@@ -31,6 +31,8 @@ def load_snapshot(spec: ModelSpec) -> Snapshot:
 
 def _load(spec: ModelSpec) -> Snapshot:
     snap = load_source(spec)
+    if spec.first_layers is not None:
+        snap = snap.truncated(spec.first_layers)
     if spec.adapter:
         a = dict(spec.adapter)
         unknown = sorted(set(a) - {"id", "rank", "seed", "scale"})

@@ -14,16 +14,18 @@ class ModelSpec:
     seed: int = 0
     overrides: tuple = ()  # sorted (ModelArgs field, value) pairs
     adapter: tuple = ()  # sorted (key, value) pairs: id, rank, seed, scale
+    first_layers: int | None = None  # run the model's first this many layers only (--first-layers N): None, all
 
     def describe(self) -> dict:
         return {"source": self.source, "seed": self.seed, "overrides": dict(self.overrides),
-                "adapter": dict(self.adapter) or None}
+                "adapter": dict(self.adapter) or None, **({} if self.first_layers is None else {"first_layers": self.first_layers})}
 
     @classmethod
     def from_description(cls, d: dict) -> "ModelSpec":
         """The inverse of ``describe``, also after a JSON round trip (lists and tables become sorted tuples)."""
         return cls(source=d.get("source", "synthetic"), seed=d.get("seed", 0),
-                   overrides=_frozen(d.get("overrides") or {}), adapter=_frozen(d.get("adapter") or {}))
+                   overrides=_frozen(d.get("overrides") or {}), adapter=_frozen(d.get("adapter") or {}),
+                   first_layers=d.get("first_layers"))
 
 
 def _frozen(value):

@@ -65,7 +65,7 @@ def token_text_of(report: Report):
 def _head(report: Report) -> str:
     def side(d: dict) -> str:
         where = d.get("file") or ("in memory" if d.get("in_memory") else "trace not kept")
-        return f"{md(d.get('origin'))} ({md(where)}, {md(d.get('level'))} level)"
+        return f"{md(d.get('origin'))} ({md(where)}, {md(d.get('level'))} level{md(wording.truncated(d))})"
     # hard line breaks as a trailing backslash (CommonMark), not two trailing spaces, which pipes and editors drop
     lines = [f"### prefill-diff: {'PASSED' if report else 'FAILED'}", "",
              f"**{md(report.verdict_line())}**", "",

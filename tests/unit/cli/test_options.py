@@ -287,6 +287,6 @@ def test_shared_option_help_sections_are_set_on_the_options_themselves():
         pass
     assert {p.opts[0]: p.help_section for p in f.__click_params__} == {
         "--ignore-memory-estimate": "Model and prompts", "--model": "Model and prompts",
-        "--model-cache": "Model and prompts", "--prompt": "Model and prompts", "--tokens": "Model and prompts",
+        "--model-cache": "Model and prompts", "--first-layers": "Model and prompts", "--prompt": "Model and prompts", "--tokens": "Model and prompts",
         "--response": "Model and prompts", "--response-ids": "Model and prompts",
         "--response-tokens": "Model and prompts"}
