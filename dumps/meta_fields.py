@@ -439,6 +439,15 @@ FIELDS = (
     Field("meta.record.response.samples[]", Obj(required=("sample", "prompt", "response")), "one sample's", "1.3"),
     *(Field(f"meta.record.response.samples[].{k}", integer(lo), what, "1.3") for k, lo, what in (
         ("sample", 0, "the sample"), ("prompt", 1, "its prompt's tokens"), ("response", 1, "its response's tokens"))),
+    Field("meta.record.ops", Obj(none=True),
+          "the op-level states recorded inside each layer (--level ops)", "1.4"),
+    Field("meta.record.ops.recorded", array(text(choices=OP_NAMES)), "the ops recorded, in the order computed",
+          "1.4"),
+    Field("meta.record.ops.absent", obj(values=text()), "each op the engine cannot produce, and why", "1.4"),
+    Field("meta.record.ops.how", obj(values=text(), none=True),
+          "how the engine computes an op, where its code makes the rounding known (the hints read it)", "1.4"),
+    Field("meta.record.ops.layers", array(integer(0), none=True),
+          "the layers whose ops are recorded (null: every layer)", "1.4"),
     Field("meta.record.routing_forced", anything, "the (layer, sample, token) cells whose experts a replay forced",
           "1.2", OURS),
     Field("meta.record.vllm", Obj(none=True), "vLLM's own record (declared in engine/foreign/vllm_record.py)",
@@ -458,15 +467,6 @@ FIELDS = (
 )
 DECLARED = frozenset(r.name for r in FIELDS)
 
-    Field("meta.record.ops", Obj(none=True),
-          "the op-level states recorded inside each layer (--level ops)", "1.4"),
-    Field("meta.record.ops.recorded", array(text(choices=OP_NAMES)), "the ops recorded, in the order computed",
-          "1.4"),
-    Field("meta.record.ops.absent", obj(values=text()), "each op the engine cannot produce, and why", "1.4"),
-    Field("meta.record.ops.how", obj(values=text(), none=True),
-          "how the engine computes an op, where its code makes the rounding known (the hints read it)", "1.4"),
-    Field("meta.record.ops.layers", array(integer(0), none=True),
-          "the layers whose ops are recorded (null: every layer)", "1.4"),
 
 def value(meta: dict, name: str, default=None):
     """The value of the declared key ``name`` ("meta.layout.key_rotation") in ``meta``: ``default`` where the key,
