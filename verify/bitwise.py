@@ -77,8 +77,11 @@ def percent(share: float) -> str:
     if share >= 1.0:
         return "100%"
     v = 100.0 * share
-    text = f"{v:.1f}%"
-    return f"{v:.3g}%" if text in ("100.0%", "0.0%") and 0 < share < 1 else text
+    for digits in range(1, 9):  # as few decimals as keep it off 100% and 0%
+        text = f"{v:.{digits}f}%"
+        if float(text[:-1]) not in (0.0, 100.0) or share <= 0:
+            return text
+    return text
 
 
 def ordered(bits: np.ndarray, width: int) -> np.ndarray:
@@ -106,8 +109,11 @@ def _compare(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> tuple[np.ndarray
         rb, width = _bits(r, rd)
         cb, _ = _bits(c, cd)
         eq = rb == cb
-        if width == 64:  # distances past 2**63 cannot be held: as floats
-            dist = np.abs(ordered(rb, 64).astype(np.float64) - ordered(cb, 64).astype(np.float64))
+        if width == 64:  # across zero the distance may pass 2**63: those as floats, the rest exactly
+            oa, ob = ordered(rb, 64), ordered(cb, 64)
+            same = (oa >= 0) == (ob >= 0)
+            dist = np.where(same, np.abs(np.where(same, oa - ob, 0)).astype(np.float64),
+                            np.abs(oa).astype(np.float64) + np.abs(ob).astype(np.float64))
         else:
             dist = np.abs(ordered(rb, width) - ordered(cb, width)).astype(np.float64)
     else:  # different dtypes: exact equality of values, ULPs of the coarser dtype at the reference's value
