@@ -34,7 +34,7 @@ import os
 import numpy as np
 import torch
 
-from ..calls import Placement, plan_calls
+from ..calls import Placement, declare_ops_absent, plan_calls
 from ..decode import forward_facts, response_rows
 from ..coords import SeqRun
 from ..shared.errors import ConfigError, ModelLoadError, PrefillDiffError
@@ -378,6 +378,10 @@ def execute(prep, recorder):
             model.close()
         gfile.close()
     _run_meta(recorder, prep, gfile, cfg, True in flash, threads)
+    ops = getattr(recorder, "ops", None)
+    if ops is not None:  # emit_call reads the nodes of the layer states; those of the ops inside a layer are not mapped
+        declare_ops_absent(recorder, snap.args, dict.fromkeys(set(ops.declared()["absent"]) - set(
+            snap.args.ops_not_computed()), "llama.cpp's graph is read at the layer states' nodes only, not op by op"))
     for layer in range(snap.args.n_layers):
         yield layer
     return prep.record
