@@ -200,6 +200,7 @@ ENGINES = {e.name: e for e in (
                       ("explicit_positions", "vLLM numbers positions itself, from 0")),
                no_tp="prefill-diff runs vLLM in one process",
                faults=("cache-write", "position-restart", "decode-position"), responses=True, decode=True,
+               replays_ops=True,
                cache_kinds=("paged",), unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run",

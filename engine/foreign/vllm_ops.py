@@ -77,7 +77,8 @@ class OpCapture:
         if self.cap.recording and i is not None:
             self.dtypes[name] = str(x.dtype).replace("torch.", "")
             n = self.cap.step["n"]
-            self.cap.step_rows[(i, PREFIX + name)] = x[:n].detach().reshape(n, -1).to(torch.float32).cpu().numpy().copy()
+            rows = x[:n].detach().reshape(n, -1).to(torch.float32)  # a copy: vLLM reuses its buffers
+            self.cap.step_rows[(i, PREFIX + name)] = rows.cpu().numpy().copy()
 
     def _hook(self, module, fn):
         self.cap.handles.append(module.register_forward_hook(fn))
@@ -242,6 +243,8 @@ def replay_layer(layer, given: dict, positions, dtype, not_replayed: dict) -> di
         for name, y in zip(("q", "k", "v"), _out(qkv(x[0])).split([attn.q_size, attn.kv_size, attn.kv_size], -1)):
             out[name] = y
     qk = [n for n in ("q_norm", "k_norm") if getattr(attn, n, None) is not None]
+    for name in {"q_norm", "k_norm"} - set(qk):
+        not_replayed.setdefault(name, f"vLLM's {type(attn).__name__} has no {name} (the model has no QK-norm)")
     for name in qk:
         if (x := need((name,), name[0])) is not None:
             y = x[0]
