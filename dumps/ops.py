@@ -24,8 +24,9 @@ NOT_RECORDED = "the engine recorded no such op"
 class OpStore:
     """The op-level states of one trace being recorded: datasets ``layers/NNN/ops/NAME`` (S, C, width)."""
 
-    def __init__(self, f: h5py.File, dims: dict, widths: dict, n_layers: int, gzip: bool, layers=None):
-        self.f, self.dims, self.widths, self.n_layers, self.gzip = f, dims, dict(widths), n_layers, gzip
+    def __init__(self, group_of, dims: dict, widths: dict, n_layers: int, gzip: bool, layers=None):
+        """``group_of(layer)``: the recorder's group of that layer (made once, by whoever writes to it first)."""
+        self.group_of, self.dims, self.widths, self.n_layers, self.gzip = group_of, dims, dict(widths), n_layers, gzip
         self.layers = None if layers is None else sorted({int(x) for x in layers})
         self._ds: dict = {}  # (layer, name) -> dataset
         self._absent: dict = {}  # name -> why
@@ -60,8 +61,7 @@ class OpStore:
         ds = self._ds.get(key)
         arr = to_numpy(x)
         if ds is None:
-            group = self.f.require_group(sc.layer_group(layer))
-            ds = h5py.Dataset(sc.OP_STATE.create(group, {**self.dims, "W": shape[1]}, name, arr.dtype,
+            ds = h5py.Dataset(sc.OP_STATE.create(self.group_of(int(layer)), {**self.dims, "W": shape[1]}, name, arr.dtype,
                                                  chunks=(1, self.dims["C"], shape[1]), gzip=self.gzip))
             text_attr(ds, sc.ATTR_SOURCE_DTYPE, source_dtype(x))
             self._ds[key] = ds

@@ -196,7 +196,7 @@ class Recorder:
             self._slot_of_tok.append(m)
         self._ds = {}
         if self._ops_asked is not False:
-            self.ops = OpStore(self.f, self.dims, self._widths, self.args["n_layers"], bool(self.compression),
+            self.ops = OpStore(self.store.group, self.dims, self._widths, self.args["n_layers"], bool(self.compression),
                                None if self._ops_asked is True else self._ops_asked)
         if self.file.tmp is not None:
             self.file.check_space(self.size_estimate())

@@ -81,9 +81,15 @@ class ExactResult:
 
     def brk(self) -> Break | None:
         got = self.first
-        if got is None:
-            return None
-        layer, t = got
+        return None if got is None else self.break_at(*got)
+
+    def layer_break(self, layer: int) -> Break | None:
+        """The break of layer ``layer``'s first tensor whose bits part (None: bitwise equal, or not compared)."""
+        lb = next((x for x in self.layers if x.layer == layer), None)
+        return None if lb is None or lb.first is None else self.break_at(layer, lb.first)
+
+    @staticmethod
+    def break_at(layer: int | None, t: TensorBits) -> Break:
         w = t.where or Where(None, None)
         return Break(stage="layer" if layer is not None else "final", kind="bits", layer=layer, tensor=t.name,
                      sample=w.sample, position=w.position, max_abs_error=t.bits.max_abs,

@@ -58,7 +58,8 @@ def _cases(report: Report, not_reached) -> list[Case]:
     cases = []
     if fb0 is not None and fb0.stage == "metadata":  # incomparable traces are an error; missing samples a failure
         cases.append(_case(report, "metadata", fb0, t.setup, error=fb0.kind == "metadata"))
-    cases += [_case(report, f"layer {lr.layer:03d}", lr.first_break, t.layer(i)) for i, lr in enumerate(report.layers)]
+    cases += [_case(report, f"layer {lr.layer:03d}", _layer_break(report, lr), t.layer(i))
+              for i, lr in enumerate(report.layers)]
     cases += [Case(f"layer {i:03d}", "skipped", NOT_REACHED) for i in not_reached]
     if report.final is not None:  # each final check fails on its own result, not only the first break
         checks = _final_checks(report)
@@ -73,6 +74,17 @@ def _cases(report: Report, not_reached) -> list[Case]:
                           "\n".join(visible(n) for n in report.skipped if "not compared from layer" in n),
                           "inconclusive"))
     return cases
+
+
+def _layer_break(report: Report, lr) -> Break | None:
+    """A layer's break: its own, else under --exact the first tensor whose bits part there (the report's first break
+    itself where that is it)."""
+    if lr.first_break is not None or report.exact is None:
+        return lr.first_break
+    fb0 = report.first_break
+    if fb0 is not None and fb0.kind == "bits" and fb0.stage == "layer" and fb0.layer == lr.layer:
+        return fb0
+    return report.exact.layer_break(lr.layer)
 
 
 def _final_checks(report: Report) -> list[tuple[str, Break | None]]:
@@ -109,6 +121,14 @@ def _properties(props, report: Report) -> None:
                  ("reference_origin", report.ref.get("origin")), ("candidate_origin", report.cand.get("origin"))):
         if v is not None:
             ET.SubElement(props, "property", name=k, value=visible(v))
+    if report.exact is not None:  # --exact: where bits first part, as a dashboard keys it
+        ex = report.exact.as_dict()
+        first = ex["first"] or {}
+        for k, v in (("exact_bitwise_equal", ex["bitwise_equal"]), ("exact_first_layer", first.get("layer")),
+                     ("exact_first_tensor", first.get("tensor")), ("exact_first_share_equal", first.get("share_equal")),
+                     ("exact_first_max_ulp", first.get("max_ulp"))):
+            if v is not None:
+                ET.SubElement(props, "property", name=k, value=repr(v) if isinstance(v, float) else str(v))
     for k, v in (report.logprobs.as_dict() if report.logprobs is not None else {}).items():
         if k not in ("largest", "chosen_by") and v is not None:  # the response's log-prob figures, as RL dashboards name them
             ET.SubElement(props, "property", name=f"logprobs_{k}", value=repr(v) if isinstance(v, float) else str(v))

@@ -12,6 +12,8 @@ import re
 
 from ...engine.shared.untrusted import visible
 from .. import wording
+from ..bitwise import percent
+from ..op_replay import replay_lines
 from ..report import Report
 
 BAD = "✗"  # an out-of-tolerance value, as the terminal marks it
@@ -50,11 +52,27 @@ def to_markdown(report: Report, shown=None, columns=None) -> str:
     if report.logprobs is not None:
         parts.append("\n".join(f"- {md(line.strip())}" for line in wording.logprob_lines(report.logprobs,
                                                                                  token_text_of(report))))
+    if report.exact is not None:
+        parts.append("\n".join(f"- {md(line)}" for line in wording.exact_lines(report.exact)))
+    if report.replay is not None:
+        parts.append(_replay_table(report.replay))
     lines = ([f"- **INCONCLUSIVE:** {md(n)}" for n in report.inconclusive] + [f"- note: {md(n)}" for n in report.notes]
              + [f"- not checked: {md(n)}" for n in report.skipped])
     if lines:
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def _replay_table(replay) -> str:
+    """--replay-ops as a table: per layer and op, the share bitwise equal in the candidate's own forward and when fed
+    the reference's input, and what that makes of the op; then the causes and what was not replayed."""
+    rows = ["| layer | op | own forward | replayed | verdict |", "|---|---|---|---|---|"]
+    for layer, ops in replay.layers:
+        for o in ops:
+            own = "" if o.own is None else percent(o.own.share)
+            rows.append(f"| {layer} | {md(o.name)} | {own} | {percent(o.replayed.share)} | {o.verdict} |")
+    notes = [line for line in replay_lines(replay) if not line.startswith(f"replay on {replay.engine}, layer")]
+    return "\n".join(rows) + ("\n\n" + "\n".join(f"- {md(n)}" for n in notes) if notes else "")
 
 
 def token_text_of(report: Report):
