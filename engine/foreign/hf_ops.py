@@ -189,6 +189,13 @@ def _data_flow(i, layer, put, flush, ops=None) -> list:
     return handles
 
 
+_ROPE = "computes cos/sin in float32 and rounds them to the activation dtype before rotating"
+# how transformers computes an op where its modeling code makes the rounding known, in the words our engine uses for
+# the same computation (meta.record.ops.how: the hints compare them)
+OPS_HOW = {"q_rope": _ROPE, "k_rope": _ROPE, "attn_residual": "adds the attention output to the residual in the "
+           "activation dtype, then normalises the rounded sum"}
+
+
 def declare_absent(ops, layers, tp: bool) -> None:
     """Say why each op a forward of this model cannot record is absent, before any is recorded: what the modules
     the capture reads lack (QK-norm, apply_rotary_pos_emb, a dense MLP on any wanted layer). The norms and the
@@ -213,3 +220,4 @@ def declare_absent(ops, layers, tp: bool) -> None:
     for name, reason in why.items():
         if name not in ops.recorded:
             ops.absent(name, reason)
+    ops.how.update(OPS_HOW)

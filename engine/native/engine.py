@@ -214,11 +214,10 @@ def generate(prep, n: int) -> tuple:
 
 
 # how our engine rounds where an op's bits can part from another engine's (engine/native/model.py)
-OPS_HOW = {"attn_norm": "normalises in float32, rounds to the activation dtype, then multiplies by the weight",
-           "q_rope": "computes cos/sin in float32 and rounds them to the activation dtype before rotating",
+OPS_HOW = {"q_rope": "computes cos/sin in float32 and rounds them to the activation dtype before rotating",
            "k_rope": "computes cos/sin in float32 and rounds them to the activation dtype before rotating",
-           "attn_residual": "adds the attention update to the residual in the activation dtype",
-           "mlp_norm": "normalises the rounded residual sum in float32, rounds, then multiplies by the weight"}
+           "attn_residual": "adds the attention output to the residual in the activation dtype, then normalises the "
+                            "rounded sum"}
 
 
 def execute(prep, recorder):
