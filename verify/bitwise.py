@@ -18,6 +18,7 @@ import numpy as np
 
 # bits of mantissa by dtype name: the spacing of values near x is 2**(exponent(x) - MANTISSA)
 MANTISSA = {"float64": 52, "float32": 23, "bfloat16": 7, "float16": 10}
+MIN_EXPONENT = {"float64": -1022, "float32": -126, "bfloat16": -126, "float16": -14}  # of the smallest normal
 SLAB = 1 << 20  # elements per pass: slabs of a few MiB (a whole-array pass on 1 GiB is ten times slower)
 
 
@@ -120,11 +121,11 @@ def _compare(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> tuple[np.ndarray
         with np.errstate(invalid="ignore"):
             eq = (r.astype(np.float64) == c.astype(np.float64)) | (np.isnan(r) & np.isnan(c))
         coarse = min((d for d in (rd, cd)), key=lambda d: MANTISSA.get(d, 23))
-        m = MANTISSA.get(coarse, 23)
+        m, lo = MANTISSA.get(coarse, 23), MIN_EXPONENT.get(coarse, -126)
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             rv = r.astype(np.float64)
             e = np.floor(np.log2(np.maximum(np.abs(rv), np.finfo(np.float64).tiny)))
-            dist = np.abs(rv - c.astype(np.float64)) / np.exp2(e - m)
+            dist = np.abs(rv - c.astype(np.float64)) / np.exp2(np.maximum(e, lo) - m)  # subnormals: the fixed spacing
         dist = np.where(eq, 0.0, dist)
     nonfinite = ~(np.isfinite(r) & np.isfinite(c))
     if nonfinite.any():
