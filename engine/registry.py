@@ -163,7 +163,7 @@ ENGINES = {e.name: e for e in (
                "the root, a mixed-precision policy), data parallel over spawned gloo ranks: a trainer's forward",
                "foreign.fsdp2_options:Fsdp2Options", "fsdp2", Computes(("float32", "bfloat16", "float16")),
                batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, decode=True,
-               replays_routing=True, any_architecture=True,
+               replays_routing=True, replays_ops=True, any_architecture=True,
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
                       ("weight_quant", "use our engine for weight quantisation"),
                       ("dtype", "FSDP2's policy here computes in float32, bfloat16 or float16")),

@@ -16,7 +16,12 @@ calls, with ``meta.parallel`` (kind "data", strategy "fsdp2", the world and the 
 (the policy, the parameters' and buffers' dtypes as the model ran, each rank's share).
 
 ``load`` "cast" loads float32 and casts with ``model.to(param dtype)``, which casts RoPE's ``inv_freq`` buffer
-too (FSDP2's policy casts parameters only): the loader trap, shown in the record's ``buffers``.
+too (FSDP2's policy casts parameters only): the loader trap, shown in the record's ``buffers`` and in
+``meta.parameters`` (``digests``: every parameter as FSDP2 holds it, gathered from the shards, and every buffer).
+
+With ``--level ops`` each rank's capture (hf_ops.py) writes the ops into its tape, whose ``ops`` answers the
+trace's request (rank_tape.RankOps); they reach the trace in plan order with the states. ``replay_ops`` replays
+on transformers' model loaded as the ranks load it, in this process: outside the process group.
 """
 from __future__ import annotations
 
@@ -31,8 +36,9 @@ from .. import parallel
 from ..calls import Placement, call_routing, plan_calls
 from ..decode import response_rows
 from ..models.dtypes import torch_dtype
+from ..models.param_digests import tensor_digests
 from ..shared.errors import ConfigError, PrefillDiffError
-from . import hf_engine, rank_tape
+from . import hf_engine, hf_replay, rank_tape
 
 
 def _fsdp():
@@ -90,14 +96,31 @@ def shard(model, mesh, run) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=p["reshard_after_forward"])
 
 
+def digests(model, rank: int) -> dict | None:
+    """``meta.parameters`` of the model as FSDP2 holds it after ``fully_shard``, before any forward: "after sync",
+    as the trainer holds it. Each parameter is a DTensor sharded over the ranks, so it is gathered whole
+    (``full_tensor``: a collective every rank joins, in named_parameters' order) rather than digested before
+    sharding: what the shards hold is what is digested. Buffers (RoPE's inv_freq) are not sharded: digested as they
+    are, in their own dtype. Rank 0's list; None on the others."""
+    def gathered():
+        for name, p in model.named_parameters():
+            yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)
+    if rank != 0:
+        for _ in gathered():
+            pass
+        return None
+    return tensor_digests(gathered(), model.named_buffers(), "hf")
+
+
 def _planned_forwards(prep) -> list[int]:
     """Each rank's model forwards for its calls."""
     return [sum(hf_engine.forwards(prep.calls[i], response_rows(prep, prep.calls[i]).get("decode_from"))
                 for i in calls) for calls in prep.extras["rank_calls"]]
 
 
-def _run_rank(ctx, side, routing, out: str) -> None:
-    """This rank's share: plan as the launcher did, load, shard, run its calls into a tape, saved to out/rank{r}.pt."""
+def _run_rank(ctx, side, routing, out: str, ops) -> None:
+    """This rank's share: plan as the launcher did, load, shard, run its calls into a tape, saved to out/rank{r}.pt.
+    ``ops``: None (no op-level states), or ``(layers,)``: the trace records the ops of ``layers`` (None: every one)."""
     from ..prepared import prepare  # prepared imports the registry, which names this module
     t0 = time.time()
     prep = prepare(side, routing=routing)
@@ -105,8 +128,9 @@ def _run_rank(ctx, side, routing, out: str) -> None:
     model = hf_engine.build_model(prep.snapshot, run.dtype, run.options.attn_implementation, run.options.load,
                                   tensor_parallel=False)
     shard(model, ctx.mesh, run)
+    parameters = digests(model, ctx.rank)
     t1 = time.time()
-    tape, absent = rank_tape.RankTape(), {}
+    tape, absent = rank_tape.RankTape(ops is not None, ops[0] if ops is not None else None), {}
     moe = prep.snapshot.foreign is None and prep.snapshot.args.n_experts > 0  # as hf_engine.execute
     mine = prep.extras["rank_calls"][ctx.rank]
     for i in mine:
@@ -127,14 +151,14 @@ def _run_rank(ctx, side, routing, out: str) -> None:
     rank = {"rank": ctx.rank, "samples": sum(len(prep.calls[i].samples) for i in mine), "forwards": planned[ctx.rank],
             "idle_forwards": idle, "startup_s": ctx.startup_s, "prepare_s": t1 - t0, "forward_s": t2 - t1}
     tape.save(os.path.join(out, f"rank{ctx.rank}.pt"), absent=absent, rank=rank, parameters=counts,
-              buffers=hf_engine.buffer_dtypes(model))
+              buffers=hf_engine.buffer_dtypes(model), digests=parameters)
 
 
-def _rank_main(rank, world, port, started, side, routing, out):
+def _rank_main(rank, world, port, started, side, routing, out, ops):
     """One rank's process: join the group, run its share; errors go to out/error-rank{rank}.txt."""
     try:
         ctx = parallel.init_group(rank, world, port, started=started, mesh_dim="dp")
-        _run_rank(ctx, side, routing, out)
+        _run_rank(ctx, side, routing, out, ops)
     except PrefillDiffError as e:
         _write_error(out, rank, "input", str(e))
         sys.exit(2)
@@ -172,13 +196,15 @@ def execute(prep, recorder):
     run = prep.side.run
     check(prep)
     world = run.options.ranks
+    ops = getattr(recorder, "ops", None)  # the op request the ranks' tapes answer (rank_tape.RankOps)
     with tempfile.TemporaryDirectory(prefix="prefill-diff-fsdp2-") as out:
         try:
-            parallel.launch(_rank_main, world, (prep.side, prep.routing, out))
+            parallel.launch(_rank_main, world, (prep.side, prep.routing, out, None if ops is None else (ops.layers,)))
         except Exception as e:
             raise _rank_error(out, world, e) from None
         tapes = [rank_tape.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
     rank_tape.replay(tapes, recorder)
+    recorder.update_meta(parameters=tapes[0]["digests"])  # rank 0's: every parameter gathered, every buffer
     absent = {k: v for t in tapes for k, v in t["absent"].items()}
     if absent:  # the trace says which states this model's layers do not have, and why
         recorder.update_meta(absent_states=absent)
@@ -191,3 +217,17 @@ def execute(prep, recorder):
     for layer in range(prep.snapshot.args.n_layers):
         yield layer
     return prep.record
+
+
+def replay_ops(prep, given):
+    """transformers' op replay (hf_replay.py) on the model the ranks compute with, built in this process: FSDP2's
+    module cannot run outside its process group, so transformers' model is loaded as ``_run_rank`` loads it (the
+    run's dtype, ``load``, no tensor parallelism). The policy's param_dtype is the run's dtype (``check``), so the
+    ranks' all-gather hands each layer these same parameters, bit for bit."""
+    run = prep.side.run
+    check(prep)
+    model = hf_engine.build_model(prep.snapshot, run.dtype, run.options.attn_implementation, run.options.load,
+                                  tensor_parallel=False)
+    out = hf_replay.replay_model(model, given, run.dtype)
+    out.notes.insert(0, "replayed on transformers' model loaded as fsdp2 loads it, outside the process group")
+    return out

@@ -41,10 +41,16 @@ def _row(name: str, kind: str, t: torch.Tensor) -> dict:
 def module_digests(model: torch.nn.Module, naming: str, rename: Callable[[str], str] | None = None) -> dict:
     """``meta.parameters`` of ``model``: every parameter (tied ones once), then every buffer, under ``rename``'s
     names (the module's own where it gives none); ``seconds``: what digesting took."""
+    return tensor_digests(model.named_parameters(), model.named_buffers(), naming, rename)
+
+
+def tensor_digests(parameters, buffers, naming: str, rename: Callable[[str], str] | None = None) -> dict:
+    """``meta.parameters`` of (name, tensor) pairs, parameters then buffers, each digested as it comes (an iterator
+    may make each tensor just before: a gathered shard); ``seconds``: what making and digesting them took."""
     start = time.perf_counter()
     rename = rename or (lambda n: n)
-    rows = [_row(rename(n), "parameter", p) for n, p in model.named_parameters()]
-    rows += [_row(rename(n), "buffer", b) for n, b in model.named_buffers()]
+    rows = [_row(rename(n), "parameter", p) for n, p in parameters]
+    rows += [_row(rename(n), "buffer", b) for n, b in buffers]
     return {"naming": naming, "tensors": rows, "seconds": round(time.perf_counter() - start, 4)}
 
 
