@@ -94,7 +94,8 @@ class EngineInfo:
     # -- what it is
     cache_kinds: tuple = ("contiguous",)  # the KV cache layouts it has (engine/models/cache_layout.py CACHE_KINDS)
     unrecorded: tuple = ()  # options never written into a trace (and never read back from one)
-    needs: tuple = ()  # (import name, extra of prefill-diff that installs it) for each package it imports
+    needs: tuple = ()  # (import name, extra of prefill-diff that installs it) for each package it imports; a third
+    # item: the pip command that installs a package its extra cannot (one whose own requirements conflict with ours)
     # record.prefill (each sample's tokens from a cache, tokens computed, forward steps): "plan" when its planned
     # calls are its forward steps (prepared.planned_prefill), "run" when the engine records what its scheduler
     # did, "" when it records none
@@ -218,7 +219,8 @@ ENGINES = {e.name: e for e in (
                                  "(decode = false)"),
                       ("dtype", "TorchTitan's model runs float32 or bfloat16 here")),
                no_tp="prefill-diff runs TorchTitan's model in one process",
-               needs=(("torchtitan", "torchtitan"), ("triton", "torchtitan"), ("tyro", "torchtitan"),
+               needs=(("torchtitan", "torchtitan", "pip install --no-deps torchtitan==0.3.0"),
+                      ("triton", "torchtitan"), ("tyro", "torchtitan"),
                       ("spmd_types", "torchtitan")), prefill_steps="plan", precisions_from_config=True),
 )}
 OURS = "native"
@@ -299,11 +301,12 @@ class MissingPackage(PrefillDiffError):
 def missing_packages(info: EngineInfo) -> None:
     """Refuse, in one line naming the extra that installs them, the packages ``info`` needs that this
     environment lacks (found without importing them)."""
-    missing = [(name, extra) for name, extra in info.needs if _absent(name)]
+    missing = [(name, extra, *how) for name, extra, *how in info.needs if _absent(name)]
     if missing:
-        extras = ",".join(dict.fromkeys(extra for _, extra in missing))
-        raise MissingPackage(f"the {info.name} engine needs {', '.join(name for name, _ in missing)}, missing from "
-                             f"prefill-diff's environment: pip install 'prefill-diff[{extras}]'")
+        extras = ",".join(dict.fromkeys(m[1] for m in missing))
+        then = "".join(f" && {m[2]}" for m in missing if len(m) > 2)
+        raise MissingPackage(f"the {info.name} engine needs {', '.join(m[0] for m in missing)}, missing from "
+                             f"prefill-diff's environment: pip install 'prefill-diff[{extras}]'{then}")
 
 
 def _absent(name: str) -> bool:

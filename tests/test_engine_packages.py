@@ -51,19 +51,31 @@ def _preset_of(engine: str) -> str:
     return next(name for name in PRESETS if load_side(name).run.engine == engine)
 
 
-NEEDED = [(name, module, extra) for name, info in ENGINES.items() for module, extra in info.needs]
+NEEDED = [(name, module, extra) for name, info in ENGINES.items() for module, extra, *_ in info.needs]
+OWN_COMMAND = [(name, module, how[0]) for name, info in ENGINES.items() for module, _, *how in info.needs if how]
 
 
 def test_every_foreign_engine_declares_what_it_imports():
-    assert {name for name, info in ENGINES.items() if info.needs} == {"transformers", "llama.cpp", "vllm"}
+    assert {name for name, info in ENGINES.items() if info.needs} == {"transformers", "fsdp2", "llama.cpp", "vllm", "torchtitan"}
     assert not ENGINES["native"].needs  # ours runs on torch, numpy and h5py alone
 
 
 @pytest.mark.parametrize("engine, module, extra", NEEDED)
 def test_each_declared_package_is_in_the_extra_it_names(engine, module, extra):
+    if any(m == module for _, m, _ in OWN_COMMAND):
+        return  # installed by its own command (below), not by the extra
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     dists = [d.split("=")[0].split(">")[0].split("<")[0].strip().lower() for d in extras[extra]]
     assert any(d.replace("-", "_").startswith(module) for d in dists), (module, extra, dists)
+
+
+@pytest.mark.parametrize("engine, module, how", OWN_COMMAND)
+def test_a_package_installed_by_its_own_command_is_installed_by_the_readme_test_line(engine, module, how):
+    """torchtitan's own requirements conflict with transformers' (its datasets<4.8 wants huggingface_hub<2): it is
+    installed with --no-deps, by the README's test line, which CI runs."""
+    line = next(l for l in (ROOT / "README.md").read_text().splitlines() if '-e ".[test]"' in l)
+    spec = how.split("--no-deps", 1)[1].split()
+    assert "--no-deps" in how and all(f'"{s}"' in line or f" {s} " in line for s in spec), (how, line)
 
 
 @pytest.mark.parametrize("engine, module, extra", NEEDED)
@@ -82,6 +94,8 @@ def test_a_missing_package_is_one_line_naming_the_extra_before_any_model_loads(e
     res = run_cli("run", "reference", preset, "--model", "synthetic")
     assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
     assert f"pip install 'prefill-diff[{extra}]'" in res.output and module in res.output, res.output
+    for _, m, how in OWN_COMMAND:  # a package its extra cannot install: the message gives the command that does
+        assert (how in res.output) == (m == module), res.output
     assert not loaded  # not even the reference's model: both sides' engines are checked first
 
 
