@@ -56,7 +56,8 @@ OWN_COMMAND = [(name, module, how[0]) for name, info in ENGINES.items() for modu
 
 
 def test_every_foreign_engine_declares_what_it_imports():
-    assert {name for name, info in ENGINES.items() if info.needs} == {"transformers", "fsdp2", "llama.cpp", "vllm", "torchtitan"}
+    assert {name for name, info in ENGINES.items() if info.needs} == {"transformers", "fsdp2", "llama.cpp", "vllm",
+                                                                      "torchtitan"}
     assert not ENGINES["native"].needs  # ours runs on torch, numpy and h5py alone
 
 
