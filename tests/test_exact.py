@@ -66,7 +66,9 @@ def test_different_dtypes_compare_values_and_measure_the_coarser_ulp():
     got = compare(a, b, "float32", "bfloat16")
     assert got.dtype == "float32 vs bfloat16" and got.equal == 1 and got.max_ulp == pytest.approx(1.0)
     zero = compare(np.array([0.0], np.float32), np.array([2.0 ** -133], np.float32), "bfloat16", "float32")
-    assert zero.max_ulp == pytest.approx(1.0)  # against 0, the spacing of bfloat16's subnormals (2**-133)
+    assert zero.max_ulp == 1.0  # bfloat16's smallest subnormal is one value from 0
+    near = compare(np.array([1.0], np.float32), np.array([1.0 + 2.0 ** -9], np.float32), "bfloat16", "float32")
+    assert near.equal == 0 and near.max_ulp == 0.0  # rounds to the same bfloat16: not equal, no ULP apart
 
 
 def test_a_share_never_rounds_a_difference_away():

@@ -6,8 +6,8 @@ sides computed in (``source_dtype``): equal bits there are equal bits here. The 
 the number of representable values of that dtype from one to the other (0 between +0 and -0, which are not
 bitwise equal); a NaN against anything but the same NaN, or an infinity against a finite value, is an unbounded
 distance (``math.inf``). When the two sides computed in different dtypes, no element can be called bitwise equal
-by its bits alone: values that are exactly equal count as equal, and the distance is measured in ULPs of the
-coarser dtype at the reference's value.
+by its bits alone: values that are exactly equal count as equal, and the distance is counted between the two
+rounded to the coarser dtype.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import numpy as np
 
 # bits of mantissa by dtype name: the spacing of values near x is 2**(exponent(x) - MANTISSA)
 MANTISSA = {"float64": 52, "float32": 23, "bfloat16": 7, "float16": 10}
-MIN_EXPONENT = {"float64": -1022, "float32": -126, "bfloat16": -126, "float16": -14}  # of the smallest normal
 SLAB = 1 << 20  # elements per pass: slabs of a few MiB (a whole-array pass on 1 GiB is ten times slower)
 
 
@@ -104,6 +103,18 @@ def _bits(x: np.ndarray, dtype: str) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(x, dtype=np.float32).view(np.int32), 32
 
 
+def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Values rounded to nearest (ties to even) in ``dtype``, held as _bits reads that dtype's stored values."""
+    if dtype == "bfloat16":
+        b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+        return np.where(np.isnan(x), np.float32(np.nan), b.view(np.float32))
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            return np.asarray(x, dtype=np.float16)
+    return np.asarray(x, dtype=np.float64 if dtype == "float64" else np.float32)
+
+
 def _compare(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> tuple[np.ndarray, np.ndarray]:
     """(bitwise equal per element, ULP distance per element)."""
     if rd == cd and rd in MANTISSA:
@@ -117,15 +128,13 @@ def _compare(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> tuple[np.ndarray
                             np.abs(oa).astype(np.float64) + np.abs(ob).astype(np.float64))
         else:
             dist = np.abs(ordered(rb, width) - ordered(cb, width)).astype(np.float64)
-    else:  # different dtypes: exact equality of values, ULPs of the coarser dtype at the reference's value
+    else:  # different dtypes: exact equality of values; the distance between both rounded to the coarser dtype
         with np.errstate(invalid="ignore"):
             eq = (r.astype(np.float64) == c.astype(np.float64)) | (np.isnan(r) & np.isnan(c))
-        coarse = min((d for d in (rd, cd)), key=lambda d: MANTISSA.get(d, 23))
-        m, lo = MANTISSA.get(coarse, 23), MIN_EXPONENT.get(coarse, -126)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            rv = r.astype(np.float64)
-            e = np.floor(np.log2(np.maximum(np.abs(rv), np.finfo(np.float64).tiny)))
-            dist = np.abs(rv - c.astype(np.float64)) / np.exp2(np.maximum(e, lo) - m)  # subnormals: the fixed spacing
+        coarse = min((rd, cd), key=lambda d: MANTISSA.get(d, 23))
+        ra, width = _bits(_rounded(r, coarse), coarse)
+        ca, _ = _bits(_rounded(c, coarse), coarse)
+        dist = np.abs(ordered(ra, width) - ordered(ca, width)).astype(np.float64)
         dist = np.where(eq, 0.0, dist)
     nonfinite = ~(np.isfinite(r) & np.isfinite(c))
     if nonfinite.any():
