@@ -29,6 +29,11 @@ def test_benchmarks_run_at_smoke_size():
     assert out["model_cache"]["second, cached (s, median)"] > 0 and out["model_cache"]["cache size (MiB)"] > 0
     assert out["decode"]["decode / one prefill, bare (median of rounds)"] > 0
     assert out["decode"]["ms per decode step, bare"] > 0
+    assert out["ops"]["record"]["reference"]["ops / full, bytes"] > 1  # the op level keeps the layer level's states too
+    assert out["ops"]["record"]["transformers"]["ops / full, seconds (median of rounds)"] > 0
+    assert out["ops"]["compare"]["verdicts"] == {"tolerance": "pass", "exact": "fail"}  # the engines' bits differ
+    assert out["ops"]["replay"]["ops replayed"] > 0
+    assert out["ops"]["replay"]["replay / recording (median of rounds)"] > 0
     assert out["vllm"]["record_over_bare"] > 0 and out["vllm"]["decode_capture_over_bare_generate"] > 0
     assert out["vllm"]["agreement"]["vllm-decode"]["verdict"] == "pass" and out["vllm"]["agreement"]["vllm"]["verdict"] == "pass"
 

@@ -21,6 +21,7 @@ import bench_engine  # noqa: E402
 import bench_failfast  # noqa: E402
 import bench_llamacpp  # noqa: E402
 import bench_model_cache  # noqa: E402
+import bench_ops  # noqa: E402
 import bench_record  # noqa: E402
 import bench_startup  # noqa: E402
 import bench_vllm  # noqa: E402
@@ -28,7 +29,7 @@ import bench_vllm  # noqa: E402
 BENCHES = {"record": bench_record.run, "compare": bench_compare.run, "engine": bench_engine.run,
            "failfast": bench_failfast.run, "calibrate": bench_calibrate.run,
            "llamacpp": bench_llamacpp.run, "startup": bench_startup.run, "model_cache": bench_model_cache.run,
-           "vllm": bench_vllm.run, "decode": bench_decode.run}
+           "vllm": bench_vllm.run, "decode": bench_decode.run, "ops": bench_ops.run}
 
 
 def machine() -> dict:
