@@ -380,13 +380,14 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
                                          "expected": warmed, "reason": None if k else
                                          "vLLM's prefix cache held none of its leading blocks although they were "
                                          "prefilled first"})
+    own = _in_own_dtype(prep.side.run.dtype)
     for layer in range(args.n_layers):
         for head, a in samples:
             s, k = head["index"], head["num_cached_tokens"]
             for name in head.get("states", ()):  # the states the worker captured (the recorder checks the names)
-                recorder.state(layer, name, s, 0, a[name][layer])
+                recorder.state(layer, name, s, 0, own(a[name][layer]))
             pos = np.concatenate([np.arange(k), a["positions"]])
-            recorder.cache(layer, s, a["keys"][layer], a["values"][layer], pos)
+            recorder.cache(layer, s, own(a["keys"][layer]), own(a["values"][layer]), pos)
             _routing(recorder, prep, layer, head, a)
             _ops(recorder, layer, head, a, meta.get("op_dtypes") or {})
     for head, a in samples:
@@ -401,6 +402,22 @@ def _record(recorder, prep, meta: dict, samples: list) -> None:
         missing = {n: f"{why} (vLLM {meta.get('vllm')})" for n, why in (meta.get("ops_missing") or {}).items()
                    if n not in got}
         declare_ops_absent(recorder, args, missing, how=OPS_HOW)
+
+
+def _in_own_dtype(dtype: str):
+    """A state as vLLM computed it: the worker sends float32; in a bfloat16 or float16 run each array whose values
+    that dtype holds exactly goes to the recorder in it (its source dtype, what a bitwise comparison reads), any
+    other stays float32 (vLLM kept it wider)."""
+    if dtype not in ("bfloat16", "float16"):
+        return lambda x: x
+    import torch  # deferred: the recorder widens a bfloat16 tensor back exactly
+    want = getattr(torch, dtype)
+
+    def own(x):
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        low = t.to(want)
+        return low if torch.equal(low.to(t.dtype), t) else x
+    return own
 
 
 def _ops(recorder, layer: int, head: dict, a: dict, dtypes: dict) -> None:
