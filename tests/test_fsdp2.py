@@ -2,8 +2,9 @@
 spawned gloo ranks, against transformers' own model loaded in bfloat16 (in this process).
 
 Each fsdp2 run spawns its ranks (seconds: interpreters importing torch and transformers), so the recorded traces are
-one module fixture: five launches in all (fsdp2 on two families, the cast load, one rank, a decode). The unit tests of
-the options and of the merge (rank_tape) run without a process group.
+one module fixture, at the ops level where the states are prefills (op-level states, digests and states in one
+launch): five launches (fsdp2 on two families, the cast load, one rank, a decode), and one more for
+``run --replay-ops``. The unit tests of the options and of the merge (rank_tape) run without a process group.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ RESPONSES = Inputs(responses=((5, 6, 7), (8,), (9, 10)))  # unequal: the ranks r
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    """name -> trace path, recorded once: (preset or config, model, inputs)."""
+    """name -> trace path, recorded once: (preset or config, model, inputs); prefills at the ops level."""
     from prefill_diff.jobs.sides import prepare_side, record_side
     d = tmp_path_factory.mktemp("fsdp2")
     (d / "ranks1.toml").write_text('[run]\nengine = "fsdp2"\ndtype = "bfloat16"\n[run.fsdp2]\nranks = 1\n')
@@ -44,14 +45,18 @@ def traces(tmp_path_factory):
         if name not in cache:
             source, model, inputs = sources[name]
             prep = prepare_side(source, ModelSpec(model) if model else None, inputs)
-            cache[name] = record_side(prep, d / f"{name}.h5")
+            cache[name] = record_side(prep, d / f"{name}.h5", level="full" if inputs else "ops")
         return cache[name]
     return get
 
 
-def _compare(run_cli, ref, cand) -> dict:
-    res = run_cli("compare", ref, cand, *EXACT)
+def _compare(run_cli, ref, cand, *more) -> dict:
+    res = run_cli("compare", ref, cand, *EXACT, *more)
     return json.loads(res.output)
+
+
+def _exact(run_cli, ref, cand, *more) -> dict:
+    return json.loads(run_cli("compare", ref, cand, "--exact", *more, "--json", "-").output)
 
 
 def _max_abs(rep) -> list:
@@ -79,8 +84,9 @@ def test_fsdp2_in_bfloat16_is_bitwise_transformers_loaded_in_bfloat16(family, tr
 @pytest.mark.slow
 def test_a_cast_load_differs_and_its_record_shows_inv_freq_in_bfloat16(traces, run_cli):
     """The loader trap: float32 then model.to(bfloat16) casts RoPE's inv_freq too (FSDP2's policy casts parameters
-    only), so the keys differ from layer 0 on; the records say inv_freq's dtype on each side."""
-    rep = _compare(run_cli, traces("hf"), traces("cast"))
+    only), so the keys differ from layer 0 on (compared past the identity failure it is); the records say inv_freq's
+    dtype on each side."""
+    rep = _compare(run_cli, traces("hf"), traces("cast"), "--allow-identity-difference")
     assert rep["verdict"] == "fail" and max(_max_abs(rep)) > 0
     assert rep["first_break"]["layer"] == 0
     hf, cast, dtype_loaded = (_meta(traces(n))["record"] for n in ("hf", "cast", "fsdp2"))
@@ -88,6 +94,90 @@ def test_a_cast_load_differs_and_its_record_shows_inv_freq_in_bfloat16(traces, r
     assert cast["fsdp2"]["buffers"][INV_FREQ] == "bfloat16" and cast["fsdp2"]["load"] == "cast"
     assert dtype_loaded["fsdp2"]["buffers"][INV_FREQ] == "float32"
     assert set(cast["fsdp2"]["parameters"]) == set(dtype_loaded["fsdp2"]["parameters"]) == {"bfloat16"}
+
+
+OPS = ("attn_norm", "q", "k", "v", "q_rope", "k_rope", "attn_core", "o_proj", "attn_residual", "mlp_norm", "gate",
+       "up", "act_mul", "down")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, qk_norm", [("", ()), ("-qwen3", ("q_norm", "k_norm"))])
+def test_fsdp2_records_every_op_bit_for_bit_as_transformers_does(family, qk_norm, traces, run_cli):
+    """--level ops under FSDP2: each rank's hooks write the ops into its tape, replayed in plan order. --exact compares
+    every op of every layer (none left out as unrecorded) and finds each bitwise transformers' own; the trace
+    declares the same ops recorded and absent, with the same reasons."""
+    rep = _exact(run_cli, traces(f"hf{family}"), traces(f"fsdp2{family}"))
+    assert rep["verdict"] == "pass", rep["verdict_line"]
+    ex = rep["exact"]
+    assert "ops" not in ex["not_compared"] and ex["bitwise_equal"]
+    assert len(ex["layers"]) == _meta(traces(f"fsdp2{family}"))["model"]["args"]["n_layers"]
+    for layer in ex["layers"]:
+        ops = {t["tensor"]: t for t in layer["tensors"] if t["op"]}
+        assert sorted(ops) == sorted(OPS + qk_norm), layer["layer"]
+        assert all(0 < t["compared"] == t["bitwise_equal"] for t in ops.values())
+    hf, fsdp2 = (_meta(traces(n))["record"]["ops"] for n in (f"hf{family}", f"fsdp2{family}"))
+    assert fsdp2 == hf and sorted(fsdp2["recorded"]) == sorted(OPS + qk_norm)
+
+
+@pytest.mark.slow
+def test_a_cast_load_is_an_identity_failure_and_its_bits_part_first_at_layer_0s_rotary(traces, run_cli):
+    """The cast load's digests: every parameter as transformers' bfloat16 load holds it, the buffers in bfloat16, so
+    the identity fails naming inv_freq. Compared anyway, bit for bit: Q, K, V equal, then the rotary (or the cached
+    keys after it) parts first at layer 0, and the hint names inv_freq."""
+    rep = _exact(run_cli, traces("hf"), traces("cast"))
+    assert rep["verdict"] == "fail" and rep["first_break"]["kind"] == "identity"
+    assert f"buffer {INV_FREQ}: float32 in the reference, bfloat16 in the candidate" in rep["first_break"]["message"]
+    ref, cast = (_meta(traces(n))["parameters"]["tensors"] for n in ("hf", "cast"))
+    assert [t for t in cast if t["kind"] == "parameter"] == [t for t in ref if t["kind"] == "parameter"]
+    assert {t["name"]: t["dtype"] for t in cast if t["kind"] == "buffer"}[INV_FREQ] == "bfloat16"
+    rep = _exact(run_cli, traces("hf"), traces("cast"), "--allow-identity-difference")
+    fb = rep["first_break"]
+    assert rep["verdict"] == "fail" and (fb["layer"], fb["kind"]) == (0, "bits")
+    assert fb["tensor"] in ("q_rope", "k_rope", "cache_keys") and INV_FREQ in rep["diagnosis"]
+    layer0 = {t["tensor"]: t for t in rep["exact"]["layers"][0]["tensors"]}
+    assert all(layer0[n]["bitwise_equal"] == layer0[n]["compared"] > 0 for n in ("attn_norm", "q", "k", "v"))
+
+
+@pytest.mark.slow
+def test_fsdp2_digests_every_parameter_gathered_from_its_shards_as_transformers_holds_it(traces, run_cli):
+    """meta.parameters of fsdp2 (each parameter gathered whole from the ranks' shards, each buffer): name for name,
+    dtype, shape and digest those of transformers' unsharded bfloat16 load, on two ranks and on one; the compare
+    sees one model (no identity difference, every name matched: no note)."""
+    ref, two, one = (_meta(traces(n))["parameters"] for n in ("hf", "fsdp2", "ranks1"))
+    assert two["naming"] == "hf" and len(two["tensors"]) > 10
+    assert two["tensors"] == ref["tensors"] and one["tensors"] == ref["tensors"]
+    assert {t["name"]: t["dtype"] for t in two["tensors"] if t["kind"] == "buffer"}[INV_FREQ] == "float32"
+    rep = _compare(run_cli, traces("hf"), traces("fsdp2"))
+    assert rep["verdict"] == "pass" and rep["identity_differences"] == []
+    assert not [n for n in rep["notes"] if "digests" in n]  # a note names only tensors on one side
+
+
+@pytest.mark.slow
+def test_run_replay_ops_on_fsdp2_replays_every_op_bitwise_and_says_where(run_cli):
+    res = run_cli("run", "transformers-bf16", "fsdp2", "--replay-ops", "--json", "-")
+    rep = json.loads(res.output)
+    assert res.exit_code == 0 and rep["verdict"] == "pass", rep["verdict_line"]
+    ops = [(layer["layer"], o["op"], o["verdict"]) for layer in rep["replay"]["layers"] for o in layer["ops"]]
+    assert {(op, v) for _, op, v in ops} == {(op, "equal") for op in OPS} and len({n for n, _, _ in ops}) == 4
+    assert rep["replay"]["engine"] == "fsdp2"
+    assert rep["replay"]["notes"][0] == ("replayed on transformers' model loaded as fsdp2 loads it, outside the "
+                                         "process group")
+
+
+@pytest.mark.slow
+def test_fsdp2_replay_of_the_cast_load_parts_from_the_reference_at_the_rotary_only(traces):
+    """The replay builds the model as the side loads it: the cast load's replayed Q equals the reference's own, its
+    replayed rotary (inv_freq in bfloat16) does not."""
+    from prefill_diff.dumps.reader import Trace
+    from prefill_diff.engine.foreign import fsdp2_engine
+    from prefill_diff.jobs.replay import replay_input
+    from prefill_diff.jobs.sides import prepare_side
+    with Trace(traces("hf")) as ref:
+        given = replay_input(ref)
+        got = fsdp2_engine.replay_ops(prepare_side("fsdp2-cast"), given)
+        same = {name: all(np.array_equal(got.out[(0, name)][i], given.tensor(0, name, i))
+                          for i in range(len(given.samples))) for name in ("q", "k", "q_rope", "k_rope")}
+    assert same == {"q": True, "k": True, "q_rope": False, "k_rope": False}
 
 
 def _datasets(path) -> dict:
@@ -218,3 +308,35 @@ def test_replay_refuses_a_call_two_ranks_ran_and_a_tape_takes_only_writes():
         a.begin
     with pytest.raises(RuntimeError, match="outside any call"):
         a.state(0, "mid", 0, 0, torch.zeros(1))
+
+
+class _Ops:
+    """A trace's op store as the replay sees it: ``absent`` logged in order, ``how``."""
+
+    def __init__(self, log):
+        self.log, self.how = log, {}
+
+    def absent(self, name, why):
+        self.log.seen.append(("ops.absent", (name, why)))
+
+
+def test_a_tapes_op_request_answers_as_the_traces_and_its_absent_and_how_reach_the_trace_in_plan_order(tmp_path):
+    """A rank's ``ops`` wants the layers the trace asked for; what it declares absent is replayed among the op writes
+    in the plan's order, its ``how`` merged into the trace's; ``recorded`` lists the ops it wrote."""
+    t0, t1 = rank_tape.RankTape(ops=True, ops_layers=[1]), rank_tape.RankTape(ops=True, ops_layers=[1])
+    assert t0.ops.wants(1) and not t0.ops.wants(0) and rank_tape.RankTape().ops is None
+    assert rank_tape.RankTape(ops=True).ops.wants(7)
+    with t1.call(1):
+        t1.ops.absent("q_norm", "no QK-norm")
+        t1.op(1, "q", 1, 0, torch.ones(2, 4))
+    with t0.call(0):
+        t0.op(1, "k", 0, 0, torch.zeros(2, 4))
+    t0.ops.how["q_rope"] = "rotated in float32"
+    assert t0.ops.recorded == ["k"] and t1.ops.recorded == ["q"]
+    t0.save(tmp_path / "r0.pt")
+    t1.save(tmp_path / "r1.pt")
+    log = _Log()
+    log.ops = _Ops(log)
+    rank_tape.replay([rank_tape.load(tmp_path / "r1.pt"), rank_tape.load(tmp_path / "r0.pt")], log)
+    assert [(n, a[1]) for n, a in log.seen] == [("op", "k"), ("ops.absent", "no QK-norm"), ("op", "q")]
+    assert log.ops.how == {"q_rope": "rotated in float32"}

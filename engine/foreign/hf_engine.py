@@ -395,7 +395,7 @@ def _hooks(model, rec, states, absent: dict, cells=None, forced: dict | None = N
             rec.state(i, "layer_input", x, at[0])
             rec.state(i, "attn_update", a, at[0])
             if parallel:  # attention and MLP both read the layer's input: U is not a state of this block
-                absent["mid"] = (f"{type(mod).__name__} adds attention and MLP to its input in parallel: there is "
+                absent["mid"] = (f"{hf_ops.class_name(mod)} adds attention and MLP to its input in parallel: there is "
                                  "no residual state between them")
             else:
                 rec.state(i, "mid", x + a, at[0])

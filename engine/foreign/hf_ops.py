@@ -37,6 +37,12 @@ def _child(mod, names):
     return next((getattr(mod, n) for n in names if isinstance(getattr(mod, n, None), torch.nn.Module)), None)
 
 
+def class_name(mod) -> str:
+    """The model's own class of ``mod``: FSDP2's fully_shard makes each sharded module an instance of a subclass
+    ``FSDP<name>`` (torch.distributed's), named here by the class it subclasses."""
+    return next(c.__name__ for c in type(mod).__mro__ if not c.__module__.startswith("torch.distributed"))
+
+
 def _linear(mod, name):
     m = getattr(mod, name, None) if mod is not None else None
     return m if isinstance(m, torch.nn.Linear) else None
@@ -175,7 +181,7 @@ def _data_flow(i, layer, put, flush, ops=None) -> list:
         elif not parallel:
             put(i, "attn_residual", mlp_in)
         flush()
-        cls = type(mod).__name__
+        cls = class_name(mod)
         why = {"attn_norm": f"{cls}'s attention reads the layer's input itself (no input norm)",
                "mlp_norm": f"{cls}'s MLP reads the residual sum itself (no norm before it)",
                "attn_residual": f"{cls} adds attention and MLP to its input in parallel: no residual sum between"}
@@ -206,7 +212,7 @@ def declare_absent(ops, layers, tp: bool) -> None:
             ops.absent(name, "a tensor-parallel rank computes its own heads' share of each op")
         return
     dec = layers[0]
-    attn, cls = _child(dec, _ATTN), type(dec).__name__
+    attn, cls = _child(dec, _ATTN), class_name(dec)
     why = {}
     if getattr(attn, "q_norm", None) is None:
         why.update(q_norm=f"{cls} has no QK-norm", k_norm=f"{cls} has no QK-norm")
