@@ -298,6 +298,8 @@ def _args_rows() -> list:
 # -- every key ------------------------------------------------------------------------------------------------
 
 OURS = ("native", "transformers")  # the engines that run in prefill-diff's process on torch
+DIGESTED = OURS + ("fsdp2",)  # the engines that digest their parameters (meta.parameters)
+DATA_PARALLEL = OURS + ("fsdp2",)  # meta.parallel's keys a data-parallel run writes too (fsdp2: one merged trace)
 ADAPTER_SPEC = obj({"id": text(), "rank": integer(1, 1 << 16), "seed": integer(), "scale": number()}, closed=True,
                    none=True)
 BF16_ROUNDINGS = ("nearest", "truncate", "other", "unknown")  # as engine/foreign/vllm_record.py declares them
@@ -391,20 +393,20 @@ FIELDS = (
     Field("meta.absent_states", obj(values=text(), none=True),
           "{state: why} for states the model's layers do not have (schema.ABSENTABLE only)", "1.1"),
     Field("meta.parameters", Obj(none=True), "the model as the engine holds it after loading, tensor by tensor",
-          "1.4", OURS),
+          "1.4", DIGESTED),
     Field("meta.parameters.naming", text(none=True, limit=64), "whose names: hf (Hugging Face module paths)", "1.4",
-          OURS),
+          DIGESTED),
     Field("meta.parameters.tensors", List(none=True), "every parameter (tied ones once), then every buffer",
-          "1.4", OURS),
-    Field("meta.parameters.tensors[].name", text(limit=1024), "its name", "1.4", OURS),
+          "1.4", DIGESTED),
+    Field("meta.parameters.tensors[].name", text(limit=1024), "its name", "1.4", DIGESTED),
     Field("meta.parameters.tensors[].kind", text(choices=("parameter", "buffer")), "parameter or buffer", "1.4",
-          OURS),
-    Field("meta.parameters.tensors[].dtype", text(limit=64), "its dtype as the engine holds it", "1.4", OURS),
-    Field("meta.parameters.tensors[].shape", array(integer(0), limit=64), "its shape", "1.4", OURS),
+          DIGESTED),
+    Field("meta.parameters.tensors[].dtype", text(limit=64), "its dtype as the engine holds it", "1.4", DIGESTED),
+    Field("meta.parameters.tensors[].shape", array(integer(0), limit=64), "its shape", "1.4", DIGESTED),
     Field("meta.parameters.tensors[].sha256", text(limit=64), "sha256 of its bytes, the first 16 hex digits", "1.4",
-          OURS),
-    Field("meta.parameters.seconds", number(0, none=True), "what digesting took", "1.4", OURS),
-    Field("meta.parameters.not_reported", text(none=True), "why this run reports no digests", "1.4", OURS),
+          DIGESTED),
+    Field("meta.parameters.seconds", number(0, none=True), "what digesting took", "1.4", DIGESTED),
+    Field("meta.parameters.not_reported", text(none=True), "why this run reports no digests", "1.4", DIGESTED),
     Field("meta.record", Obj(none=True), "what the engine reported about its run"),
     Field("meta.record.fault", Obj(none=True), "the fault injected (null: none)"),
     Field("meta.record.fault.name", text(), "its name"),
@@ -454,12 +456,19 @@ FIELDS = (
           "1.1", ("vllm",)),
     Field("meta.record.vllm.bf16_rounding", text(choices=BF16_ROUNDINGS, none=True),
           "how its kernels round float32 to bfloat16 (read by the report)", "1.1", ("vllm",)),
-    Field("meta.parallel", Obj(none=True, checked=False), "a tensor-parallel rank trace: " + PARALLEL, "1.1", OURS),
+    Field("meta.parallel", Obj(none=True, checked=False), "a tensor-parallel rank trace (" + PARALLEL + "), or "
+          "the one trace of a data-parallel run", "1.1", DATA_PARALLEL),
+    *(Field(f"meta.parallel.{k}", anything, what, "1.1", DATA_PARALLEL) for k, what in (
+        ("kind", "tensor, or data"), ("mesh", "[N]"), ("mesh_dims", "[\"tp\"], or [\"dp\"]"), ("world_size", "N"),
+        ("backend", "the process group's backend"), ("layout", "the whole model's cache layout, or how the ranks' "
+                                                               "samples make the one trace"))),
+    *(Field(f"meta.parallel.{k}", anything, what, "1.4", ("fsdp2",)) for k, what in (
+        ("strategy", "how the data-parallel ranks hold the model: fsdp2"),
+        ("policy", "fsdp2's mixed-precision policy: param_dtype, reduce_dtype, reshard_after_forward"))),
     *(Field(f"meta.parallel.{k}", anything, what, "1.1", OURS) for k, what in (
-        ("kind", "tensor"), ("mesh", "[N]"), ("mesh_dims", "[\"tp\"]"), ("rank", "this rank"),
-        ("world_size", "N"), ("backend", "the process group's backend"), ("query_heads", "[start, stop)"),
+        ("rank", "this rank"), ("query_heads", "[start, stop)"),
         ("kv_heads", "[start, stop)"), ("mlp_rows", "[start, stop)"), ("model_args", "the whole model's args"),
-        ("run_id", "common to the set"), ("layout", "the whole model's cache layout"),
+        ("run_id", "common to the set"),
         ("startup_s", "spawn to process group ready"), ("init_process_group_s", "its share of that"),
         ("prepare_s", "loading and sharding the model"), ("prefill_record_s", "the recorded run"),
         ("done_after_s", "spawn to done"), ("ranks", "a merged set's per-rank items"),
