@@ -18,8 +18,6 @@ Where each state is read (``install_hooks``; ``hook_points`` is the one table of
 """
 from __future__ import annotations
 
-import importlib.metadata
-
 import torch
 
 from ..calls import Placement, plan_calls
@@ -29,13 +27,6 @@ from ..models.hf_names import hf_state_dict
 from ..shared.errors import ConfigError, ModelLoadError
 
 FAMILIES = ("qwen3", "llama")  # TorchTitan's dense families the engine builds (its Qwen3, its Llama 3)
-
-
-def release() -> str | None:
-    try:
-        return importlib.metadata.version("torchtitan")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _family_refusal(args) -> str | None:
@@ -193,7 +184,7 @@ def _cells(call):
     """Per cell of the call (B, n): its sequence (index into call.samples) and token index, -1 for padding."""
     seq = torch.full(call.ids.shape, -1, dtype=torch.long)
     tok = torch.full(call.ids.shape, -1, dtype=torch.long)
-    for q, run in enumerate(call.runs):
+    for run in call.runs:
         seq[run.row, run.c0:run.c1] = call.samples.index(run.sample)
         tok[run.row, run.c0:run.c1] = run.t0 + torch.arange(run.c1 - run.c0)
     return seq, tok
@@ -214,8 +205,7 @@ def forward_call(model, call, recorder, permuted: bool, logits_from: dict | None
     finally:
         for h in handles:
             h.remove()
-    n_layers = len(model.layers)
-    for i in range(n_layers):
+    for i in range(len(model.layers)):
         x, a = kept[(i, "layer_input")], kept[(i, "attn_update")]
         for name in ("layer_input", "attn_update", "mlp_update", "layer_output", "attn_heads"):
             recorder.state(i, name, kept[(i, name)], 0)
