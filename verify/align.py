@@ -74,10 +74,11 @@ class Alignment:
         diffs = [f"{k} {ra.get(k)} vs {ca.get(k)}" for k in ARCH_KEYS if ra.get(k) != ca.get(k)]
         if self.ref.n_layers != self.cand.n_layers and not any(d.startswith("n_layers") for d in diffs):
             diffs.append(f"layers stored {self.ref.n_layers} vs {self.cand.n_layers}")
-        cut = [w for w in (wording.cut_to(self.ref.meta, "reference"), wording.cut_to(self.cand.meta, "candidate"))
-               if w]
-        if diffs and cut and ra.get("n_layers") != ca.get("n_layers"):
-            diffs.append("; ".join(cut))
+        if diffs and ra.get("n_layers") != ca.get("n_layers"):  # a side cut to its first layers says so
+            cut = [w for w in (wording.cut_to(self.ref.meta, "reference"), wording.cut_to(self.cand.meta, "candidate"))
+                   if w]
+            if cut:
+                diffs.append("; ".join(cut))
         if diffs:
             return Break(stage="metadata", kind="metadata", message=wording.architectures_differ(diffs)), []
         if not self.pairs:
