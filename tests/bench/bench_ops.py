@@ -8,7 +8,10 @@ medians of the per-round ratios:
   the tolerance and with --exact: seconds, exact / tolerance;
 - `run --replay-ops`'s replay (jobs.replay.replay_ops: the reference's inputs read, our engine's ops run on them,
   judged bit for bit) on transformers' trace, against one ops-level recording of our engine: seconds, replay /
-  record.
+  record, and the engine's part of it alone (the rest reads the traces and judges the bits).
+
+Torch runs on one thread here (restored after): with two threads on a shared two-core machine one forward's time
+swung tenfold between rounds (0.6 s to 7 s), with one it stays within a few per cent.
 
     python tests/bench/run.py ops [--smoke]
 """
@@ -27,14 +30,15 @@ from prefill_diff.dumps.reader import Trace
 from prefill_diff.engine.config import Inputs
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.jobs import Judging, compare_files
-from prefill_diff.jobs.replay import replay_ops
+from prefill_diff.jobs.replay import replay_input, replay_ops
 from prefill_diff.jobs.sides import prepare_side, record_side
 
 # full: a model wider and deeper than the built-in one, three prompts of a few hundred tokens; smoke: the built-in
 # synthetic model and prompts
 FULL = dict(overrides=(("dim", 512), ("head_dim", 64), ("hidden_dim", 1408), ("n_heads", 8), ("n_kv_heads", 2),
-                       ("n_layers", 8), ("vocab_size", 4096)), lengths=(256, 192, 128), repeats=3)
+                       ("n_layers", 8), ("vocab_size", 4096)), lengths=(256, 192, 128), repeats=5)
 SMOKE = dict(overrides=(), lengths=None, repeats=1)
+THREADS = 1
 ENGINES = ("reference", "transformers")  # our engine, one sample at a time; transformers' own model
 LEVELS = ("full", "ops")
 
@@ -71,7 +75,15 @@ def _record(preps: dict, d: str, repeats: int) -> tuple:
 
 
 def run(smoke: bool = False) -> dict:
-    cfg = SMOKE if smoke else FULL
+    saved = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return _run(SMOKE if smoke else FULL)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _run(cfg: dict) -> dict:
     spec = ModelSpec("synthetic", overrides=tuple(sorted(cfg["overrides"])))
     inputs = None
     preps = {e: prepare_side(e, spec, inputs) for e in ENGINES}
@@ -98,14 +110,17 @@ def run(smoke: bool = False) -> dict:
                 if how == "exact":
                     exact_result = got.report.exact
         load.append(os.getloadavg()[0])
-        replay, recorded, replayed_ops = [], [], 0
+        replay, engine_part, recorded, replayed_ops = [], [], [], 0
         for r in range(repeats):  # our engine's replay on transformers' trace against one recording of ours
             dt, _ = _timed(record_side, preps["reference"], os.path.join(d, f"again-{r}.h5"), "ops", True)
             recorded.append(dt)
             os.unlink(os.path.join(d, f"again-{r}.h5"))
             with Trace(ref) as rt, Trace(cand) as ct:
                 dt, res = _timed(replay_ops, rt, ct, preps["reference"], exact_result)
+                given = replay_input(rt)
+                dt_engine, _ = _timed(preps["reference"].side.run.info.load().replay_ops, preps["reference"], given)
             replay.append(dt)
+            engine_part.append(dt_engine)
             replayed_ops = sum(len(ops) for _, ops in res.layers)
         load.append(os.getloadavg()[0])
     rec = {}
@@ -124,8 +139,11 @@ def run(smoke: bool = False) -> dict:
                         "tolerance (s, median)": float(np.median(tol)), "exact (s, median)": float(np.median(exact)),
                         "exact / tolerance (median of rounds)": _median_ratio(exact, tol)},
             "replay": {"ops replayed": replayed_ops, "replay (s, median)": float(np.median(replay)),
+                       "the engine's replay alone (s, median)": float(np.median(engine_part)),
                        "one ops-level recording of ours (s, median)": float(np.median(recorded)),
-                       "replay / recording (median of rounds)": _median_ratio(replay, recorded)}}
+                       "replay / recording (median of rounds)": _median_ratio(replay, recorded),
+                       "the engine's replay alone / recording (median of rounds)":
+                           _median_ratio(engine_part, recorded)}}
 
 
 if __name__ == "__main__":
