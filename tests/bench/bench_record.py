@@ -47,6 +47,8 @@ class _Timed:
 
     def __getattr__(self, name):
         fn = getattr(self.rec, name)
+        if not callable(fn):  # an attribute the engine reads (``ops``: the op-level store, None at this level)
+            return fn
 
         def call(*a, **k):
             t0 = time.perf_counter()
@@ -60,6 +62,8 @@ class _Timed:
 class _StatisticsOnly:
     """What the stats level computes per state and cache tensor (slab_stats, the cache as its slots), and no
     more: no bookkeeping, no file."""
+
+    ops = None  # no op-level states: the engine records none
 
     def __init__(self, args):
         self.H, self.D = args.n_kv_heads, args.head_dim
