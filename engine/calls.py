@@ -28,29 +28,27 @@ class Placement:
         for r, c0, c1, s, t0 in self.runs:
             self.recorder.inputs(s, t0, ids[r, c0:c1], valid[r, c0:c1], positions[r, c0:c1], tok[r, c0:c1])
 
-    def state(self, layer, name, x, col_start):
-        width = x.shape[1]
+    def _rows(self, n: int, col_start: int):
+        """(batch row, slice of the n columns from col_start, trace sample, its first trace column) of each run the
+        columns [col_start, col_start + n) cross."""
         for r, c0, c1, s, t0 in self.runs:
-            a, b = max(c0, col_start), min(c1, col_start + width)
+            a, b = max(c0, col_start), min(c1, col_start + n)
             if a < b:
-                self.recorder.state(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
+                yield r, slice(a - col_start, b - col_start), s, t0 + a - c0
+
+    def state(self, layer, name, x, col_start):
+        for r, cols, s, col in self._rows(x.shape[1], col_start):
+            self.recorder.state(layer, name, s, col, x[r, cols])
 
     def op(self, layer, name, x, col_start):
         """An op-level state (dumps/schema.py OP_TENSORS) of the call's rows, (B, n, width) from column col_start."""
-        width = x.shape[1]
-        for r, c0, c1, s, t0 in self.runs:
-            a, b = max(c0, col_start), min(c1, col_start + width)
-            if a < b:
-                self.recorder.op(layer, name, s, t0 + a - c0, x[r, a - col_start:b - col_start])
+        for r, cols, s, col in self._rows(x.shape[1], col_start):
+            self.recorder.op(layer, name, s, col, x[r, cols])
 
     def routing(self, layer, ids, weights, margin, scale, logits, col_start):
-        width = ids.shape[1]
-        for r, c0, c1, s, t0 in self.runs:
-            a, b = max(c0, col_start), min(c1, col_start + width)
-            if a < b:
-                sl = slice(a - col_start, b - col_start)
-                self.recorder.routing(layer, s, t0 + a - c0, ids[r, sl], weights[r, sl], margin[r, sl],
-                                      scale[r, sl], None if logits is None else logits[r, sl])
+        for r, sl, s, col in self._rows(ids.shape[1], col_start):
+            self.recorder.routing(layer, s, col, ids[r, sl], weights[r, sl], margin[r, sl], scale[r, sl],
+                                  None if logits is None else logits[r, sl])
 
     def steps(self, phase, step, cache_len):
         """What each cell's forward was (engine/native/decode.py): its phase, decode step and the cache length

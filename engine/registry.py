@@ -89,7 +89,7 @@ class EngineInfo:
     generates: bool = False  # it chooses a response itself, greedily (its module's generate(prep, n))
     decode: bool = False  # decode steps after the prefill, against its own cache
     teacher_forcing: bool = False  # decode steps that write given tokens, not the ones it would choose
-    op_states: tuple = ()  # the op-level states inside a layer it records (none yet: layer states only)
+    op_states: bool = False  # --level ops: it records the op-level states inside a layer (dumps/schema.py OP_TENSORS)
     hints: tuple = ()  # (capability, what to use instead), said with a refusal of that capability
     # -- what it is
     cache_kinds: tuple = ("contiguous",)  # the KV cache layouts it has (engine/models/cache_layout.py CACHE_KINDS)
@@ -146,14 +146,14 @@ ENGINES = {e.name: e for e in (
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
                        "shared-gate-dropped", "decode-position", "decode-stale-cache", "decode-mask", "stale-param"),
-               replays_routing=True, replays_ops=True,
+               replays_routing=True, replays_ops=True, op_states=True,
                cache_kinds=("contiguous", "paged"),
                prefill_steps="plan", precisions_from_config=True, ledger=True, legacy_keys=_NATIVE_LEGACY),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                "foreign.hf_options:TransformersOptions", "transformers", Computes(ACT_DTYPES),
                batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, generates=True,
                decode=True, tp=True, faults=("stale-param",),
-               replays_routing=True, replays_ops=True,
+               replays_routing=True, replays_ops=True, op_states=True,
                any_architecture=True,
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
                       ("weight_quant", "use our engine for weight quantisation")),
@@ -164,7 +164,7 @@ ENGINES = {e.name: e for e in (
                "the root, a mixed-precision policy), data parallel over spawned gloo ranks: a trainer's forward",
                "foreign.fsdp2_options:Fsdp2Options", "fsdp2", Computes(("float32", "bfloat16", "float16")),
                batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, decode=True,
-               replays_routing=True, replays_ops=True, any_architecture=True,
+               replays_routing=True, replays_ops=True, op_states=True, any_architecture=True,
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
                       ("weight_quant", "use our engine for weight quantisation"),
                       ("dtype", "FSDP2's policy here computes in float32, bfloat16 or float16")),
@@ -201,7 +201,7 @@ ENGINES = {e.name: e for e in (
                       ("explicit_positions", "vLLM numbers positions itself, from 0")),
                no_tp="prefill-diff runs vLLM in one process",
                faults=("cache-write", "position-restart", "decode-position"), responses=True, decode=True,
-               replays_ops=True,
+               replays_ops=True, op_states=True,
                cache_kinds=("paged",), unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run",

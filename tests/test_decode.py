@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from prefill_diff.dumps.reader import Trace
+from prefill_diff.dumps.schema import FORMAT_VERSION
 from prefill_diff.engine.calls import plan_calls
 from prefill_diff.engine.models.args import MODEL_PRESETS
 from prefill_diff.engine.models.snapshot import Snapshot
@@ -102,7 +103,7 @@ def test_a_decode_run_passes_against_one_prefill_at_every_response_position(pres
     assert set(phases) == {"prefill", "decode"} and phases["decode"] < 1e-4
     assert "max abs by phase (prompt rows, decoded response rows): layer 0 prompt" in res.output
     with Trace(tmp_path / "cand.h5") as t, Trace(tmp_path / "ref.h5") as r:
-        assert t.version == "1.3" and (r.rows["phase"] == PREFILL).all()
+        assert t.version == FORMAT_VERSION and (r.rows["phase"] == PREFILL).all()
         for s, (p, resp) in enumerate(zip(PROMPTS, RESPONSES)):
             tok = t.inputs["token_index"][s]
             dec = tok >= len(p)

@@ -320,8 +320,11 @@ class Session:
         fb = self.first_break
         if fb is not None and fb.kind == "bits":
             hint = bits_hint(fb, self.ref.meta, self.cand.meta)
-        elif fb is not None and fb.kind == "identity":
-            hint = identity_hint(list(self.identity), self.first_checked, allowed=False)
+        elif fb is not None and fb.kind == "identity":  # under --exact, where bits first part is the break it reads
+            checked = self.first_checked
+            if exact is not None and (checked is None or checked.kind in BITS_BEFORE):
+                checked = exact.brk() or checked
+            hint = identity_hint(list(self.identity), checked, allowed=False)
         else:  # the traces are still open: some hints read them
             hint = diagnose(fb, self.cmp.pairs, final, self.ref, self.cand, self.cmp.policy, self.layers, cand_steps)
         return Report(first_break=fb, layers=tuple(self.layers), final=final, policy=self.cmp.policy,
