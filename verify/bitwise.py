@@ -44,21 +44,23 @@ class Bits:
         """Fold in the elements of two equally shaped arrays (as stored) computed in ``ref_dtype``/``cand_dtype``."""
         self.dtype = ref_dtype if ref_dtype == cand_dtype else f"{ref_dtype} vs {cand_dtype}"
         r, c = ref.reshape(-1), cand.reshape(-1)
-        for a in range(0, r.size, SLAB):
+        for a in range(0, r.size, SLAB):  # the distances only of the elements that differ
             rs, cs = r[a:a + SLAB], c[a:a + SLAB]
-            eq, ulp = _compare(rs, cs, ref_dtype, cand_dtype)
-            k = int(eq.sum())
-            if k < eq.size and self.first is None:
-                self.first = self.n + int(np.flatnonzero(~eq)[0])
+            eq = _equal(rs, cs, ref_dtype, cand_dtype)
+            k = int(np.count_nonzero(eq))
+            if k < eq.size:
+                idx = np.flatnonzero(~eq)
+                if self.first is None:
+                    self.first = self.n + int(idx[0])
+                rd, cd = rs[idx], cs[idx]
+                self.max_ulp = max(self.max_ulp, float(_distance(rd, cd, ref_dtype, cand_dtype).max()))
+                with np.errstate(invalid="ignore", over="ignore"):
+                    d = np.abs(rd.astype(np.float64) - cd.astype(np.float64))
+                d = d[np.isfinite(d)]
+                if d.size:
+                    self.max_abs = max(self.max_abs, float(d.max()))
             self.n += eq.size
             self.equal += k
-            if ulp.size:
-                self.max_ulp = max(self.max_ulp, float(ulp.max()))
-            with np.errstate(invalid="ignore", over="ignore"):
-                d = np.abs(rs.astype(np.float64) - cs.astype(np.float64))
-            d = d[np.isfinite(d)]
-            if d.size:
-                self.max_abs = max(self.max_abs, float(d.max()))
 
     def as_dict(self) -> dict:
         return {"dtype": self.dtype, "compared": self.n, "bitwise_equal": self.equal, "share_equal": self.share,
@@ -115,31 +117,29 @@ def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(x, dtype=np.float64 if dtype == "float64" else np.float32)
 
 
-def _compare(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> tuple[np.ndarray, np.ndarray]:
-    """(bitwise equal per element, ULP distance per element)."""
+def _equal(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> np.ndarray:
+    """Per element: bitwise equal in the dtype both computed in (across dtypes: the same value, or both NaN)."""
     if rd == cd and rd in MANTISSA:
-        rb, width = _bits(r, rd)
-        cb, _ = _bits(c, cd)
-        eq = rb == cb
-        if width == 64:  # across zero the distance may pass 2**63: those as floats, the rest exactly
-            oa, ob = ordered(rb, 64), ordered(cb, 64)
-            same = (oa >= 0) == (ob >= 0)
-            dist = np.where(same, np.abs(np.where(same, oa - ob, 0)).astype(np.float64),
-                            np.abs(oa).astype(np.float64) + np.abs(ob).astype(np.float64))
-        else:
-            dist = np.abs(ordered(rb, width) - ordered(cb, width)).astype(np.float64)
-    else:  # different dtypes: exact equality of values; the distance between both rounded to the coarser dtype
-        with np.errstate(invalid="ignore"):
-            eq = (r.astype(np.float64) == c.astype(np.float64)) | (np.isnan(r) & np.isnan(c))
+        return _bits(r, rd)[0] == _bits(c, cd)[0]
+    with np.errstate(invalid="ignore"):
+        return (r.astype(np.float64) == c.astype(np.float64)) | (np.isnan(r) & np.isnan(c))
+
+
+def _distance(r: np.ndarray, c: np.ndarray, rd: str, cd: str) -> np.ndarray:
+    """Per element of elements that are not equal: the ULP distance (inf where either is not finite)."""
+    if rd == cd and rd in MANTISSA:
+        (rb, width), (cb, _) = _bits(r, rd), _bits(c, cd)
+    else:  # across dtypes: between both rounded to the coarser dtype
         coarse = min((rd, cd), key=lambda d: MANTISSA.get(d, 23))
-        ra, width = _bits(_rounded(r, coarse), coarse)
-        ca, _ = _bits(_rounded(c, coarse), coarse)
-        dist = np.abs(ordered(ra, width) - ordered(ca, width)).astype(np.float64)
-        dist = np.where(eq, 0.0, dist)
-    nonfinite = ~(np.isfinite(r) & np.isfinite(c))
-    if nonfinite.any():
-        dist = np.where(nonfinite & ~eq, np.inf, np.where(nonfinite, 0.0, dist))
-    return eq, dist
+        (rb, width), (cb, _) = _bits(_rounded(r, coarse), coarse), _bits(_rounded(c, coarse), coarse)
+    oa, ob = ordered(rb, width), ordered(cb, width)
+    if width == 64:  # across zero the distance may pass 2**63: those as floats, the rest exactly
+        same = (oa >= 0) == (ob >= 0)
+        dist = np.where(same, np.abs(np.where(same, oa - ob, 0)).astype(np.float64),
+                        np.abs(oa).astype(np.float64) + np.abs(ob).astype(np.float64))
+    else:
+        dist = np.abs(oa - ob).astype(np.float64)
+    return np.where(np.isfinite(r) & np.isfinite(c), dist, np.inf)
 
 
 def compare(ref: np.ndarray, cand: np.ndarray, ref_dtype: str, cand_dtype: str) -> Bits:

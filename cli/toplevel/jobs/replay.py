@@ -37,10 +37,18 @@ def replay_input(ref: Trace) -> ReplayInput:
         samples.append(ReplaySample(s, ref.inputs["positions"][s, cols].astype(np.int64), toks.astype(np.int64),
                                     rows["phase"][s, cols]))
 
+    held: dict = {}  # the layer being replayed or judged: (name, i) -> its rows, each read from the file once
+
     def tensor(layer: int, name: str, i: int):
-        view = ref.layer(layer)
-        ds = view.op(name) if name in OP else view.state(name)
-        return None if ds is None else np.asarray(ds[samples[i].sample])[cells[i]]
+        if held.get("layer") != layer:  # the replay and the judging go layer by layer
+            held.clear()
+            held["layer"] = layer
+        key = (name, i)
+        if key not in held:
+            view = ref.layer(layer)
+            ds = view.op(name) if name in OP else view.state(name)
+            held[key] = None if ds is None else np.asarray(ds[samples[i].sample])[cells[i]]
+        return held[key]
 
     dtype = str((ref.meta.get("engine") or {}).get("dtype") or "float32")
     return ReplayInput(samples, list(range(ref.n_layers)), dtype, tensor)
