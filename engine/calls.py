@@ -76,7 +76,7 @@ def declare_ops_absent(recorder: TraceRecorder, args, why: dict | None = None, h
     the rounding known (``how``: {op name: words}, read by the comparison's hints); nothing when it records none."""
     ops = getattr(recorder, "ops", None)
     if ops is not None:
-        for name, reason in {**args.ops_not_computed(), **(why or {})}.items():
+        for name, reason in {**(why or {}), **args.ops_not_computed()}.items():  # the model's own reason first
             ops.absent(name, reason)
         ops.how.update(how or {})
 

@@ -15,7 +15,7 @@ from prefill_diff.dumps.reader import Trace
 from prefill_diff.dumps.schema import OP, OP_NAMES, OP_TENSORS
 from prefill_diff.engine.models.spec import ModelSpec
 from prefill_diff.engine.replaying import INPUTS
-from prefill_diff.engine.shared.op_replay import ReplayInput, ReplaySample
+from prefill_diff.engine.shared.op_replay import OP_NAMES as SHARED_OP_NAMES, ReplayInput, ReplaySample
 from prefill_diff.jobs.sides import prepare_side, record_side
 
 MODELS = ("synthetic", "synthetic:qwen3")
@@ -75,6 +75,7 @@ def shares_equal(t: Trace, out) -> dict:
 
 def test_replay_inputs_are_the_schemas():
     assert INPUTS == {o.name: o.inputs for o in OP_TENSORS}
+    assert SHARED_OP_NAMES == tuple(o.name for o in OP_TENSORS)  # the engines' copy of the names (engine/shared)
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..calls import Placement, plan_calls
+from ..calls import Placement, declare_ops_absent, plan_calls
+from ..shared.op_replay import OP_NAMES
 from ..decode import response_rows
 from ..models.dtypes import torch_dtype
 from ..models.hf_names import hf_state_dict
@@ -238,6 +239,8 @@ def execute(prep, recorder):
     run = prep.side.run
     check(prep)
     model = build_model(prep.snapshot, run.dtype, run.options)
+    declare_ops_absent(recorder, prep.snapshot.args, dict.fromkeys(
+        OP_NAMES, "the torchtitan engine hooks TorchTitan's blocks at the layer states only (registry op_states)"))
     permuted = prep.snapshot.args.qk_norm != "head"  # Llama 3: its adapter permutes q/k for complex RoPE
     for call in prep.calls:
         forward_call(model, call, Placement(recorder, call.runs, call.samples), permuted,

@@ -17,6 +17,10 @@ from typing import Callable
 
 import numpy as np
 
+# the op-level states' names (dumps/schema.py OP_TENSORS, which a test holds this to), for an engine that names them
+OP_NAMES = ("attn_norm", "q", "k", "v", "q_norm", "k_norm", "q_rope", "k_rope", "attn_core", "o_proj",
+            "attn_residual", "mlp_norm", "gate", "up", "act_mul", "down")
+
 
 @dataclass
 class ReplaySample:
