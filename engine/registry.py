@@ -83,7 +83,8 @@ class EngineInfo:
     no_tp: str = ""  # why it does not shard
     faults: tuple = ()  # the §2.11 faults (engine/config.py FAULTS) it can inject
     replays_routing: bool = False  # it can run a mixture of experts with given experts forced at given tokens
-    replays_ops: bool = False  # replay_ops(prep, given): its ops run on a reference's inputs (shared/op_replay.py)
+    replays_ops: str = ""  # the module (under prefill_diff.engine) whose replay_ops(prep, given) runs its ops on a
+    # reference's inputs (shared/op_replay.py), "" when it replays none
     any_architecture: bool = False  # it runs a model our engine does not implement (its own classes, no whitelist)
     responses: bool = False  # a response after the prompt: it records the logits at the response's tokens
     generates: bool = False  # it chooses a response itself, greedily (its module's generate(prep, n))
@@ -129,6 +130,10 @@ class EngineInfo:
         cls = self.options_class
         return None if cls is None else cls()
 
+    def replayer(self):
+        """The module whose ``replay_ops`` replays its ops (None: it replays none)."""
+        return importlib.import_module(f"{__package__}.{self.replays_ops}") if self.replays_ops else None
+
     def hint(self, capability: str) -> str:
         return dict(self.hints).get(capability, "")
 
@@ -146,14 +151,14 @@ ENGINES = {e.name: e for e in (
                        "adapter-mismatch", "masked-row-softmax", "tp-missing-allreduce", "tp-kv-shard",
                        "window-off-by-one", "router-norm-topk", "router-topk-off-by-one",
                        "shared-gate-dropped", "decode-position", "decode-stale-cache", "decode-mask", "stale-param"),
-               replays_routing=True, replays_ops=True, op_states=True,
+               replays_routing=True, replays_ops="native.replay", op_states=True,
                cache_kinds=("contiguous", "paged"),
                prefill_steps="plan", precisions_from_config=True, ledger=True, legacy_keys=_NATIVE_LEGACY),
     EngineInfo("transformers", "foreign.hf_engine", "Hugging Face transformers' own model, recorded through hooks",
                "foreign.hf_options:TransformersOptions", "transformers", Computes(ACT_DTYPES),
                batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, generates=True,
                decode=True, tp=True, faults=("stale-param",),
-               replays_routing=True, replays_ops=True, op_states=True,
+               replays_routing=True, replays_ops="foreign.hf_replay", op_states=True,
                any_architecture=True,
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
                       ("weight_quant", "use our engine for weight quantisation")),
@@ -164,7 +169,7 @@ ENGINES = {e.name: e for e in (
                "the root, a mixed-precision policy), data parallel over spawned gloo ranks: a trainer's forward",
                "foreign.fsdp2_options:Fsdp2Options", "fsdp2", Computes(("float32", "bfloat16", "float16")),
                batching=("unbatched", "left", "right"), explicit_positions=True, responses=True, decode=True,
-               replays_routing=True, replays_ops=True, op_states=True, any_architecture=True,
+               replays_routing=True, replays_ops="foreign.fsdp2_engine", op_states=True, any_architecture=True,
                hints=(("reuse", "use our engine for prefix reuse"), ("chunking", "use our engine for chunked prefill"),
                       ("weight_quant", "use our engine for weight quantisation"),
                       ("dtype", "FSDP2's policy here computes in float32, bfloat16 or float16")),
@@ -201,7 +206,7 @@ ENGINES = {e.name: e for e in (
                       ("explicit_positions", "vLLM numbers positions itself, from 0")),
                no_tp="prefill-diff runs vLLM in one process",
                faults=("cache-write", "position-restart", "decode-position"), responses=True, decode=True,
-               replays_ops=True, op_states=True,
+               replays_ops="foreign.vllm_engine", op_states=True,
                cache_kinds=("paged",), unrecorded=("python",),
                # in prefill-diff's process: the model is written for vLLM as a Hugging Face checkpoint
                needs=(("transformers", "hf"), ("safetensors", "hf")), prefill_steps="run",

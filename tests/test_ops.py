@@ -56,7 +56,7 @@ def replayed(ref_path, source, model="synthetic"):
     """(reference trace, the candidate side's ReplayOutput on it)."""
     t = Trace(ref_path)
     prep = prepare_side(source, ModelSpec(model))
-    return t, prep.side.run.info.load().replay_ops(prep, replay_input(t))
+    return t, prep.side.run.info.replayer().replay_ops(prep, replay_input(t))
 
 
 def shares_equal(t: Trace, out) -> dict:
@@ -181,7 +181,7 @@ def test_replay_says_what_the_reference_lacks(tmp_path):
     x = np.ones((3, prep.snapshot.args.dim), dtype=np.float32)
     sample = ReplaySample(0, np.arange(3), np.arange(3), np.zeros(3, np.uint8))
     given = ReplayInput([sample], [0], "float32", lambda layer, name, i: x if name == "layer_input" else None)
-    out = prep.side.run.info.load().replay_ops(prep, given)
+    out = prep.side.run.info.replayer().replay_ops(prep, given)
     assert list(out.out) == [(0, "attn_norm")]
     assert out.not_replayed["q"] == "the reference recorded no attn_norm (layer 0)"
     assert out.not_replayed["attn_core"] == "the reference recorded no q_rope or k_rope or v (layer 0)"

@@ -557,6 +557,3 @@ def execute(prep, recorder):
     for layer in range(prep.snapshot.args.n_layers):
         yield layer
     return prep.record
-
-
-from .hf_replay import replay_ops  # noqa: E402,F401  (op replay: engine/foreign/hf_replay.py)

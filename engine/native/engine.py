@@ -26,7 +26,6 @@ from ..models.hf_names import MOE_STYLE, ours_to_hf
 from ..models.param_digests import module_digests, not_reported, stale_param, stale_param_layer
 from ..decode import response_rows
 from .prefill import Engine
-from .replay import replay_ops  # noqa: F401  (op replay: engine/native/replay.py)
 from .settings import cache_config, numerical_config
 from .reuse import PrefixCache
 from ..models.snapshot import Snapshot

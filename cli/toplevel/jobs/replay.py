@@ -58,6 +58,6 @@ def replay_ops(ref: Trace, cand: Trace, cand_prep, exact) -> ReplayResult:
     """Replay the candidate's ops on the reference's inputs and judge them against the reference's outputs."""
     info = cand_prep.side.run.info
     given = replay_input(ref)
-    got = info.load().replay_ops(cand_prep, given)
+    got = info.replayer().replay_ops(cand_prep, given)
     return judge_replay(info.name, got.out, got.not_replayed, got.notes, got.dtype or given.dtype,
                         len(given.samples), given.tensor, given.dtype, exact, ref.meta, cand.meta)
