@@ -167,7 +167,8 @@ def cli():
 @report_options
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Keep the two traces in DIR as ref.h5 and cand.h5 (default: a temporary directory).")
-@click.option("--level", type=LEVEL_CHOICE, default="full", show_default=True, help="Trace level for both sides.")
+@click.option("--level", type=LEVEL_CHOICE, default="full", show_default=True,
+              help="Trace level for both sides (ops: full, plus each op's output inside every layer).")
 @click.option("--force", is_flag=True, help="Overwrite traces already in --out.")
 @click.option("--fail-fast", is_flag=True,
               help="Run both sides in lockstep, layer by layer, in memory; stop at the first break (no trace files).")
@@ -216,7 +217,9 @@ def run(ref, cand, what, tol, out, out_dir, level, force, fail_fast, replay_ops,
 @click.argument("config")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
 @click.option("--level", type=LEVEL_CHOICE, default="full", show_default=True,
-              help="full: every tensor; sampled: a declared subset plus statistics; stats: statistics only.")
+              help="full: every tensor; sampled: a declared subset plus statistics; stats: statistics only; ops: "
+                   "full, plus each op's output inside every layer (the input norm, Q/K/V, rotary, attention core, "
+                   "projections, MLP; docs/trace-format.md).")
 @click.option("--compression", type=click.Choice(["none", "gzip"]), default="none", show_default=True,
               help="gzip (with shuffle) makes smaller files that every HDF5 tool reads.")
 @click.option("--force", is_flag=True, help="Overwrite an existing trace.")
