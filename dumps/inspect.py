@@ -11,7 +11,7 @@ import numpy as np
 
 from ..engine.shared.errors import PrefillDiffError
 from .reader import Trace
-from .schema import ATTR_CHANNELS, FINAL, FINAL_TENSORS, SAMPLED_TOKENS, STAT_COLUMNS, STAT_TENSORS
+from .schema import ATTR_CHANNELS, FINAL, FINAL_TENSORS, OP_NAMES, SAMPLED_TOKENS, STAT_COLUMNS, STAT_TENSORS
 
 DEFAULT_CHANNELS = 8  # values shown per row unless --channel says which
 
@@ -71,9 +71,9 @@ def _check_options(t: Trace, layer, tensor, sample, position) -> None:
         raise InspectError(f"{t.name}: --layer must be in [0, {t.n_layers}) (got {layer})")
     if sample is not None and not 0 <= sample < t.n_samples:
         raise InspectError(f"{t.name}: --sample must be in [0, {t.n_samples}) (got {sample})")
-    if tensor is not None and tensor not in STAT_TENSORS + FINAL_TENSORS:
-        raise InspectError(f"{t.name}: --tensor must be one of {', '.join(STAT_TENSORS + FINAL_TENSORS)} "
-                           f"(got {tensor!r})")
+    if tensor is not None and tensor not in STAT_TENSORS + FINAL_TENSORS + OP_NAMES:
+        raise InspectError(f"{t.name}: --tensor must be one of {', '.join(STAT_TENSORS + FINAL_TENSORS)} or, in "
+                           f"a trace recorded at --level ops, {', '.join(OP_NAMES)} (got {tensor!r})")
     if position is not None and sample is None:
         raise InspectError(f"{t.name}: --position needs --sample (positions are counted within a sample)")
     if position is not None and not 0 <= position < int(t.lengths[sample]):
@@ -175,6 +175,13 @@ def summarize(t: Trace, layer: int | None = None, tensor: str | None = None, sam
     out = {**_header(t, samples), "layers": _layer_rows(t, layers, names, samples, sample),
            "final": _final_rows(t, samples), "routing": _routing_rows(t, layers, samples),
            "levels_note": [LEVEL_HOLDS[t.level]] if LEVEL_HOLDS.get(t.level) else []}
+    if t.ops:  # format 1.4, --level ops: which ops each layer holds, and why the others are absent
+        by_why: dict = {}
+        for name, why in (t.ops.get("absent") or {}).items():
+            by_why.setdefault(why, []).append(name)
+        out["levels_note"].append(f"op-level states recorded: {', '.join(t.ops.get('recorded') or ()) or 'none'}"
+                                  + "".join(f"; absent: {', '.join(names)} ({why})" for why, names in by_why.items())
+                                  + " (--layer L --tensor OP --sample S shows one)")
     want_values = sample is not None and tensor is not None and (layer is not None or tensor in FINAL_TENSORS)
     if want_values:
         values, why = _values(t, layer, tensor, sample, position, channels)
@@ -209,6 +216,10 @@ def _values(t: Trace, layer, tensor, sample, position, channels) -> Values:
     if tensor in FINAL_TENSORS:
         return _final_values(t, tensor, sample, position, channels)
     v = t.layer(layer)
+    if tensor in OP_NAMES:
+        full = v.op(tensor)
+        return _full_values(t, v, full, tensor, sample, position, channels, where) if full is not None else \
+            Values(None, f"{where} is not recorded in this trace (op-level states: record with --level ops)")
     full = v.cache(tensor.split("_", 1)[1]) if tensor.startswith("cache_") else v.state(tensor)
     if full is not None:
         return _full_values(t, v, full, tensor, sample, position, channels, where)

@@ -213,3 +213,18 @@ def test_exact_refuses_what_cannot_be_compared_bit_for_bit(recorded, run_cli):
     assert res.exit_code == 2 and "--exact" in res.output
     res = run_cli("run", "reference", "llama.cpp", "--replay-ops")
     assert res.exit_code == 2 and "cannot replay" in res.output
+
+
+def test_inspect_shows_an_op_and_says_which_ops_a_trace_holds(recorded, run_cli):
+    res = run_cli("inspect", recorded["a"], "--layer", "1", "--tensor", "q_rope", "--sample", "0", "--channel", "0-3")
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "values of q_rope, layer 1, sample 0" in text
+    assert "op-level states recorded: attn_norm, q, k, v, q_rope" in text
+    assert "absent: k_norm, q_norm (the model has no QK-norm)" in text
+    with h5py.File(recorded["a"]) as f:
+        col = int(np.flatnonzero(f["inputs/valid_mask"][0])[0])
+        first = float(f["layers/001/ops/q_rope"][0, col, 0])
+    assert f"{first:.4g}"[:5] in res.output
+    res = run_cli("inspect", recorded["plain"], "--layer", "1", "--tensor", "q_rope", "--sample", "0")
+    assert res.exit_code == 0 and "record with --level ops" in res.output
