@@ -340,7 +340,8 @@ def ledger(config, what):
 @click.option("--layer", type=int, default=None, help="Only this layer.")
 @click.option("--tensor", default=None, metavar="NAME",
               help="Only this tensor: layer_input, attn_update, attn_heads, mid, mlp_update, layer_output, "
-                   "cache_keys, cache_values; or a final-stage tensor: logits, norm_last.")
+                   "cache_keys, cache_values; or a final-stage tensor: logits, norm_last; or, in a trace recorded "
+                   "at --level ops, an op: q, k, v, q_rope, attn_core, gate, ... (docs/trace-format.md).")
 @click.option("--sample", type=int, default=None,
               help="Only this sample (with --layer and --tensor, or with --tensor logits|norm_last: its values).")
 @click.option("--position", type=int, default=None, help="With --sample: only this token position's values.")
