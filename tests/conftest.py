@@ -69,12 +69,13 @@ def metric_kernels(request):
 
 
 def spawning_presets() -> set:
-    """Presets that start processes (tp > 1, vLLM's worker) or compile with inductor (seconds each): the loops over
-    every preset leave them out; tests/test_parallel.py and tests/test_vllm.py run each of them once."""
+    """Presets that start processes (tp > 1, vLLM's worker) or compile with inductor (seconds each; TorchTitan's flex
+    attention always does): the loops over every preset leave them out; tests/test_parallel.py, tests/test_vllm.py
+    and tests/test_torchtitan.py run each of them once."""
     from prefill_diff.engine.presets import PRESETS
     return {name for name, (_, conf) in PRESETS.items()
             if conf.get("run", {}).get("tp", 1) > 1 or conf.get("run", {}).get("native", {}).get("compile")
-            or conf.get("run", {}).get("engine") == "vllm"}
+            or conf.get("run", {}).get("engine") in ("vllm", "torchtitan")}
 
 
 DECODE_RESPONSE = ((11, 12, 13),)  # one short response after every prompt, for the presets that decode

@@ -108,8 +108,9 @@ def test_bf16_vs_bf16_with_one_perturbed_projection_fails(tmp_path):
                                     snapshot=ref_prep.snapshot)
     assert twin is None  # same precisions: the reference is its own twin
     with Trace(ref) as r, Trace(cand) as c, Trace(gold) as g:
-        envelope = compare_traces(r, c)
-        rep = compare_traces(r, c, calib=Calibration(g, None, 4.0, 2.0 ** -8, "bfloat16"))
+        # the changed weight is an identity difference (its digest after loading): allowed, to judge the values
+        envelope = compare_traces(r, c, allow_identity=True)
+        rep = compare_traces(r, c, calib=Calibration(g, None, 4.0, 2.0 ** -8, "bfloat16"), allow_identity=True)
     assert envelope  # the fixed bf16 envelope lets it through
     fb = rep.first_break
     assert not rep and (fb.layer, fb.tensor, fb.check) == (1, "attn_update", "change"), rep.verdict_line()

@@ -204,7 +204,8 @@ def test_same_architecture_different_weights_stay_comparable(run_cli, tmp_path):
     # another model: an identity failure (exit 1, not 2), and the layers are still compared
     assert res.exit_code == 1 and (rep["first_break"]["stage"], rep["first_break"]["kind"]) == ("metadata", "identity")
     assert rep["reference"]["weights_digest"] != rep["candidate"]["weights_digest"]
-    assert [d["key"] for d in rep["identity_differences"]] == ["weights_digest"]
+    # the source's digest, and the first parameter whose own digest differs (meta.parameters, format 1.4)
+    assert [d["key"] for d in rep["identity_differences"]] == ["weights_digest", "parameter"]
     assert len(rep["layers"]) == 4 and rep["layers"][0]["first_break"]["stage"] == "layer"
     res = run_cli("run", "reference", other, "--json", out, "--allow-identity-difference")
     rep = json.loads(out.read_text())
