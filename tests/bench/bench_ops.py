@@ -118,7 +118,7 @@ def _run(cfg: dict) -> dict:
             with Trace(ref) as rt, Trace(cand) as ct:
                 dt, res = _timed(replay_ops, rt, ct, preps["reference"], exact_result)
                 given = replay_input(rt)
-                dt_engine, _ = _timed(preps["reference"].side.run.info.load().replay_ops, preps["reference"], given)
+                dt_engine, _ = _timed(preps["reference"].side.run.info.replayer().replay_ops, preps["reference"], given)
             replay.append(dt)
             engine_part.append(dt_engine)
             replayed_ops = sum(len(ops) for _, ops in res.layers)
