@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
-from .shared.errors import ConfigError
+from .shared.errors import ConfigError, PrefillDiffError
 
 TP_FAULTS = ("tp-missing-allreduce", "tp-kv-shard")
 
@@ -142,3 +143,47 @@ def launch(fn, world: int, args: tuple) -> None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def run_rank(out: str, rank: int, body, *, exit_on_error: bool = True) -> None:
+    """One rank's work, ``body()``, then the group closed. An error is written to ``out/error-rank{rank}.txt``
+    (``rank_errors`` reads it: ``input`` for bad input, which a spawned rank then exits 2 on, else ``internal``).
+    With ``exit_on_error`` (a spawned rank) a rank whose files are in place skips the interpreter's teardown
+    (seconds of torch/h5py finalisers on a loaded machine; measured in bench_tp.py); without it (a rank torchrun
+    started) bad input is raised."""
+    try:
+        body()
+    except PrefillDiffError as e:
+        _write_error(out, rank, "input", str(e))
+        if not exit_on_error:
+            raise
+        sys.exit(2)
+    except BaseException as e:
+        _write_error(out, rank, "internal", f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        close_group()
+    if exit_on_error:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _write_error(out: str, rank: int, kind: str, msg: str) -> None:
+    try:
+        with open(os.path.join(out, f"error-rank{rank}.txt"), "w", encoding="utf-8") as f:
+            f.write(f"{kind}\t{msg}")
+    except OSError:
+        pass
+
+
+def rank_errors(out: str, world: int) -> list:
+    """(rank, kind, message) of each rank that wrote its error (``run_rank``), in rank order."""
+    errors = []
+    for r in range(world):
+        p = os.path.join(out, f"error-rank{r}.txt")
+        if os.path.exists(p):
+            with open(p, encoding="utf-8") as f:
+                kind, _, msg = f.read().partition("\t")
+            errors.append((r, kind, msg))
+    return errors

@@ -26,7 +26,6 @@ on transformers' model loaded as the ranks load it, in this process: outside the
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 
@@ -156,38 +155,14 @@ def _run_rank(ctx, side, routing, out: str, ops) -> None:
 
 def _rank_main(rank, world, port, started, side, routing, out, ops):
     """One rank's process: join the group, run its share; errors go to out/error-rank{rank}.txt."""
-    try:
-        ctx = parallel.init_group(rank, world, port, started=started, mesh_dim="dp")
-        _run_rank(ctx, side, routing, out, ops)
-    except PrefillDiffError as e:
-        _write_error(out, rank, "input", str(e))
-        sys.exit(2)
-    except BaseException as e:
-        _write_error(out, rank, "internal", f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        parallel.close_group()
-    sys.stdout.flush()  # its tape is in place: skip the interpreter's teardown (seconds of finalisers)
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def _write_error(out, rank, kind, msg):
-    try:
-        with open(os.path.join(out, f"error-rank{rank}.txt"), "w", encoding="utf-8") as f:
-            f.write(f"{kind}\t{msg}")
-    except OSError:
-        pass
+    parallel.run_rank(out, rank, lambda: _run_rank(parallel.init_group(rank, world, port, started=started,
+                                                                       mesh_dim="dp"), side, routing, out, ops))
 
 
 def _rank_error(out: str, world: int, exc: Exception) -> Exception:
     """The first rank's own error, in one line (bad input: PrefillDiffError), else what spawn said."""
-    for r in range(world):
-        p = os.path.join(out, f"error-rank{r}.txt")
-        if os.path.exists(p):
-            with open(p, encoding="utf-8") as f:
-                kind, _, msg = f.read().partition("\t")
-            return PrefillDiffError(msg) if kind == "input" else RuntimeError(f"fsdp2 rank {r} failed: {msg}")
+    for r, kind, msg in parallel.rank_errors(out, world)[:1]:
+        return PrefillDiffError(msg) if kind == "input" else RuntimeError(f"fsdp2 rank {r} failed: {msg}")
     return RuntimeError(f"fsdp2 ranks failed: {(str(exc).splitlines() or [''])[0][:300]}")
 
 

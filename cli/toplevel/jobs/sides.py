@@ -11,7 +11,6 @@ import importlib
 import os
 import secrets
 import shutil
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
@@ -216,13 +215,7 @@ def record_ranks(prep: Prepared, path, level: str = "full", force: bool = False,
 
 
 def _raise_rank_error(tmp, tp, exc):
-    errors = []
-    for r in range(tp):
-        p = os.path.join(tmp, f"error-rank{r}.txt")
-        if os.path.exists(p):
-            with open(p, encoding="utf-8") as f:
-                kind, _, msg = f.read().partition("\t")
-            errors.append((r, kind, msg))
+    errors = parallel.rank_errors(tmp, tp)
     bad = [e for e in errors if e[1] == "input"]
     if bad:
         raise PrefillDiffError(bad[0][2]) from None
@@ -269,24 +262,11 @@ def _record_rank(ctx, side: Side, tmp: str, level: str, compression, extra_meta:
 def _rank_worker(rank, world, port, started, side, tmp, level, compression, extra_meta, run_id,
                  exit_on_error: bool = True):
     """One rank's process: join the group, record rank{rank}.h5; errors go to error-rank{rank}.txt."""
-    try:
+    def body():
         ctx = parallel.init_group(rank, world, port, None if side.run.fault is None else side.run.fault.name,
                                   started)
         _record_rank(ctx, side, tmp, level, compression, extra_meta, run_id, started)
-    except PrefillDiffError as e:
-        _write_error(tmp, rank, "input", str(e))
-        if not exit_on_error:
-            raise
-        sys.exit(2)
-    except BaseException as e:
-        _write_error(tmp, rank, "internal", f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        parallel.close_group()
-    if exit_on_error:  # a spawned rank whose files are closed and in place: skip the interpreter's teardown
-        sys.stdout.flush()  # (seconds of torch/h5py finalisers on a loaded machine; measured in bench_tp.py)
-        sys.stderr.flush()
-        os._exit(0)
+    parallel.run_rank(tmp, rank, body, exit_on_error=exit_on_error)
 
 
 def record_this_rank(side: Side, out_dir, level: str = "full", compression=None, run_id: str | None = None) -> str:
@@ -300,11 +280,3 @@ def record_this_rank(side: Side, out_dir, level: str = "full", compression=None,
     os.makedirs(out_dir, exist_ok=True)
     _rank_worker(rank, world, None, 0.0, side, out_dir, level, compression, {}, run_id, exit_on_error=False)
     return os.path.join(out_dir, f"rank{rank}.h5")
-
-
-def _write_error(tmp, rank, kind, msg):
-    try:
-        with open(os.path.join(tmp, f"error-rank{rank}.txt"), "w", encoding="utf-8") as f:
-            f.write(f"{kind}\t{msg}")
-    except OSError:
-        pass
