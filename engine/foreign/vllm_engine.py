@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from ..models import budget
 from ..calls import declare_ops_absent, plan_calls
 from ..shared.errors import ConfigError, PrefillDiffError
 from ..shared.untrusted import visible
+from .vllm_frames import read_frames
 from .vllm_worker import installed_version, unsupported
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
@@ -313,21 +313,7 @@ def _read(stream) -> tuple:
 
 def frames(stream):
     """The worker's frames: (header, {name: array}) until the stream ends."""
-    while True:
-        size = stream.read(8)
-        if len(size) < 8:
-            return
-        (n,) = struct.unpack("<Q", size)
-        if n > 1 << 24:
-            raise WorkerFailed(f"the vLLM worker sent a malformed frame (a {n}-byte header)")
-        head = json.loads(stream.read(n).decode("utf-8"))
-        arrays = {}
-        for name, dtype, shape in head.pop("arrays", ()):
-            a = np.empty(shape, dtype=np.dtype(dtype))
-            if a.size and stream.readinto(memoryview(a).cast("B")) != a.nbytes:
-                raise WorkerFailed("the vLLM worker's output ended inside an array")
-            arrays[name] = a
-        yield head, arrays
+    return read_frames(stream, WorkerFailed, "the vLLM worker")
 
 
 def _kill(proc) -> None:

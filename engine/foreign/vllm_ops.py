@@ -27,8 +27,6 @@ worker's framing) and shipped back the same way; see ``replay_layer`` for what e
 """
 from __future__ import annotations
 
-import json
-import struct
 
 import numpy as np
 import torch
@@ -157,28 +155,11 @@ def header(ops: OpCapture) -> dict:
 
 # -- replay -------------------------------------------------------------------------------------------------
 
-def read_frames(stream):
-    """Frames as the worker's Channel writes them: (header, {name: array}) until the stream ends."""
-    while True:
-        size = stream.read(8)
-        if len(size) < 8:
-            return
-        (n,) = struct.unpack("<Q", size)
-        head = json.loads(stream.read(n).decode("utf-8"))
-        arrays = {}
-        for name, dtype, shape in head.pop("arrays", ()):
-            a = np.empty(shape, dtype=np.dtype(dtype))
-            if a.size and stream.readinto(memoryview(a).cast("B")) != a.nbytes:
-                raise ValueError("the replay's input ended inside an array")
-            arrays[name] = a
-        yield head, arrays
-
-
-def replay(model, path: str, channel, dtype) -> None:
+def replay(model, path: str, channel, dtype, read_frames) -> None:
     """Read the reference's inputs from the frames file ``path`` (a ``replay`` frame with the samples' positions,
     then one ``layer`` frame per layer with ``i/NAME`` arrays: sample i's reference tensor NAME), run each op of
     vLLM's layer on them in ``dtype``, send a ``replay`` frame per layer (``i/NAME``: sample i's replayed op), then
-    ``replayed`` with what was not replayed and why, and how the ops ran."""
+    ``replayed`` with what was not replayed and why, and how the ops ran. ``read_frames``: vllm_frames.py's reader."""
     layers = list(model.model.layers)
     not_replayed, notes, dtypes = {"attn_core": ATTN_CORE}, [], {}
     with open(path, "rb") as f:

@@ -488,7 +488,7 @@ def run(read_request, channel: Channel) -> None:
     oplevel = _beside("vllm_ops") if request.get("ops") is not None or request.get("replay") else None
     if request.get("replay"):  # each op of vLLM's model on the reference's inputs, no scheduled step
         channel.send({"type": "meta", "vllm": vllm.__version__, "torch": torch.__version__})
-        oplevel.replay(model, request["replay"], channel, dtype)
+        oplevel.replay(model, request["replay"], channel, dtype, _beside("vllm_frames").read_frames)
         return channel.send({"type": "done"})
     params = decode.params(SamplingParams, ())
     prompts = request["prompts"]
