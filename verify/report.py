@@ -284,6 +284,8 @@ class Session:
             self.first_break = Break(stage="metadata", kind="identity",
                                      message=wording.identity_differs(self.identity))
         self.rule = rule_note or describe_rule(self.cmp, uncalibrated)
+        if exact:  # the verdict judges bits; the tolerance still marks the tables
+            self.rule = f"bit for bit (--exact): the first tensor whose bits part fails; the tables' marks: {self.rule}"
         self.seconds = Timing(setup=time.perf_counter() - start)
 
     def _checked(self, b: Break | None) -> None:
