@@ -405,7 +405,6 @@ FIELDS = (
     Field("meta.parameters.tensors[].shape", array(integer(0), limit=64), "its shape", "1.4", DIGESTED),
     Field("meta.parameters.tensors[].sha256", text(limit=64), "sha256 of its bytes, the first 16 hex digits", "1.4",
           DIGESTED),
-    Field("meta.parameters.seconds", number(0, none=True), "what digesting took", "1.4", DIGESTED),
     Field("meta.parameters.not_reported", text(none=True), "why this run reports no digests", "1.4", DIGESTED),
     Field("meta.record", Obj(none=True), "what the engine reported about its run"),
     Field("meta.record.fault", Obj(none=True), "the fault injected (null: none)"),

@@ -12,7 +12,6 @@ place after loading, as a weight sync that left one tensor stale would leave it.
 from __future__ import annotations
 
 import hashlib
-import time
 from typing import Callable
 
 import torch
@@ -40,18 +39,18 @@ def _row(name: str, kind: str, t: torch.Tensor) -> dict:
 
 def module_digests(model: torch.nn.Module, naming: str, rename: Callable[[str], str] | None = None) -> dict:
     """``meta.parameters`` of ``model``: every parameter (tied ones once), then every buffer, under ``rename``'s
-    names (the module's own where it gives none); ``seconds``: what digesting took."""
+    names (the module's own where it gives none)."""
     return tensor_digests(model.named_parameters(), model.named_buffers(), naming, rename)
 
 
 def tensor_digests(parameters, buffers, naming: str, rename: Callable[[str], str] | None = None) -> dict:
     """``meta.parameters`` of (name, tensor) pairs, parameters then buffers, each digested as it comes (an iterator
-    may make each tensor just before: a gathered shard); ``seconds``: what making and digesting them took."""
-    start = time.perf_counter()
+    may make each tensor just before: a gathered shard). No timing: two recordings of one run under
+    SOURCE_DATE_EPOCH keep the same metadata (docs/guarantees.md, Determinism)."""
     rename = rename or (lambda n: n)
     rows = [_row(rename(n), "parameter", p) for n, p in parameters]
     rows += [_row(rename(n), "buffer", b) for n, b in buffers]
-    return {"naming": naming, "tensors": rows, "seconds": round(time.perf_counter() - start, 4)}
+    return {"naming": naming, "tensors": rows}
 
 
 def not_reported(why: str) -> dict:
