@@ -84,21 +84,3 @@ class OpStore:
         absent = {n: self._absent.get(n, NOT_RECORDED) for n in sc.OP_NAMES if n not in self.recorded}
         return {"recorded": recorded, "absent": absent, "layers": self.layers,
                 "how": {n: self.how[n] for n in sc.OP_NAMES if n in self.how}}
-
-
-def split_rows(x, sizes: tuple) -> list:
-    """A fused op's output (T, sum(sizes)) split into its parts along the last dimension (vLLM's ``qkv_proj``
-    into Q, K, V; ``gate_up_proj`` into gate, up)."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(x[..., at:at + n])
-        at += n
-    if at != x.shape[-1]:
-        raise RecorderError(f"a fused op's width {x.shape[-1]} is not the sum of its parts {list(sizes)}")
-    return out
-
-
-def widths_of(args: dict) -> dict:
-    """Row widths by schema width kind, from the model's arguments (the MLP's ``inter``: fixed by the first op)."""
-    return {"dim": int(args["dim"]), "heads": int(args["n_heads"]) * int(args["head_dim"]),
-            "kv": int(args["n_kv_heads"]) * int(args["head_dim"]), "inter": None}

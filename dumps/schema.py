@@ -152,7 +152,6 @@ OP_TENSORS = (
 )
 OP = {o.name: o for o in OP_TENSORS}
 OP_NAMES = tuple(o.name for o in OP_TENSORS)
-OPS_GROUP = "ops"
 
 # Columns of every stats row: over the sample's valid cells, then over its computed padding cells.
 STAT_COLUMNS = ("count", "finite", "min", "max", "mean", "l2", "pad_count", "pad_finite")

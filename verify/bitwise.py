@@ -62,6 +62,12 @@ class Bits:
             self.n += eq.size
             self.equal += k
 
+    def merge(self, other: "Bits") -> None:
+        """Fold in another tensor's figures (its ``first`` is not carried: indices are each one's own)."""
+        self.dtype = other.dtype or self.dtype
+        self.n, self.equal = self.n + other.n, self.equal + other.equal
+        self.max_ulp, self.max_abs = max(self.max_ulp, other.max_ulp), max(self.max_abs, other.max_abs)
+
     def as_dict(self) -> dict:
         return {"dtype": self.dtype, "compared": self.n, "bitwise_equal": self.equal, "share_equal": self.share,
                 "max_ulp": None if math.isinf(self.max_ulp) else int(self.max_ulp) if self.max_ulp.is_integer()

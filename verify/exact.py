@@ -15,7 +15,7 @@ import numpy as np
 
 from ..dumps.reader import Trace, TraceError
 from ..dumps.schema import FINAL_TENSORS, OP, OP_NAMES, TENSOR
-from .bitwise import Bits
+from .bitwise import Bits, compare
 from .breaks import Break
 
 # One layer's tensors in the order it computes them: layer states (schema LAYER_TENSORS), the cache and the ops
@@ -111,49 +111,44 @@ def _dataset(view, name: str):
     return view.state(name)
 
 
-def _rows(ref: Trace, cand: Trace, rds, cds, pairs, cells, steps) -> TensorBits:
+def _bits(name: str, parts, rd: str, cd: str) -> TensorBits:
+    """Bits over ``parts``, each (reference array, candidate array, where_of): ``where_of(flat index)`` places the
+    first element whose bits part, in the first part that has one."""
+    total, where = Bits(), None
+    for r, k, where_of in parts:
+        b = compare(r, k, rd, cd)
+        if where is None and b.first is not None:
+            where = where_of(b.first)
+        total.merge(b)
+    return TensorBits(name, total, where)
+
+
+def _rows(name: str, ref: Trace, cand: Trace, rds, cds, pairs, cells, steps) -> TensorBits:
     """Bits of a per-cell tensor [S, C, W] over every matched pair's aligned cells."""
-    total, where = Bits(), None
-    rd, cd = ref.source_dtype(rds), cand.source_dtype(cds)
-    for rs, cs in pairs:
-        c = cells[rs]
-        if c.tokens.size == 0:
-            continue
-        r, k = rds[rs][c.ref_cols], cds[cs][c.cand_cols]
-        b = Bits()
-        b.add(r, k, rd, cd)
-        if where is None and b.first is not None:
-            tok = int(c.tokens[b.first // max(r.shape[-1], 1)])
-            where = Where(int(rs), tok, steps.get((int(rs), tok)))
-        _fold(total, b)
-    return TensorBits("", total, where)
+    def parts():
+        for rs, cs in pairs:
+            c = cells[rs]
+            if c.tokens.size:
+                r = rds[rs][c.ref_cols]
+
+                def where_of(i, rs=int(rs), toks=c.tokens, w=max(r.shape[-1], 1)):
+                    tok = int(toks[i // w])
+                    return Where(rs, tok, steps.get((rs, tok)))
+                yield r, cds[cs][c.cand_cols], where_of
+    return _bits(name, parts(), ref.source_dtype(rds), cand.source_dtype(cds))
 
 
-def _cache(ref: Trace, cand: Trace, layer: int, rds, cds, pairs) -> TensorBits:
+def _cache(name: str, ref: Trace, cand: Trace, rv, cv, rds, cds, pairs) -> TensorBits:
     """Bits of a cache tensor [S, H, T, D] over each pair's common cache length, slot by slot in logical order."""
-    total, where = Bits(), None
-    rd, cd = ref.source_dtype(rds), cand.source_dtype(cds)
-    rl, cl = ref.layer(layer).cache_lengths, cand.layer(layer).cache_lengths
-    rpos = ref.layer(layer).cache_positions
-    for rs, cs in pairs:
-        n = int(min(rl[rs], cl[cs]))
-        if n == 0:
-            continue
-        r, k = rds[rs, :, :n], cds[cs, :, :n]
-        b = Bits()
-        b.add(r, k, rd, cd)
-        if where is None and b.first is not None:
-            slot = (b.first // r.shape[-1]) % n
-            where = Where(int(rs), int(rpos[rs, slot]))
-        _fold(total, b)
-    return TensorBits("", total, where)
+    rl, cl, rpos = rv.cache_lengths, cv.cache_lengths, rv.cache_positions
 
-
-def _fold(total: Bits, b: Bits) -> None:
-    total.dtype = b.dtype or total.dtype
-    total.n += b.n
-    total.equal += b.equal
-    total.max_ulp, total.max_abs = max(total.max_ulp, b.max_ulp), max(total.max_abs, b.max_abs)
+    def parts():
+        for rs, cs in pairs:
+            n = int(min(rl[rs], cl[cs]))
+            if n:
+                r = rds[rs, :, :n]
+                yield r, cds[cs, :, :n], lambda i, rs=int(rs), n=n, d=r.shape[-1]: Where(rs, int(rpos[rs, (i // d) % n]))
+    return _bits(name, parts(), ref.source_dtype(rds), cand.source_dtype(cds))
 
 
 def compare_exact(ref: Trace, cand: Trace, pairs, cells, steps: dict) -> ExactResult:
@@ -175,10 +170,8 @@ def compare_exact(ref: Trace, cand: Trace, pairs, cells, steps: dict) -> ExactRe
                     side = "reference" if rds is None else "candidate"
                     not_compared[name] = f"not recorded by the {side} (layer {i})"
                 continue
-            tb = _cache(ref, cand, i, rds, cds, pairs) if name.startswith("cache_") else \
-                _rows(ref, cand, rds, cds, pairs, cells, steps)
-            tb.name = name
-            lb.tensors.append(tb)
+            lb.tensors.append(_cache(name, ref, cand, rv, cv, rds, cds, pairs) if name.startswith("cache_") else
+                              _rows(name, ref, cand, rds, cds, pairs, cells, steps))
         layers.append(lb)
     return ExactResult(layers, _final(ref, cand, pairs), not_compared)
 
@@ -187,35 +180,23 @@ def _final(ref: Trace, cand: Trace, pairs) -> list:
     out = []
     for name in reversed(FINAL_TENSORS):  # the final norm, then the logits computed from it
         rf, cf = ref.final.get(name), cand.final.get(name)
-        if rf is None or cf is None:
-            continue
-        rd = ref.source_dtype(ref.f[f"final/{name}"])
-        cd = cand.source_dtype(cand.f[f"final/{name}"])
-        total, where = Bits(), None
-        for rs, cs in pairs:
-            b = Bits()
-            b.add(rf[rs], cf[cs], rd, cd)
-            if where is None and b.first is not None:
-                where = Where(int(rs), int(ref.final["gather_token"][rs]))
-            _fold(total, b)
-        out.append(TensorBits(name, total, where))
+        if rf is not None and cf is not None:
+            gathered = ref.final["gather_token"]
+            parts = ((rf[rs], cf[cs], lambda i, rs=int(rs): Where(rs, int(gathered[rs]))) for rs, cs in pairs)
+            out.append(_bits(name, parts, ref.source_dtype(ref.f[f"final/{name}"]),
+                             cand.source_dtype(cand.f[f"final/{name}"])))
     rr, cr = ref.response, cand.response
     if rr is not None and cr is not None:
-        rd = ref.source_dtype(ref.f["response/logits"])
-        cd = cand.source_dtype(cand.f["response/logits"])
-        total, where = Bits(), None
-        for rs, cs in pairs:
-            rt, ct = rr["token_index"][rs], cr["token_index"][cs]
-            common, ri, ci = np.intersect1d(rt[rt >= 0], ct[ct >= 0], return_indices=True)
-            if not common.size:
-                continue
-            ri, ci = np.flatnonzero(rt >= 0)[ri], np.flatnonzero(ct >= 0)[ci]
-            b = Bits()
-            b.add(rr["logits"][rs][ri], cr["logits"][cs][ci], rd, cd)
-            if where is None and b.first is not None:
-                where = Where(int(rs), int(common[b.first // rr["logits"].shape[-1]]))
-            _fold(total, b)
-        out.append(TensorBits("response_logits", total, where))
+        def parts():
+            for rs, cs in pairs:
+                rt, ct = rr["token_index"][rs], cr["token_index"][cs]
+                common, ri, ci = np.intersect1d(rt[rt >= 0], ct[ct >= 0], return_indices=True)
+                if common.size:
+                    ri, ci = np.flatnonzero(rt >= 0)[ri], np.flatnonzero(ct >= 0)[ci]
+                    yield rr["logits"][rs][ri], cr["logits"][cs][ci], \
+                        lambda i, rs=int(rs), common=common: Where(rs, int(common[i // rr["logits"].shape[-1]]))
+        out.append(_bits("response_logits", parts(), ref.source_dtype(ref.f["response/logits"]),
+                         cand.source_dtype(cand.f["response/logits"])))
     return out
 
 
