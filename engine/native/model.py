@@ -131,10 +131,14 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down
         self.gelu = args.hidden_act == "gelu_pytorch_tanh"
 
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        """The activation applied to the gate projection's output."""
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+
     def forward(self, x: torch.Tensor, op=None) -> torch.Tensor:
         """``op(name, tensor)``: where the block records the MLP's op-level states (None: not recorded)."""
         gate = self.w1(x)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        act = self.act(gate)
         if op is None:
             return self.w2(act * self.w3(x))
         up = self.w3(x)

@@ -110,7 +110,7 @@ class ForwardStep:
         self.recorder, self.shapes, self.c0 = recorder, shapes, c0
         self.decoding = decoding  # (B, c1 - c0): the cells that are decode steps (None: no sequence decodes)
         self.padding = padding  # decode-mask: the prompt's padding K/V its decode steps are shown (PaddingKV)
-        inv = engine.call_inv_freq(cells)
+        inv = engine.call_inv_freq(cells.positions)
         self.positions = decode_positions(cells.positions[:, c0:c1], decoding, faults)
         self.rope = rope_cos_sin(self.positions, inv, engine.dtype, engine.rope_scale)
         self.rope_local = None if engine.inv_freq_local is None else rope_cos_sin(
@@ -258,10 +258,10 @@ class Engine:
         contract.check_vocab(self.model, self.args.tokenizer_vocab_size)
         contract.check_inference_mode(self.model, numerical.dropout_seed)
 
-    def call_inv_freq(self, cells: Cells) -> torch.Tensor:
-        """The global layers' inverse frequencies for one call: LongRoPE's long factors when the call's longest
-        position + 1 exceeds the original length, as transformers decides per forward."""
-        if self.inv_freq_long is not None and int(cells.positions.max()) + 1 > self.longrope_switch:
+    def call_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        """The global layers' inverse frequencies for one call at ``positions``: LongRoPE's long factors when the
+        call's longest position + 1 exceeds the original length, as transformers decides per forward."""
+        if self.inv_freq_long is not None and int(positions.max()) + 1 > self.longrope_switch:
             return self.inv_freq_long
         return self.inv_freq
 
@@ -336,7 +336,7 @@ class Engine:
 
     def _seeded_cache(self, cells: Cells, layout: CacheLayout, identity: dict, history: dict) -> KVCache:
         """An empty cache for this call's sequences, holding any reused prefix KV (contract §2.9) as stored."""
-        inv = self.call_inv_freq(cells)
+        inv = self.call_inv_freq(cells.positions)
         cache = KVCache(self.args.n_layers, cells.n_seqs, layout, self.dtype,
                         rotate=lambda keys, positions, layer: self.rotate(keys, positions, layer, inv))
         cache.metadata.update(identity)

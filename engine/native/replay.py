@@ -12,7 +12,6 @@ computed by the model's own module, on the reference's input to it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..replaying import INPUTS, ROPE_WITHOUT_QK_NORM, replay
 from .attention import AttentionMask
@@ -49,9 +48,7 @@ def _rope(engine, layer: int):
         if args.local_rope(layer):
             cos, sin = rope_cos_sin(pos, engine.inv_freq_local, engine.dtype)
         else:
-            long = engine.inv_freq_long is not None and int(pos.max()) + 1 > engine.longrope_switch
-            cos, sin = rope_cos_sin(pos, engine.inv_freq_long if long else engine.inv_freq, engine.dtype,
-                                    engine.rope_scale)
+            cos, sin = rope_cos_sin(pos, engine.call_inv_freq(pos), engine.dtype, engine.rope_scale)
         return _rows(apply_rope(_heads(inputs[0], args.head_dim), cos, sin))
     return fn
 
@@ -99,8 +96,7 @@ def layer_ops(engine, layer: int) -> dict:
         moe = "a mixture of experts' MLP has no single gate, up or down projection"
         why.update(gate=moe, up=moe, act_mul=moe, down=moe)
     else:
-        act = (lambda g: F.gelu(g, approximate="tanh")) if ff.gelu else F.silu
         ops.update(gate=one(ff.w1), up=one(ff.w3), down=one(ff.w2),
-                   act_mul=lambda inputs, sample: act(inputs[0]) * inputs[1])
+                   act_mul=lambda inputs, sample: ff.act(inputs[0]) * inputs[1])
     inputs = {**INPUTS, **(ROPE_WITHOUT_QK_NORM if attn.qk_norm == "none" else {})}
     return {**{name: (inputs[name], fn) for name, fn in ops.items()}, **why}
